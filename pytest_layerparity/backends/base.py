@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from typing import Any
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot run here; the message names what to install or change."""
+
+
+class Backend:
+    """A device to run layers on. Subclasses set ``name`` and override what differs."""
+
+    name = "cpu"
+    #: True where graphs compile lazily, so layer modules should use the portable
+    #: (eager) implementations of attention and experts.
+    lazy = False
+
+    def setup(self) -> None:
+        """Bring the runtime up (once per session)."""
+
+    def teardown(self) -> None:
+        """Release what setup() took."""
+
+    @property
+    def device(self) -> Any:
+        import torch
+
+        return torch.device("cpu")
+
+    def sync(self) -> None:
+        """Wait until every queued operation has run."""
+
+    def describe(self) -> str:
+        return self.name

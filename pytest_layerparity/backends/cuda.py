@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Backend, BackendUnavailable
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def setup(self) -> None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("--target cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
+
+    @property
+    def device(self) -> Any:
+        import torch
+
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def sync(self) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    def describe(self) -> str:
+        import torch
+
+        index = torch.cuda.current_device()
+        return f"cuda:{index} ({torch.cuda.get_device_name(index)}, torch {torch.__version__})"

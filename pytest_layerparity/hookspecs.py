@@ -1,0 +1,21 @@
+"""Hooks a project implements in its conftest.py."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_layerparity_build_target_layer(layer_idx: int, reference_layer: Any, model_config: Any, device: Any) -> Any:
+    """Return the ``torch.nn.Module`` to test as decoder layer ``layer_idx`` on ``device``.
+
+    ``reference_layer`` is the model's own decoder layer with that layer's weights loaded
+    from the checkpoint (on the CPU, in the golden's dtype); it is yours to move, wrap or
+    convert. ``model_config`` is the HuggingFace config. The returned module is called with
+    exactly the arguments the reference layer received during extraction, with tensors on
+    ``device``; its first output tensor is compared with the golden output.
+
+    Return None to fall through to the default (the reference layer moved to ``device``).
+    This is where a port such as ``NeuronMiniMaxM2DecoderLayer`` is plugged in.
+    """

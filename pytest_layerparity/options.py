@@ -1,0 +1,256 @@
+"""Command-line options and ini keys, parsed by small pure functions that raise with the fix."""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import pytest
+
+DTYPES = ("bfloat16", "float16", "float32")
+GOLDEN_DEVICES_HELP = "auto, cpu, cuda or cuda:N"
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give a positive integer such as 32") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer (1 or more)")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if math.isnan(value) or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def tolerance(text: str) -> float:
+    """A difference bound: finite and >= 0."""
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; a tolerance is 0 or more (e.g. 0.01)")
+    return value
+
+
+def percentage(text: str) -> float:
+    value = _finite_float(text)
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage between 0 and 100 (e.g. 95)")
+    return value
+
+
+def correlation(text: str) -> float:
+    value = _finite_float(text)
+    if not -1 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not between -1 and 1 (e.g. 0.99)")
+    return value
+
+
+def dtype_name(text: str) -> str:
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+    value = aliases.get(text.strip().lower(), text.strip().lower())
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a supported dtype; choose one of {', '.join(DTYPES)}")
+    return value
+
+
+def golden_device(text: str) -> str:
+    value = text.strip().lower()
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r} is not a golden device; choose {GOLDEN_DEVICES_HELP}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its flag, its ini key (if it persists between runs), parser and default."""
+
+    dest: str
+    flag: str
+    help: str
+    type: Callable[[str], Any] | None = None
+    default: Any = None
+    ini: bool = False
+    action: str | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def ini_name(self) -> str:
+        return f"layerparity_{self.dest}"
+
+
+OPTIONS = (
+    Option("gpu_golden", "--gpu-golden", "Run the reference model (CUDA when visible, else CPU). With --extract, write goldens; without, check the stored goldens reproduce.", action="store_true", default=False),
+    Option("extract", "--extract", "With --gpu-golden: write golden references for the selected layers.", action="store_true", default=False),
+    Option("golden_device", "--golden-device", f"Device of the reference run: {GOLDEN_DEVICES_HELP}. Default: auto.", type=golden_device, default="auto", ini=True, metavar="DEVICE"),
+    Option("xla", "--xla", "Run each layer on the torch-xla device (same as --target xla).", action="store_true", default=False),
+    Option("neuron", "--neuron", "Run each layer on AWS Neuron through torch-neuronx (same as --target neuron).", action="store_true", default=False),
+    Option("target", "--target", "Device to test the port on. Default: none (no parity tests).", choices=("cpu", "cuda", "xla", "neuron"), default=None),
+    Option("model", "--model", "HuggingFace model folder (config.json + safetensors). Default: ini layerparity_model.", default=None, ini=True, metavar="DIR"),
+    Option("golden_dir", "--golden-dir", "Golden store folder. Default: ini layerparity_golden_dir, else layerparity-goldens/<model folder name>.", default=None, ini=True, metavar="DIR"),
+    Option("layers", "--layers", "Layers to test: 17, 0-30, 0-5,10,20-25 or all. Default: all.", default="all", ini=True, metavar="SPEC"),
+    Option("layer_ranges", "--layer-ranges", "Also test ranges run end to end from the golden input of their first layer, e.g. 0-5,6-11. Default: none.", default=None, metavar="SPEC"),
+    Option("layer_module", "--layer-module", "Dotted path of the layer list when it is not found automatically (e.g. encoder.layer). Default: found automatically.", default=None, ini=True, metavar="PATH"),
+    Option("seq_len", "--seq-len", "Tokens per sequence of the golden input. Default: 32.", type=positive_int, default=32, ini=True, metavar="N"),
+    Option("batch_size", "--batch-size", "Sequences in the golden input. Default: 1.", type=positive_int, default=1, ini=True, metavar="N"),
+    Option("seed", "--seed", "Seed of the golden input token ids. Default: 0.", type=non_negative_int, default=0, ini=True, metavar="N"),
+    Option("prompt", "--prompt", "Use this text through the model's tokenizer as the golden input instead of random token ids. Default: none.", default=None, metavar="TEXT"),
+    Option("dtype", "--dtype", f"Dtype of the reference run and the port: {', '.join(DTYPES)}. Default: float32 (the stored golden's dtype when testing).", type=dtype_name, default=None, ini=True),
+    Option("max_abs_diff", "--max-abs-diff", "Fail when max_abs_diff is above this. Default: 0.01.", type=tolerance, default=0.01, ini=True, metavar="X"),
+    Option("max_mean_abs_diff", "--max-mean-abs-diff", "Fail when mean_abs_diff is above this. Default: 0.001.", type=tolerance, default=0.001, ini=True, metavar="X"),
+    Option("min_similarity", "--min-similarity", "Fail when similarity_percentage (share of elements with |target - golden| <= 0.01 + 0.01 * |golden|) is below this. Default: 95.", type=percentage, default=95.0, ini=True, metavar="PCT"),
+    Option("min_cosine", "--min-cosine", "Fail when cosine_similarity is below this. Default: 0.99.", type=correlation, default=0.99, ini=True, metavar="X"),
+    Option("min_pearson", "--min-pearson", "Fail when pearson_correlation is below this. Default: 0.99.", type=correlation, default=0.99, ini=True, metavar="X"),
+    Option("parity_report", "--parity-report", "Write report.json (one entry per test) into this folder. Default: none.", default=None, metavar="DIR"),
+    Option("tp_degree", "--tp-degree", "Tensor-parallel degree for --neuron (neuronx-distributed parallel_state). Default: 1.", type=positive_int, default=1, ini=True, metavar="N"),
+    Option("attn_implementation", "--attn-implementation", "Attention implementation of the reference model (eager, sdpa, ...). Default: the model's.", default=None, ini=True, metavar="NAME"),
+    Option("trust_remote_code", "--trust-remote-code", "Allow the model folder's own modeling code (transformers trust_remote_code).", action="store_true", default=False),
+)
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("layerparity", "per-layer parity of model ports (pytest-layerparity)")
+    for opt in OPTIONS:
+        kwargs: dict[str, Any] = {"dest": f"layerparity_{opt.dest}", "help": opt.help}
+        if opt.action:
+            kwargs["action"] = opt.action
+            kwargs["default"] = opt.default
+        else:
+            kwargs["default"] = None  # None means "not given": the ini key or the default applies
+            if opt.type is not None:
+                kwargs["type"] = opt.type
+            if opt.choices:
+                kwargs["choices"] = opt.choices
+            if opt.metavar:
+                kwargs["metavar"] = opt.metavar
+        group.addoption(opt.flag, **kwargs)
+        if opt.ini:
+            parser.addini(opt.ini_name, help=f"Default of {opt.flag}: {opt.help}", default=None)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every option's effective value (command line over ini over default); plain values."""
+
+    gpu_golden: bool
+    extract: bool
+    golden_device: str
+    xla: bool
+    neuron: bool
+    target: str | None
+    model: str | None
+    golden_dir: str | None
+    layers: str
+    layer_ranges: str | None
+    layer_module: str | None
+    seq_len: int
+    batch_size: int
+    seed: int
+    prompt: str | None
+    dtype: str | None
+    max_abs_diff: float
+    max_mean_abs_diff: float
+    min_similarity: float
+    min_cosine: float
+    min_pearson: float
+    parity_report: str | None
+    tp_degree: int
+    attn_implementation: str | None
+    trust_remote_code: bool
+
+    @property
+    def target_name(self) -> str | None:
+        if self.xla:
+            return "xla"
+        if self.neuron:
+            return "neuron"
+        return self.target
+
+    @property
+    def mode(self) -> str | None:
+        """'extract', 'verify' (re-run the reference against the store), 'parity' or None."""
+        if self.gpu_golden:
+            return "extract" if self.extract else "verify"
+        if self.target_name:
+            return "parity"
+        return None
+
+
+def read_settings(config: pytest.Config) -> Settings:
+    values = {}
+    for opt in OPTIONS:
+        value = config.getoption(f"layerparity_{opt.dest}")
+        if value is None and opt.ini:
+            raw = config.getini(opt.ini_name)
+            if raw not in (None, "", []):
+                value = _parse_ini(opt, raw)
+        values[opt.dest] = opt.default if value is None else value
+    names = {f.name for f in fields(Settings)}
+    return Settings(**{k: v for k, v in values.items() if k in names})
+
+
+PATH_OPTIONS = ("model", "golden_dir", "parity_report")
+
+
+def resolve_paths(settings: Settings, config: pytest.Config) -> Settings:
+    """Make path options absolute: command-line values against the directory pytest was
+    started in, ini values against the ini file's directory."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    changes = {}
+    for dest in PATH_OPTIONS:
+        value = getattr(settings, dest)
+        if not value or Path(value).is_absolute():
+            continue
+        from_cli = config.getoption(f"layerparity_{dest}") is not None
+        base = config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
+        changes[dest] = str(Path(base) / value)
+    return replace(settings, **changes)
+
+
+def _parse_ini(opt: Option, raw: Any) -> Any:
+    text = raw if isinstance(raw, str) else str(raw)
+    if opt.type is None:
+        return text
+    try:
+        return opt.type(text)
+    except argparse.ArgumentTypeError as exc:
+        raise pytest.UsageError(f"ini option {opt.ini_name} = {text!r}: {exc}") from None
+
+
+def check_combinations(settings: Settings) -> None:
+    """Raise UsageError for options that contradict each other, saying what to type instead."""
+    chosen = [flag for flag, on in (("--xla", settings.xla), ("--neuron", settings.neuron), (f"--target {settings.target}", settings.target)) if on]
+    if len(chosen) > 1:
+        raise pytest.UsageError(
+            f"{' and '.join(chosen)} name different targets; choose one: --xla, --neuron or --target NAME"
+        )
+    if settings.extract and not settings.gpu_golden:
+        raise pytest.UsageError("--extract writes goldens from the reference run: use --gpu-golden --extract")
+    if settings.gpu_golden and settings.target_name:
+        raise pytest.UsageError(
+            f"--gpu-golden runs the reference and --{settings.target_name} the port; run them as two sessions: "
+            f"pytest --gpu-golden --extract, then pytest --{settings.target_name}"
+        )
+    if settings.layer_ranges and settings.mode != "parity":
+        raise pytest.UsageError("--layer-ranges runs ranges on a target: add --xla, --neuron or --target NAME")

@@ -1,0 +1,198 @@
+"""pytest glue: options, the tests the plugin adds, fixtures and reports. Nothing heavy is
+imported here; torch and transformers load only when a layerparity mode is switched on."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import hookspecs
+from .options import add_options, check_combinations, read_settings, resolve_paths
+
+SESSION_KEY = pytest.StashKey["Any"]()
+REPORTER_NAME = "layerparity-reporter"
+NODEID = "layerparity"
+_SUITES = {"parity": "suite_parity", "extract": "suite_extract", "verify": "suite_verify"}
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)
+
+
+def _usage(exc: Exception) -> pytest.UsageError:
+    return pytest.UsageError(str(exc))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    settings = resolve_paths(read_settings(config), config)
+    check_combinations(settings)
+    if settings.mode is None:
+        return
+    from .backends import BackendUnavailable, check_installed
+    from .golden import GoldenError
+    from .modeling import ModelError
+    from .selection import SelectionError
+    from .session import LayerParitySession
+
+    try:
+        check_installed("reference")
+        if settings.mode == "parity" and settings.target_name in ("xla", "neuron"):
+            check_installed(settings.target_name)
+    except BackendUnavailable as exc:
+        flag = "--gpu-golden" if settings.mode != "parity" else f"--{settings.target_name}"
+        raise pytest.UsageError(f"{flag}: {exc}") from None
+
+    def build_target_layer(**kwargs: Any) -> Any:
+        return config.hook.pytest_layerparity_build_target_layer(**kwargs)
+
+    session = LayerParitySession(settings, Path(config.rootpath), build_target_layer)
+    try:
+        session.selected_layers
+        session.layer_ranges
+        if settings.mode == "extract":
+            session.check_prompt()
+        if settings.mode != "extract":
+            session.check_store_matches_model()
+    except (ModelError, SelectionError) as exc:
+        raise _usage(exc) from None
+    except GoldenError as exc:
+        raise pytest.UsageError(f"refusing the golden store: {exc}") from None
+    config.stash[SESSION_KEY] = session
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(LayerParityReporter(settings), REPORTER_NAME)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.stash.get(SESSION_KEY, None)
+    if session is not None:
+        session.teardown()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    session = config.stash.get(SESSION_KEY, None)
+    return session.header_lines() if session is not None else None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    report = yield
+    if isinstance(collector, pytest.Session):
+        session = collector.config.stash.get(SESSION_KEY, None)
+        if session is not None:
+            import importlib
+
+            names = [_SUITES[session.settings.mode]]
+            if session.layer_ranges:
+                names.append("suite_ranges")
+            for name in names:
+                module = importlib.import_module(f"pytest_layerparity.{name}")
+                report.result.append(pytest.Module.from_parent(collector, path=Path(module.__file__), nodeid=NODEID))
+    return report
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "layerparity_case" not in metafunc.fixturenames:
+        return
+    session = metafunc.config.stash[SESSION_KEY]
+    if metafunc.function.__name__ == "test_layer_range_parity":
+        cases: list[Any] = session.layer_ranges
+        ids = [r.id for r in cases]
+    else:
+        cases = session.selected_layers
+        ids = [f"layer_{i}" for i in cases]
+    metafunc.parametrize("layerparity_case", cases, ids=ids)
+
+
+@pytest.fixture(scope="session")
+def layerparity_session(pytestconfig: pytest.Config) -> Any:
+    """The session's :class:`~pytest_layerparity.session.LayerParitySession`: the model,
+    the golden store and the target runtime, set up once per process."""
+    session = pytestconfig.stash.get(SESSION_KEY, None)
+    if session is None:
+        pytest.fail("layerparity is not active: add --xla, --neuron, --target NAME or --gpu-golden", pytrace=False)
+    return session
+
+
+@pytest.fixture
+def layerparity_record(request: pytest.FixtureRequest) -> Any:
+    """Like ``record_property``: adds (name, value) to the test's user properties, which
+    JUnit XML, xdist and the layerparity reports carry; without record_property's warning
+    under the default ``junit_family = xunit2`` (the properties are written either way)."""
+
+    def record(name: str, value: Any) -> None:
+        request.node.user_properties.append((name, value))
+
+    return record
+
+
+@pytest.fixture
+def layerparity_golden(request: pytest.FixtureRequest, layerparity_session: Any) -> Any:
+    """The golden entries of this test's layer(s), verified; an unusable golden errors the
+    test at setup with the file and the command that regenerates it."""
+    from .golden import GoldenError
+    from .selection import LayerRange
+
+    case = request.getfixturevalue("layerparity_case")
+    layers = case.layers() if isinstance(case, LayerRange) else [case]
+    try:
+        return [layerparity_session.load_golden(i) for i in layers]
+    except GoldenError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+class LayerParityReporter:
+    """Collects each layerparity test's properties (also from xdist workers, through the
+    reports) for the terminal summary and ``--parity-report``."""
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self.entries: list[dict[str, Any]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.nodeid.startswith(f"{NODEID}::"):
+            return
+        if report.when == "call" or (report.when == "setup" and report.failed):
+            props = dict(report.user_properties)
+            from .metrics import METRIC_NAMES
+
+            metrics = {k: props[k] for k in METRIC_NAMES if k in props}
+            for k in ("nan_count", "inf_count", "worst_index", "worst_golden", "worst_target"):
+                if k in props:
+                    metrics[k] = props[k]
+            verdict = props.get("verdict") or ("error" if report.when == "setup" else ("pass" if report.passed else "fail"))
+            if report.failed and verdict == "pass":
+                verdict = "fail"
+            self.entries.append({
+                "nodeid": report.nodeid,
+                "layers": props.get("layers", report.nodeid.rsplit("[", 1)[-1].rstrip("]").split("_", 1)[-1]),
+                "verdict": verdict,
+                "metrics": metrics,
+                "message": report.longreprtext if report.failed else "",
+                "properties": {k: v for k, v in props.items() if "." in k},
+            })
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        from .report import summary_lines
+
+        lines = summary_lines(sorted(self.entries, key=lambda e: _case_order(e["nodeid"])))
+        if lines:
+            terminalreporter.write_sep("=", "layerparity summary")
+            for line in lines:
+                terminalreporter.write_line(line)
+        if self.settings.parity_report:
+            from .report import write_report_json
+
+            path = write_report_json(self.settings.parity_report, self.entries)
+            terminalreporter.write_line(f"layerparity: report written to {path}")
+
+
+def _case_order(nodeid: str) -> tuple:
+    import re
+
+    numbers = [int(n) for n in re.findall(r"\d+", nodeid.rsplit("[", 1)[-1])]
+    return (nodeid.split("[")[0], numbers)

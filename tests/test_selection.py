@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import pytest
+
+from pytest_layerparity.selection import LayerRange, SelectionError, parse_layer_ranges, parse_layers
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("17", [17]),
+        ("0-3", [0, 1, 2, 3]),
+        ("0-2,10,20-21", [0, 1, 2, 10, 20, 21]),
+        ("5,1-2,2", [1, 2, 5]),
+        (" 3 - 4 ", [3, 4]),
+        ("all", list(range(62))),
+        ("ALL", list(range(62))),
+        ("61", [61]),
+    ],
+)
+def test_parse_layers(spec, expected):
+    assert parse_layers(spec, 62) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("62", "--layers '62': layer 62 is out of range; this model has 62 layers: valid layers are 0-61"),
+        ("5-2", "--layers '5-2': range 5-2 is reversed; write 2-5"),
+        ("a", "--layers 'a': cannot read 'a'; use forms like 17, 0-30, 0-5,10,20-25 or all (this model has 62 layers: valid layers are 0-61)"),
+        ("1,,2", "--layers '1,,2': cannot read ''"),
+        ("-1", "--layers '-1': cannot read '-1'"),
+        ("", "--layers is empty"),
+        ("0-99", "--layers '0-99': layer 99 is out of range"),
+    ],
+)
+def test_parse_layers_errors(spec, message):
+    with pytest.raises(SelectionError) as info:
+        parse_layers(spec, 62)
+    assert str(info.value).startswith(message)
+
+
+def test_parse_layer_ranges_keeps_order_and_ids():
+    ranges = parse_layer_ranges("6-11,0-5,3", 12)
+    assert ranges == [LayerRange(6, 11), LayerRange(0, 5), LayerRange(3, 3)]
+    assert [r.id for r in ranges] == ["layers_6-11", "layers_0-5", "layers_3-3"]
+    assert parse_layer_ranges("all", 4) == [LayerRange(0, 3)]
+    with pytest.raises(SelectionError, match="--layer-ranges '0-12': layer 12 is out of range"):
+        parse_layer_ranges("0-12", 12)
