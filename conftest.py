@@ -1,17 +1,17 @@
 """The project's own test configuration.
 
-With a layerparity mode on (``pytest --xla``, ``pytest --gpu-golden --extract``), this
-repository runs the plugin's tests on the embedded default model and not its own suite.
+With a layerparity mode on (``pytest --xla``, ``pytest --gpu-golden --extract``) and no test
+paths given, this repository runs the plugin's tests on the embedded default model and not
+its own suite (``testpaths``).
 """
 from __future__ import annotations
 
-from pathlib import Path
+import pytest
 
-_TESTS = Path(__file__).parent / "tests"
+_MODES = ("layerparity_gpu_golden", "layerparity_xla", "layerparity_neuron", "layerparity_target")
 
 
-def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
-    modes = ("layerparity_gpu_golden", "layerparity_xla", "layerparity_neuron", "layerparity_target")
-    if any(config.getoption(name, None) for name in modes) and collection_path == _TESTS:
-        return True
-    return None
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if any(config.getoption(name, None) for name in _MODES) and config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+        config.args[:] = []

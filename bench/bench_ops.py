@@ -12,7 +12,8 @@ in the same process, and prints the median time per forward of
 
 each as a ratio to the plain run (tracked time / plain time).  Runs are
 interleaved (plain, floor, tracker, ... per repeat) so that load from other
-processes hits all variants alike.  With ``--xla`` it also times one forward
+processes hits all variants alike, and each ratio is the median over the
+repeats of (variant time / plain time within the same repeat).  With ``--xla`` it also times one forward
 under CompareWithCPU and NanInfTracker on the torch-xla device
 (PJRT_DEVICE=CPU): every compared op is materialised, one graph execution per
 op, so that is slow by design.
@@ -71,7 +72,7 @@ def forward(layer, args):
     return out[0] if isinstance(out, tuple) else out
 
 
-def bench_cpu(dtype, batch, repeats, attn):
+def bench_cpu(dtype, batch, repeats, attn, inner=5):
     layer, args = build_layer(dtype, batch, attn=attn)
     handle = open_module_tracker(layer)
 
@@ -88,17 +89,20 @@ def bench_cpu(dtype, batch, repeats, attn):
     for _ in range(repeats):
         for k, f in variants.items():
             t0 = time.perf_counter()
-            f()
-            times[k].append(time.perf_counter() - t0)
+            for _ in range(inner):
+                f()
+            times[k].append((time.perf_counter() - t0) / inner)
     handle.remove()
     # sanity: the tools found nothing on a clean layer
     with NanInfTracker() as nan, CompareWithCPU() as cmp:
         forward(layer, args)
     assert not nan.failures and not cmp.failures, (nan.failures[:1], cmp.failures[:1])
     n_ops = nan.stats["checked"] + nan.stats["white_listed"]
-    med = {k: statistics.median(v) for k, v in times.items()}
-    best = {k: min(v) for k, v in times.items()}
-    return med, best, n_ops, cmp.stats
+    plain = times["plain"]
+    # ratio per repeat (each variant against the plain run of the same repeat,
+    # which cancels slow drifts of the machine's load), then the median
+    ratios = {k: statistics.median(t / p for t, p in zip(v, plain)) for k, v in times.items()}
+    return statistics.median(plain), min(plain), ratios, n_ops
 
 
 def _with(mode, layer, args):
@@ -144,7 +148,7 @@ def bench_xla(dtype, batch):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1 keeps timings stable on a shared machine)")
@@ -153,20 +157,17 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"cpus {os.cpu_count()}, attention {a.attn}, repeats {a.repeats}")
-    print(f"{'':21}{'---------- median ----------':>38}   {'----------- best -----------':>38}")
-    hdr = f"{'plain ms':>9} {'floor':>7} {'NanInf':>7} {'Compare':>8}"
-    print(f"{'dtype':9} {'batch':>5} {'ops':>4}  {hdr}   {hdr}")
+    print(f"{'dtype':9} {'batch':>5} {'ops':>4} {'plain ms':>9} {'(best)':>7} {'floor':>7} "
+          f"{'NanInf':>7} {'Compare':>8}")
     for batch in a.batch:
         for dtype in (torch.float32, torch.bfloat16):
-            med, best, n_ops, _ = bench_cpu(dtype, batch, a.repeats, a.attn)
-            cols = []
-            for r in (med, best):
-                base = r["plain"]
-                cols.append(f"{base * 1e3:>9.2f} {r['dispatch-mode floor'] / base:>6.2f}x "
-                            f"{r['NanInfTracker'] / base:>6.2f}x {r['CompareWithCPU'] / base:>7.2f}x")
-            print(f"{str(dtype).replace('torch.', ''):9} {batch:>5} {n_ops:>4}  {cols[0]}   {cols[1]}")
-    print("(ratio = tracked time / plain time, medians and minima over the repeats; "
-          "'floor' = an empty TorchDispatchMode; 'ops' = aten ops per forward)")
+            med, best, r, n_ops = bench_cpu(dtype, batch, a.repeats, a.attn)
+            print(f"{str(dtype).replace('torch.', ''):9} {batch:>5} {n_ops:>4} {med * 1e3:>9.2f} "
+                  f"{best * 1e3:>7.2f} {r['dispatch-mode floor']:>6.2f}x {r['NanInfTracker']:>6.2f}x "
+                  f"{r['CompareWithCPU']:>7.2f}x")
+    print("(plain ms: median (and best) time of one forward; ratios: tracked / plain time, the median\n"
+          " over the repeats of the ratio within each repeat; 'floor' = an empty TorchDispatchMode;\n"
+          " 'ops' = aten ops per forward)")
     if a.xla:
         res = bench_xla(torch.float32, 1)
         print("\ntorch-xla (PJRT_DEVICE=CPU), fp32, batch 1, eager attention, one forward "

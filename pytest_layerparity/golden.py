@@ -2,21 +2,25 @@
 
 Guarantees (see README, "What the store guarantees"):
 
-* every file is written to a temporary name, fsynced and renamed into place, and the
-  manifest is updated last, under a lock, so a killed run never leaves a half-written
-  file that is read as a golden;
-* every entry carries its sha256 in the manifest and is verified before it is used;
-* tensors are read with safetensors (no unpickling), and file names from the manifest
-  cannot escape the store's folder;
+* every file is written to a temporary name (``.<name>.<random>.tmp``, never a name the
+  manifest can list), fsynced and renamed into place; the rename and the manifest update
+  happen together under the store's lock, manifest last, so a killed run or a full disk
+  never leaves a half-written file that is read as a golden, and never loses an entry;
+* every entry carries its sha256 and size in the manifest and is verified before use;
+* tensors are read with safetensors (no unpickling); file names from the manifest cannot
+  escape the store's folder (no ``..``, no absolute paths, no symlinks out, no devices);
 * several processes may write different entries of one store at once.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
 import re
+import shlex
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -27,6 +31,7 @@ from typing import Any
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
+_LAYER_KEY = re.compile(r"layer_(\d+)")
 
 
 class GoldenError(Exception):
@@ -48,7 +53,7 @@ def layer_key(index: int) -> str:
 
 
 def _file_name(key: str) -> str:
-    match = re.fullmatch(r"layer_(\d+)", key)
+    match = _LAYER_KEY.fullmatch(key)
     if match:
         return f"layer_{int(match.group(1)):05d}.safetensors"
     return f"{key}.safetensors"
@@ -69,6 +74,8 @@ def _fsync_dir(folder: Path) -> None:
         return
     try:
         os.fsync(fd)
+    except OSError:
+        pass
     finally:
         os.close(fd)
 
@@ -79,20 +86,57 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is out: a short write is retried, a full disk raises."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _write_temp(path: Path, data: bytes) -> Path:
+    """Write ``data`` to a new temporary file beside ``path`` and fsync it; return its path.
+    On any failure the temporary file is removed and the error raised."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return Path(tmp)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    tmp = _write_temp(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno and exc.strerror:
+        return f"{exc.strerror} [{errno.errorcode.get(exc.errno, exc.errno)}]"
+    return str(exc) or type(exc).__name__
+
+
+def _json_kind(value: Any) -> str:
+    for kind, name in ((bool, "boolean"), (dict, "object"), (list, "list"), (str, "string"), ((int, float), "number")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 class GoldenStore:
@@ -100,6 +144,8 @@ class GoldenStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
+        # (header, compare_keys) of this process's extraction, once begin() has run
+        self._extraction: tuple[dict[str, Any], tuple[str, ...]] | None = None
 
     @property
     def manifest_path(self) -> Path:
@@ -108,31 +154,58 @@ class GoldenStore:
     def __repr__(self) -> str:
         return f"GoldenStore({str(self.root)!r})"
 
+    # -- hints ------------------------------------------------------------------------
+
+    def extract_command(self, key: str | None = None) -> str:
+        parts = ["pytest", "--gpu-golden", "--extract", f"--golden-dir={self.root}"]
+        match = _LAYER_KEY.fullmatch(key or "")
+        if match:
+            parts += ["--layers", str(int(match.group(1)))]
+        return shlex.join(parts)
+
+    def regen_hint(self, key: str | None = None) -> str:
+        """How to replace one entry (extraction rewrites it and keeps the others)."""
+        return f"regenerate it with: {self.extract_command(key)}"
+
+    def rebuild_hint(self) -> str:
+        """How to start over when the manifest itself cannot be used."""
+        return f"move {self.root} away (or delete it) and extract again: {self.extract_command()}"
+
     # -- manifest -------------------------------------------------------------------
 
     def read_manifest(self) -> dict[str, Any] | None:
-        """The manifest, or None when the store has none yet."""
+        """The manifest, or None when the store has none yet. Raises GoldenError when it
+        cannot be used (unreadable, not JSON, not an object, unknown schema, no files table)."""
         path = self.manifest_path
-        if not path.exists():
-            return None
         try:
-            manifest = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise GoldenError(f"{path}: the manifest is not valid JSON ({exc}); {self.regen_hint()}") from exc
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise GoldenError(f"{path}: cannot read the manifest ({_reason(exc)}); {self.rebuild_hint()}") from exc
+        try:
+            manifest = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise GoldenError(f"{path}: the manifest is not valid JSON ({exc}); {self.rebuild_hint()}") from exc
         if not isinstance(manifest, dict):
-            raise GoldenError(f"{path}: the manifest is not a JSON object; {self.regen_hint()}")
+            raise GoldenError(
+                f"{path}: the manifest is not a JSON object (it is a {_json_kind(manifest)}); {self.rebuild_hint()}"
+            )
         version = manifest.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version != SCHEMA_VERSION:
             raise GoldenError(
                 f"{path}: schema version {version!r} is not one this pytest-layerparity reads "
-                f"(it reads {SCHEMA_VERSION}); {self.regen_hint()}"
+                f"(it reads {SCHEMA_VERSION}); {self.rebuild_hint()}"
             )
-        if not isinstance(manifest.get("files"), dict):
-            raise GoldenError(f"{path}: the manifest has no 'files' table; {self.regen_hint()}")
+        files = manifest.get("files")
+        if files is None:
+            raise GoldenError(f"{path}: the manifest has no 'files' table; {self.rebuild_hint()}")
+        if not isinstance(files, dict):
+            raise GoldenError(
+                f"{path}: the manifest's 'files' is a {_json_kind(files)}, not an object of entries; "
+                f"{self.rebuild_hint()}"
+            )
         return manifest
-
-    def regen_hint(self) -> str:
-        return f"regenerate it with: pytest --gpu-golden --extract --golden-dir={self.root}"
 
     @contextmanager
     def locked(self) -> Iterator[None]:
@@ -144,51 +217,120 @@ class GoldenStore:
             yield
 
     def _write_manifest(self, manifest: Mapping[str, Any]) -> None:
-        text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-        atomic_write_bytes(self.manifest_path, text.encode("utf-8"))
+        atomic_write_bytes(self.manifest_path, _manifest_bytes(manifest))
+
+    def _new_manifest(self) -> dict[str, Any]:
+        manifest: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "files": {}}
+        if self._extraction is not None:
+            manifest.update({k: v for k, v in self._extraction[0].items() if k != "files"})
+        return manifest
 
     def begin(self, header: Mapping[str, Any], *, compare_keys: tuple[str, ...]) -> None:
         """Create the manifest, or check that an existing one describes the same extraction.
 
         ``compare_keys`` name the header fields that must match for entries of both runs to
-        live in one store; anything else in the header is refreshed.
+        live in one store; anything else in the header is refreshed. Later ``write`` calls
+        re-check them under the lock, so a concurrent extraction of something else cannot
+        slip its entries under this header.
         """
-        with self.locked():
-            manifest = self.read_manifest()
-            if manifest is None:
-                manifest = {"schema_version": SCHEMA_VERSION, "files": {}}
-            else:
-                differences = describe_differences(manifest, header, compare_keys)
-                if differences and manifest["files"]:
-                    raise GoldenError(
-                        f"{self.manifest_path}: this store holds goldens of another extraction "
-                        f"({'; '.join(differences)}); use another --golden-dir, or delete {self.root} "
-                        "and extract again"
-                    )
-            manifest.update({key: value for key, value in header.items() if key != "files"})
-            self._write_manifest(manifest)
+        try:
+            with self.locked():
+                manifest = self.read_manifest()
+                if manifest is None:
+                    manifest = {"schema_version": SCHEMA_VERSION, "files": {}}
+                else:
+                    differences = describe_differences(manifest, header, compare_keys)
+                    if differences and manifest["files"]:
+                        raise GoldenError(
+                            f"{self.manifest_path}: this store holds goldens of another extraction "
+                            f"({'; '.join(differences)}); use another --golden-dir, or delete {self.root} "
+                            "and extract again"
+                        )
+                manifest.update({key: value for key, value in header.items() if key != "files"})
+                self._write_manifest(manifest)
+        except OSError as exc:
+            raise GoldenError(
+                f"{self.manifest_path}: cannot write the manifest ({_reason(exc)}); the store is unchanged; "
+                f"free space or fix the folder's permissions, then run: {self.extract_command()}"
+            ) from exc
+        self._extraction = (dict(header), tuple(compare_keys))
+
+    def _check_same_extraction(self, manifest: Mapping[str, Any]) -> None:
+        if self._extraction is None:
+            return
+        header, keys = self._extraction
+        differences = describe_differences(manifest, header, keys)
+        if differences:
+            raise GoldenError(
+                f"{self.manifest_path}: another extraction wrote to this store while this one ran "
+                f"({'; '.join(differences)}); use another --golden-dir, or delete {self.root} and extract again"
+            )
 
     # -- entries --------------------------------------------------------------------
 
-    def write(self, key: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any]) -> Path:
-        """Write one entry atomically and record it in the manifest."""
+    def write(self, key: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any], *,
+              omit_nonfinite: bool = False) -> Path:
+        """Write one entry atomically and record it in the manifest.
+
+        Raises ValueError (before writing anything) when a tensor holds NaN, or Inf in
+        hidden states; with ``omit_nonfinite`` such tensors are left out instead and listed
+        under ``omitted`` in the entry's metadata. Raises GoldenError when the file or the
+        manifest cannot be written; the store then keeps what it had for ``key``.
+        """
         from safetensors.torch import save
 
-        check_finite(key, tensors)
-        self.root.mkdir(parents=True, exist_ok=True)
+        metadata = dict(metadata)
+        if omit_nonfinite:
+            tensors, omitted = _split_nonfinite(key, tensors)
+            if omitted:
+                metadata["omitted"] = omitted
+        else:
+            check_finite(key, tensors)
         name = _file_name(key)
+        path = self.root / name
         payload = save(
             {name_: tensor.detach().contiguous().cpu() for name_, tensor in tensors.items()},
-            metadata={"layerparity": json.dumps(dict(metadata), sort_keys=True)},
+            metadata={"layerparity": json.dumps(metadata, sort_keys=True)},
         )
-        path = self.root / name
-        atomic_write_bytes(path, payload)
-        digest = hashlib.sha256(payload).hexdigest()
-        with self.locked():
-            manifest = self.read_manifest() or {"schema_version": SCHEMA_VERSION, "files": {}}
-            manifest["files"][key] = {"file": name, "sha256": digest, "bytes": len(payload)}
-            self._write_manifest(manifest)
+        record = {"file": name, "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = _write_temp(path, payload)
+        except OSError as exc:
+            raise GoldenError(self._write_failure(key, path, exc)) from exc
+        renamed = False
+        try:
+            with self.locked():
+                manifest = self.read_manifest() or self._new_manifest()
+                self._check_same_extraction(manifest)
+                manifest["files"][key] = record
+                manifest_tmp = _write_temp(self.manifest_path, _manifest_bytes(manifest))
+                try:
+                    os.replace(tmp, path)
+                    renamed = True
+                    os.replace(manifest_tmp, self.manifest_path)
+                finally:
+                    manifest_tmp.unlink(missing_ok=True)
+                _fsync_dir(self.root)
+        except OSError as exc:
+            if renamed:
+                raise GoldenError(
+                    f"{self.manifest_path}: wrote {path} but could not record it in the manifest "
+                    f"({_reason(exc)}); the store refuses {key} until it is extracted again: "
+                    f"{self.extract_command(key)}"
+                ) from exc
+            raise GoldenError(self._write_failure(key, path, exc)) from exc
+        finally:
+            if not renamed:
+                tmp.unlink(missing_ok=True)
         return path
+
+    def _write_failure(self, key: str, path: Path, exc: OSError) -> str:
+        return (
+            f"{path}: cannot write the golden for {key} ({_reason(exc)}); the store is unchanged "
+            f"(the manifest does not list the new file; an earlier {path.name}, if any, is intact); "
+            f"free space or fix the folder's permissions, then run: {self.extract_command(key)}"
+        )
 
     def keys(self) -> list[str]:
         manifest = self.read_manifest()
@@ -198,17 +340,79 @@ class GoldenStore:
         manifest = self.read_manifest()
         return bool(manifest) and key in manifest["files"]
 
-    def _entry_path(self, key: str, record: Any) -> Path:
-        name = record.get("file") if isinstance(record, dict) else None
+    def verifies(self, key: str) -> bool:
+        """Whether ``key`` is listed and loads (sha256, format, finiteness)."""
+        try:
+            self.load(key)
+        except GoldenError:
+            return False
+        return True
+
+    def _entry_path(self, key: str, record: Any) -> tuple[Path, Path]:
+        """(the entry's path as named in messages, its resolved path inside the store)."""
+        if not isinstance(record, dict):
+            raise GoldenError(
+                f"{self.manifest_path}: entry {key!r} is a {_json_kind(record)}, not an object with "
+                f"file, sha256 and bytes; {self.rebuild_hint()}"
+            )
+        name = record.get("file")
         if not isinstance(name, str) or not _SAFE_NAME.match(name) or "/" in name or "\\" in name:
             raise GoldenError(
                 f"{self.manifest_path}: entry {key!r} names file {name!r}, which is not a plain "
                 "safetensors file name inside the store; refusing to read it"
             )
-        path = (self.root / name).resolve()
-        if path.parent != self.root.resolve():
-            raise GoldenError(f"{self.manifest_path}: entry {key!r} points outside the store ({name!r})")
-        return path
+        path = self.root / name
+        try:
+            resolved = path.resolve()
+            root = self.root.resolve()
+        except (OSError, RuntimeError) as exc:
+            raise GoldenError(f"{path}: cannot resolve the golden's path ({exc}); refusing to read it") from exc
+        if resolved.parent != root:
+            raise GoldenError(
+                f"{self.manifest_path}: entry {key!r} points outside the store ({name!r} leads to {resolved}); "
+                "refusing to read it"
+            )
+        return path, resolved
+
+    def _read_verified(self, key: str, path: Path, resolved: Path, record: Mapping[str, Any]) -> bytes:
+        """The file's bytes, after checking it is a regular file whose size and sha256 are
+        the manifest's (a file of another size is hashed in blocks, never held whole)."""
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        want_sha = record.get("sha256")
+        want_bytes = record.get("bytes")
+        try:
+            fd = os.open(resolved, flags)
+        except OSError as exc:
+            raise GoldenError(f"{path}: cannot read the golden for {key} ({_reason(exc)}); {self.regen_hint(key)}") from exc
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise GoldenError(f"{path}: not a regular file; refusing to read it as the golden for {key}; "
+                              f"{self.regen_hint(key)}")
+        with os.fdopen(fd, "rb") as handle:
+            size_differs = type(want_bytes) is int and info.st_size != want_bytes
+            digest = hashlib.sha256()
+            payload = b""
+            try:
+                if size_differs:
+                    for block in iter(lambda: handle.read(1 << 20), b""):
+                        digest.update(block)
+                else:
+                    payload = handle.read()
+                    digest.update(payload)
+            except OSError as exc:
+                raise GoldenError(f"{path}: cannot read the golden for {key} ({_reason(exc)}); "
+                                  f"{self.regen_hint(key)}") from exc
+        have_sha = digest.hexdigest()
+        if have_sha != want_sha:
+            size_note = f": {info.st_size} bytes, the manifest says {want_bytes}" if size_differs else ""
+            raise GoldenError(
+                f"{path}: sha256 {have_sha[:16]}... does not match the manifest's "
+                f"{str(want_sha)[:16]}... (the file is corrupt or was changed{size_note}); {self.regen_hint(key)}"
+            )
+        if size_differs:
+            raise GoldenError(f"{path}: {info.st_size} bytes, the manifest says {want_bytes}; {self.regen_hint(key)}")
+        return payload
 
     def load(self, key: str, missing_hint: str | None = None) -> GoldenEntry:
         """Read and verify one entry. Raises GoldenError naming the file on any problem."""
@@ -223,27 +427,19 @@ class GoldenStore:
             )
         record = manifest["files"].get(key)
         if record is None:
-            raise GoldenError(f"{self.root}: no golden for {key}; {missing_hint or self.regen_hint()}")
-        path = self._entry_path(key, record)
-        try:
-            payload = path.read_bytes()
-        except OSError as exc:
-            raise GoldenError(f"{path}: cannot read the golden for {key} ({exc}); {self.regen_hint()}") from exc
-        digest = hashlib.sha256(payload).hexdigest()
-        if digest != record.get("sha256"):
-            raise GoldenError(
-                f"{path}: sha256 {digest[:16]}... does not match the manifest's "
-                f"{str(record.get('sha256'))[:16]}... (the file is corrupt or was changed); {self.regen_hint()}"
-            )
+            raise GoldenError(f"{self.root}: no golden for {key}; {missing_hint or self.regen_hint(key)}")
+        path, resolved = self._entry_path(key, record)
+        payload = self._read_verified(key, path, resolved, record)
         try:
             tensors = load(payload)
             metadata = _read_metadata(payload)
-        except (SafetensorError, ValueError) as exc:
-            raise GoldenError(f"{path}: not a readable safetensors file ({exc}); {self.regen_hint()}") from exc
+        except (SafetensorError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            raise GoldenError(f"{path}: not a readable safetensors file ({exc}); {self.regen_hint(key)}") from exc
         try:
+            _check_entry(key, tensors, metadata)
             check_finite(key, tensors)
         except ValueError as exc:
-            raise GoldenError(f"{path}: {exc}; {self.regen_hint()}") from exc
+            raise GoldenError(f"{path}: {exc}; {self.regen_hint(key)}") from exc
         return GoldenEntry(key=key, path=path, tensors=tensors, metadata=metadata)
 
 
@@ -252,8 +448,50 @@ def _read_metadata(payload: bytes) -> dict[str, Any]:
         raise ValueError("file too short")
     header_len = int.from_bytes(payload[:8], "little")
     header = json.loads(payload[8 : 8 + header_len])
-    raw = (header.get("__metadata__") or {}).get("layerparity")
-    return json.loads(raw) if raw else {}
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("the safetensors metadata is not a JSON object")
+    raw = meta.get("layerparity")
+    if not raw:
+        return {}
+    if not isinstance(raw, str):
+        raise ValueError("the layerparity metadata is not a string")
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("the layerparity metadata is not a JSON object")
+    return value
+
+
+def _spec_tensor_names(node: Any) -> Iterator[str]:
+    """Every tensor name a call spec refers to (``{"t": name}`` nodes, at any depth)."""
+    if isinstance(node, dict):
+        if isinstance(node.get("t"), str):
+            yield node["t"]
+            return
+        for child in node.values():
+            yield from _spec_tensor_names(child)
+    elif isinstance(node, list):
+        for child in node:
+            yield from _spec_tensor_names(child)
+
+
+def _check_entry(key: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
+    """A layer entry must hold its call spec, be the golden of that layer, and hold every
+    tensor its call refers to (else replaying it would fail deep inside the test)."""
+    match = _LAYER_KEY.fullmatch(key)
+    if not match:
+        return
+    call = metadata.get("call")
+    if not isinstance(call, dict):
+        raise ValueError(f"{key}: the file holds no call spec (its 'call' metadata is missing)")
+    layer = metadata.get("layer")
+    if layer is not None and layer != int(match.group(1)):
+        raise ValueError(f"{key}: the file holds the golden of layer {layer!r}, not of {key}")
+    missing = sorted(set(_spec_tensor_names(call)) - set(tensors))
+    if missing:
+        raise ValueError(f"{key}: its call refers to tensors the file does not hold ({', '.join(missing)})")
 
 
 def check_finite(key: str, tensors: Mapping[str, Any]) -> None:
@@ -274,8 +512,22 @@ def check_finite(key: str, tensors: Mapping[str, Any]) -> None:
                 raise ValueError(f"{key}: tensor {name!r} holds Inf (first at index {index})")
 
 
+def _split_nonfinite(key: str, tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the tensors check_finite accepts, {name: why} for those it refuses)."""
+    kept: dict[str, Any] = {}
+    omitted: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        try:
+            check_finite(key, {name: tensor})
+        except ValueError as exc:
+            omitted[name] = str(exc)
+        else:
+            kept[name] = tensor
+    return kept, omitted
+
+
 def _is_hidden_state(name: str) -> bool:
-    return name.startswith(("output", "args.0", "fp32_output")) or name in {"embeddings", "logits"}
+    return name.startswith(("output", "args.0", "ref_output")) or name in {"embeddings", "logits"}
 
 
 def describe_differences(manifest: Mapping[str, Any], expected: Mapping[str, Any], keys: tuple[str, ...]) -> list[str]:

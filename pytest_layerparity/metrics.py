@@ -18,6 +18,10 @@ a few units in the last place:
 * cosine and Pearson are clamped to [-1, 1], so a tensor compared with itself gives 1.0
   and never 1.0000001.
 
+Devices: the work runs on golden's device when that is the CPU or CUDA (a target or
+reference elsewhere is brought over chunk by chunk); tensors on any other device (XLA,
+MPS, ...) are copied to the CPU first, whole.
+
 Non-finite values: NaN and Inf are counted per tensor; the statistics are computed over the
 positions where both values are finite. A chunk is known to be all-finite when the float64
 sums of both of its tensors are finite (any NaN or Inf makes a float64 sum non-finite), so
@@ -59,9 +63,12 @@ _CPU_CHUNK = 1 << 18
 # GPU: five float64 buffers of 1 Mi elements is 40 MiB, few kernel launches.
 _GPU_CHUNK = 1 << 20
 
+# Devices computed on in place, chunk by chunk; any other device is copied to the CPU.
+_CHUNKED_DEVICES = ("cpu", "cuda")
+
 # The one-pass Pearson formula is used only when its worst-case relative error is far
 # below 1e-9; see _pearson_needs_two_pass.
-_PEARSON_COND_LIMIT = 1e3
+_PEARSON_COND_LIMIT = 1e2
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,10 @@ class _Chunks:
     """
 
     def __init__(self, tensors: list[torch.Tensor], chunk_elements: int | None, nscratch: int):
+        # Compute where golden lives when that is the CPU or a CUDA device. Other devices
+        # (XLA and other lazy or float64-less backends) are brought to the CPU whole, once:
+        # slicing them chunk by chunk would run (and on XLA compile) one graph per chunk.
+        tensors = [t if t.device.type in _CHUNKED_DEVICES else t.cpu() for t in tensors]
         self.device = tensors[0].device
         self.flat = [t.reshape(-1) for t in tensors]
         self.numel = self.flat[0].numel()
@@ -229,7 +240,7 @@ def _pearson_needs_two_pass(sg, st, sgg, stt, sgt, n) -> bool:
 
     Its rounding error on r is about eps * sqrt(cond_g * cond_t) (times a small factor for
     the summation) with cond = E[x^2] / Var[x]; it is used only when that is below
-    1e3 * |r| and both condition numbers are below 1e3.
+    100 * |r| and both condition numbers are below 100 (measured worst: ~3e-12).
     """
     mg, mt = sg / n, st / n
     vg = sgg / n - mg * mg

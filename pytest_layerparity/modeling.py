@@ -216,7 +216,7 @@ class Checkpoint:
         return out
 
 
-def load_state_into(model: Any, state: dict[str, Any], dtype: Any) -> None:
+def load_state_into(model: Any, state: dict[str, Any], dtype: Any, device: str = "cpu") -> None:
     """Load a partial checkpoint state dict into a (meta) model, applying transformers'
     own checkpoint-to-module conversions (renames, fused experts) where the model has them."""
     try:
@@ -224,13 +224,14 @@ def load_state_into(model: Any, state: dict[str, Any], dtype: Any) -> None:
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
     except ImportError:  # an older transformers: names map one to one
-        model.load_state_dict(state, strict=False, assign=True)
+        model.load_state_dict({k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+                               for k, v in state.items()}, strict=False, assign=True)
         return
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     load_config = LoadStateDictConfig(
-        weight_mapping=get_model_conversion_mapping(model), dtype=dtype, device_map={"": "cpu"}
+        weight_mapping=get_model_conversion_mapping(model), dtype=dtype, device_map={"": device}
     )
     convert_and_load_state_dict_in_model(model, dict(state), load_config)
 

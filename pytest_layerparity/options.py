@@ -8,6 +8,8 @@ from typing import Any, Callable
 
 import pytest
 
+from .planning import device_map_choice, max_memory_spec
+
 DTYPES = ("bfloat16", "float16", "float32")
 GOLDEN_DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 
@@ -118,12 +120,28 @@ OPTIONS = (
     Option("max_abs_diff", "--max-abs-diff", "Fail when max_abs_diff is above this. Default: 0.01.", type=tolerance, default=0.01, ini=True, metavar="X"),
     Option("max_mean_abs_diff", "--max-mean-abs-diff", "Fail when mean_abs_diff is above this. Default: 0.001.", type=tolerance, default=0.001, ini=True, metavar="X"),
     Option("min_similarity", "--min-similarity", "Fail when similarity_percentage (share of elements with |target - golden| <= 0.01 + 0.01 * |golden|) is below this. Default: 95.", type=percentage, default=95.0, ini=True, metavar="PCT"),
-    Option("min_cosine", "--min-cosine", "Fail when cosine_similarity is below this. Default: 0.99.", type=correlation, default=0.99, ini=True, metavar="X"),
+    Option("min_cosine", "--min-cosine", "Fail when cosine_similarity is below this. Default: 0.99 (noise policy, float32 goldens: 0.9999).", type=correlation, default=None, ini=True, metavar="X"),
     Option("min_pearson", "--min-pearson", "Fail when pearson_correlation is below this. Default: 0.99.", type=correlation, default=0.99, ini=True, metavar="X"),
-    Option("parity_report", "--parity-report", "Write report.json (one entry per test) into this folder. Default: none.", default=None, metavar="DIR"),
+    Option("verdict", "--verdict", "Verdict policy: noise (error in units of the golden's own rounding error, against the stored float32 evaluation) or table (the fixed thresholds above). Default: noise.", choices=("noise", "table"), default="noise", ini=True),
+    Option("max_noise_ratio", "--max-noise-ratio", "Noise policy: fail when ||target - ref|| / ||golden - ref|| is above this. Default: 1.5.", type=tolerance, default=None, ini=True, metavar="X"),
+    Option("max_token_noise_ratio", "--max-token-noise-ratio", "Noise policy: fail when any token's noise ratio is above this. Default: 3.", type=tolerance, default=None, ini=True, metavar="X"),
+    Option("max_contribution_z", "--max-contribution-bias", "Noise policy: fail when the target's error along the layer's own contribution (output - input) is more than this many noise units. Default: 6.", type=tolerance, default=None, ini=True, metavar="Z"),
+    Option("exclude_near_ties", "--exclude-near-ties", "Leave tokens whose MoE routing flipped on a near tie out of the output metrics.", action="store_true", default=False),
+    Option("strict_routing", "--strict-routing", "Count tokens whose MoE routing flipped on a near tie in the verdict too (by default the noise policy leaves them out and reports them).", action="store_true", default=False),
+    Option("router_tie_tolerance", "--router-tie-tolerance", "A router margin (gap between the k-th and k+1-th logit over the largest) below this many units of the dtype's epsilon is a near tie. Default: 8.", type=tolerance, default=8.0, ini=True, metavar="N"),
+    Option("device_map", "--device-map", "Placement of the reference model: stream (one layer at a time from the shards), auto, balanced, balanced_low_0, sequential, cpu or cuda:N (whole model through accelerate). Default: whole model on the golden device when it fits, else stream.", type=device_map_choice, default=None, ini=True, metavar="MAP"),
+    Option("max_memory", "--max-memory", "Memory budget per device for whole-model placement: 40GB, 0:60GB,1:60GB,2:40GB or cpu:100GB. Default: what is free.", type=max_memory_spec, default=None, ini=True, metavar="SPEC"),
+    Option("offload_folder", "--offload-folder", "Folder for weights accelerate offloads to disk in whole-model placement. Default: none.", default=None, ini=True, metavar="DIR"),
+    Option("plan", "--plan", "Print the memory plan (weights by dtype, largest layer, activations, KV cache, devices, which placement fits) from config.json and the safetensors headers, and exit.", action="store_true", default=False),
+    Option("parity_report", "--parity-report", "Write report.json, report.csv and report.html (table and metric plots across layers) into this folder. Default: none.", default=None, metavar="DIR"),
+    Option("save_outputs", "--save-outputs", "Keep the target's per-layer outputs in this folder, in the golden format (for python -m pytest_layerparity compare). Default: none.", default=None, metavar="DIR"),
+    Option("chain", "--chain", "Also run the selected layers as chains on the target (each contiguous run, fed the target's own output), comparing every layer: the accumulated drift.", action="store_true", default=False),
+    Option("bisect", "--bisect", "Also bisect each contiguous run of selected layers to the first layer whose chained output leaves tolerance, in O(log n) chained range runs.", action="store_true", default=False),
     Option("tp_degree", "--tp-degree", "Tensor-parallel degree for --neuron (neuronx-distributed parallel_state). Default: 1.", type=positive_int, default=1, ini=True, metavar="N"),
     Option("attn_implementation", "--attn-implementation", "Attention implementation of the reference model (eager, sdpa, ...). Default: the model's.", default=None, ini=True, metavar="NAME"),
     Option("trust_remote_code", "--trust-remote-code", "Allow the model folder's own modeling code (transformers trust_remote_code).", action="store_true", default=False),
+    Option("cores_per_worker", "--cores-per-worker", "With -n N and --neuron: NeuronCores each xdist worker gets (NEURON_RT_VISIBLE_CORES, taken in order from the visible cores); 0 leaves the workers unpinned. Default: 1.", type=non_negative_int, default=1, ini=True, metavar="N"),
+    Option("compile_cache", "--compile-cache", "Keep compiled graphs in this folder between sessions: torch-xla's persistent cache with --xla, Neuron's compile cache (NEURON_COMPILE_CACHE_URL) with --neuron. Default: none.", default=None, ini=True, metavar="DIR"),
 )
 
 
@@ -170,12 +188,28 @@ class Settings:
     max_abs_diff: float
     max_mean_abs_diff: float
     min_similarity: float
-    min_cosine: float
+    min_cosine: float | None
     min_pearson: float
+    verdict: str
+    max_noise_ratio: float | None
+    max_token_noise_ratio: float | None
+    max_contribution_z: float | None
+    exclude_near_ties: bool
+    strict_routing: bool
+    router_tie_tolerance: float
+    device_map: str | None
+    max_memory: str | None
+    offload_folder: str | None
+    plan: bool
     parity_report: str | None
+    save_outputs: str | None
+    chain: bool
+    bisect: bool
     tp_degree: int
     attn_implementation: str | None
     trust_remote_code: bool
+    cores_per_worker: int
+    compile_cache: str | None
 
     @property
     def target_name(self) -> str | None:
@@ -208,7 +242,7 @@ def read_settings(config: pytest.Config) -> Settings:
     return Settings(**{k: v for k, v in values.items() if k in names})
 
 
-PATH_OPTIONS = ("model", "golden_dir", "parity_report")
+PATH_OPTIONS = ("model", "golden_dir", "parity_report", "save_outputs", "offload_folder")
 
 
 def resolve_paths(settings: Settings, config: pytest.Config) -> Settings:
@@ -252,5 +286,6 @@ def check_combinations(settings: Settings) -> None:
             f"--gpu-golden runs the reference and --{settings.target_name} the port; run them as two sessions: "
             f"pytest --gpu-golden --extract, then pytest --{settings.target_name}"
         )
-    if settings.layer_ranges and settings.mode != "parity":
-        raise pytest.UsageError("--layer-ranges runs ranges on a target: add --xla, --neuron or --target NAME")
+    for flag, on in (("--layer-ranges", settings.layer_ranges), ("--chain", settings.chain), ("--bisect", settings.bisect)):
+        if on and settings.mode != "parity":
+            raise pytest.UsageError(f"{flag} runs layers on a target: add --xla, --neuron or --target NAME")

@@ -44,7 +44,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if settings.mode == "parity" and settings.target_name in ("xla", "neuron"):
             check_installed(settings.target_name)
     except BackendUnavailable as exc:
-        flag = "--gpu-golden" if settings.mode != "parity" else f"--{settings.target_name}"
+        target = settings.target_name
+        flag = "--gpu-golden" if settings.mode != "parity" else (f"--{target}" if target in ("xla", "neuron") else f"--target {target}")
         raise pytest.UsageError(f"{flag}: {exc}") from None
 
     def build_target_layer(**kwargs: Any) -> Any:
@@ -64,7 +65,25 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"refusing the golden store: {exc}") from None
     config.stash[SESSION_KEY] = session
     if not hasattr(config, "workerinput"):
-        config.pluginmanager.register(LayerParityReporter(settings), REPORTER_NAME)
+        config.pluginmanager.register(LayerParityReporter(settings, session.header_lines()), REPORTER_NAME)
+
+
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """``--plan``: print the memory plan and exit without running tests."""
+    if not config.getoption("layerparity_plan", False):
+        return None
+    from .modeling import ModelError
+    from .planning import plan_lines
+    from .session import LayerParitySession
+
+    try:
+        session = LayerParitySession(resolve_paths(read_settings(config), config), Path(config.rootpath))
+        lines = plan_lines(session)
+    except (ModelError, OSError, ValueError) as exc:
+        raise pytest.UsageError(f"--plan: {exc}") from None
+    for line in lines:
+        print(line)
+    return 0
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -89,6 +108,10 @@ def pytest_make_collect_report(collector: pytest.Collector):
             names = [_SUITES[session.settings.mode]]
             if session.layer_ranges:
                 names.append("suite_ranges")
+            if session.settings.chain:
+                names.append("suite_chain")
+            if session.settings.bisect:
+                names.append("suite_bisect")
             for name in names:
                 module = importlib.import_module(f"pytest_layerparity.{name}")
                 report.result.append(pytest.Module.from_parent(collector, path=Path(module.__file__), nodeid=NODEID))
@@ -99,8 +122,12 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "layerparity_case" not in metafunc.fixturenames:
         return
     session = metafunc.config.stash[SESSION_KEY]
-    if metafunc.function.__name__ == "test_layer_range_parity":
+    name = metafunc.function.__name__
+    if name == "test_layer_range_parity":
         cases: list[Any] = session.layer_ranges
+        ids = [r.id for r in cases]
+    elif name in ("test_chain_parity", "test_bisect"):
+        cases = session.chains
         ids = [r.id for r in cases]
     else:
         cases = session.selected_layers
@@ -149,8 +176,9 @@ class LayerParityReporter:
     """Collects each layerparity test's properties (also from xdist workers, through the
     reports) for the terminal summary and ``--parity-report``."""
 
-    def __init__(self, settings: Any) -> None:
+    def __init__(self, settings: Any, header: list[str] | None = None) -> None:
         self.settings = settings
+        self.header = header or []
         self.entries: list[dict[str, Any]] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -161,7 +189,8 @@ class LayerParityReporter:
             from .metrics import METRIC_NAMES
 
             metrics = {k: props[k] for k in METRIC_NAMES if k in props}
-            for k in ("nan_count", "inf_count", "worst_index", "worst_golden", "worst_target"):
+            for k in ("noise_ratio", "token_noise_ratio", "contribution_bias", "delta_cosine", "routing_agreement", "routing_flipped",
+                      "routing_near_tie_flipped", "nan_count", "inf_count", "worst_index", "worst_golden", "worst_target"):
                 if k in props:
                     metrics[k] = props[k]
             verdict = props.get("verdict") or ("error" if report.when == "setup" else ("pass" if report.passed else "fail"))
@@ -185,10 +214,11 @@ class LayerParityReporter:
             for line in lines:
                 terminalreporter.write_line(line)
         if self.settings.parity_report:
-            from .report import write_report_json
+            from .report import write_reports
 
-            path = write_report_json(self.settings.parity_report, self.entries)
-            terminalreporter.write_line(f"layerparity: report written to {path}")
+            ordered = sorted(self.entries, key=lambda e: _case_order(e["nodeid"]))
+            paths = write_reports(self.settings.parity_report, ordered, header=self.header)
+            terminalreporter.write_line(f"layerparity: reports written to {', '.join(str(p) for p in paths)}")
 
 
 def _case_order(nodeid: str) -> tuple:
@@ -196,3 +226,16 @@ def _case_order(nodeid: str) -> tuple:
 
     numbers = [int(n) for n in re.findall(r"\d+", nodeid.rsplit("[", 1)[-1])]
     return (nodeid.split("[")[0], numbers)
+
+
+# -- runs over several processes (distributed.py): torchrun ranks, xdist workers pinned to
+# their own NeuronCores / GPU, the compile cache's location. Registered before every other
+# pytest_configure so that it sees the options before junitxml and the session read them.
+
+
+@pytest.hookimpl(tryfirst=True, specname="pytest_configure")
+def pytest_configure_distributed(config: pytest.Config) -> None:
+    from .distributed import PLUGIN_NAME, DistributedRuns
+
+    if not config.pluginmanager.has_plugin(PLUGIN_NAME):
+        config.pluginmanager.register(DistributedRuns(), PLUGIN_NAME)

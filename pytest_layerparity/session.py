@@ -5,6 +5,7 @@ plugin, by ``python -m pytest_layerparity`` or by a user's own script.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from .selection import LayerRange, parse_layer_ranges, parse_layers
 
 DEFAULT_DTYPE = "float32"
 MODEL_IO_KEY = "model_io"
+REF_OUTPUT = "ref_output"
 # Manifest fields that must agree for goldens to share one store.
 EXTRACTION_KEYS = (
     "model.config_sha256",
@@ -36,6 +38,14 @@ EXTRACTION_KEYS = (
 
 
 @dataclass
+class TargetRun:
+    """A layer's output on the target (still on the device) and its routers' decisions."""
+
+    output: Any
+    routing: dict[str, Any]
+
+
+@dataclass
 class LayerOutcome:
     """The comparison of one layer's target output with its golden."""
 
@@ -45,6 +55,10 @@ class LayerOutcome:
     shape: tuple[int, ...]
     golden_dtype: str
     target_dtype: str
+    noise: Any = None
+    routing: list = field(default_factory=list)
+    excluded_tokens: list = field(default_factory=list)
+    tolerance: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -106,6 +120,17 @@ class LayerParitySession:
         return parse_layers(self.settings.layers, self.num_layers)
 
     @cached_property
+    def chains(self) -> list[LayerRange]:
+        """The contiguous runs of the selected layers (what --chain and --bisect run)."""
+        runs: list[LayerRange] = []
+        for index in self.selected_layers:
+            if runs and runs[-1].last == index - 1:
+                runs[-1] = LayerRange(runs[-1].first, index)
+            else:
+                runs.append(LayerRange(index, index))
+        return runs
+
+    @cached_property
     def layer_ranges(self) -> list[LayerRange]:
         if not self.settings.layer_ranges:
             return []
@@ -148,9 +173,9 @@ class LayerParitySession:
     def dtype_name(self) -> str:
         if self.settings.mode == "extract":
             return self.settings.dtype or DEFAULT_DTYPE
-        manifest = self.manifest
         if self.settings.dtype:
             return self.settings.dtype
+        manifest = self.manifest
         if manifest and isinstance(manifest.get("dtype"), str):
             return manifest["dtype"]
         return DEFAULT_DTYPE
@@ -184,6 +209,11 @@ class LayerParitySession:
         manifest = self.manifest
         if manifest is None:
             return
+        from .options import DTYPES
+
+        if manifest.get("dtype") not in DTYPES:
+            raise GoldenError(f"{self.store.manifest_path}: dtype {manifest.get('dtype')!r} is not one of "
+                              f"{', '.join(DTYPES)}; extract the goldens again: {self.extract_command()}")
         expected = {"model": self.model_identity()}
         keys = ("model.config_sha256", "model.num_layers", "model.hidden_size")
         if self.settings.dtype:
@@ -290,26 +320,37 @@ class LayerParitySession:
         import torch
 
         from .capture import capture_calls
+        from .routing import capture_routing
 
-        model_cls = modeling.model_class_for(self.hf_config, self.settings.trust_remote_code)
-        model = model_cls.from_pretrained(
-            str(self.model_dir), config=self.hf_config, dtype=self.torch_dtype,
-            device_map=self.golden_device, trust_remote_code=self.settings.trust_remote_code,
-        ).eval()
+        streaming = self.device_map == "stream"
+        model = self.load_reference_model(streaming)
         layer_path, _ = modeling.find_layer_list(model, modeling.layer_count_from_config(self.config_json), self.settings.layer_module)
         layer_list = model.get_submodule(layer_path)
         run = ReferenceRun()
         ids = self.make_input_ids() if input_ids is None else input_ids
-        device = next(model.parameters()).device
+        device = self.golden_device if streaming else _input_device(model)
         embeddings = model.get_input_embeddings()
         handle = embeddings.register_forward_hook(
             lambda module, args, output: run.model_io.__setitem__("embeddings", output.detach().to("cpu", copy=True))
         )
+        routing: dict[int, dict[str, Any]] = {i: {} for i in layers}
         try:
-            with capture_calls({i: layer_list[i] for i in layers}, run.calls.__setitem__), torch.no_grad():
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(capture_calls({i: layer_list[i] for i in layers}, run.calls.__setitem__))
+                for i in layers:
+                    stack.enter_context(capture_routing(layer_list[i], self.top_k, routing[i]))
+                stack.enter_context(torch.no_grad())
+                if streaming:
+                    from .streaming import streamed
+
+                    stack.enter_context(streamed(model, self.checkpoint, layer_path, self.torch_dtype,
+                                                 self.golden_device, on_unit=self.audit_unit))
                 output = model(input_ids=ids.to(device), use_cache=False)
         finally:
             handle.remove()
+        for i, tensors in routing.items():
+            if i in run.calls:
+                run.calls[i].tensors.update(tensors)
         logits = getattr(output, "logits", None)
         if logits is None:
             logits = getattr(output, "last_hidden_state")
@@ -318,6 +359,52 @@ class LayerParitySession:
         self._reference_run = run
         del model
         return run
+
+    @cached_property
+    def device_map(self) -> str:
+        """'stream', or an accelerate device map for the whole model."""
+        choice = self.settings.device_map
+        if choice:
+            return choice
+        from .planning import fits_whole
+
+        return self.golden_device if fits_whole(self) else "stream"
+
+    def load_reference_model(self, streaming: bool) -> Any:
+        if streaming:
+            return modeling.build_skeleton(self.hf_config, self.torch_dtype, self.settings.trust_remote_code)
+        from .planning import parse_max_memory
+
+        model_cls = modeling.model_class_for(self.hf_config, self.settings.trust_remote_code)
+        kwargs: dict[str, Any] = {}
+        if self.settings.max_memory:
+            kwargs["max_memory"] = parse_max_memory(self.settings.max_memory)
+        if self.settings.offload_folder:
+            kwargs["offload_folder"] = self.settings.offload_folder
+        model = model_cls.from_pretrained(
+            str(self.model_dir), config=self.hf_config, dtype=self.torch_dtype,
+            device_map=self.device_map, trust_remote_code=self.settings.trust_remote_code, **kwargs,
+        ).eval()
+        self.placement = getattr(model, "hf_device_map", None)
+        return model
+
+    placement: dict | None = None
+    audit: dict[str, list] = {}
+
+    def audit_unit(self, unit: Any, module: Any) -> None:
+        """The dtype audit of one streamed unit: refuse a layer that would materialise in
+        float32 under a 16-bit request (the seeds' 1 TB bug), naming the tensors."""
+        from .planning import dtype_audit
+
+        report = dtype_audit(module, self.torch_dtype, keep=getattr(self.skeleton_for_audit, "_keep_in_fp32_modules", None))
+        self.audit = dict(self.audit)
+        self.audit[unit.path] = report.odd
+        if report.fatal:
+            raise modeling.ModelError(f"{unit.path}: {report.message}")
+
+    @property
+    def skeleton_for_audit(self) -> Any:
+        return self.skeleton
 
     def begin_extraction(self) -> None:
         if not self._header_written:
@@ -328,11 +415,17 @@ class LayerParitySession:
         """Write the golden of one layer (running the reference once per session)."""
         self.begin_extraction()
         run = self.reference_run(self.selected_layers)
-        if not self.store.has(MODEL_IO_KEY):
-            self.store.write(MODEL_IO_KEY, run.model_io, {"kind": "model_io"})
+        if not self.store.verifies(MODEL_IO_KEY):  # absent or damaged: (re)write it; NaN logits are left out
+            self.store.write(MODEL_IO_KEY, run.model_io, {"kind": "model_io"}, omit_nonfinite=True)
         record = run.calls[index]
+        floor, floor_routing = self.reference_floor(index, record)
+        record.tensors[REF_OUTPUT] = floor
+        record.tensors.update(floor_routing)
         try:
-            self.store.write(layer_key(index), record.tensors, {"kind": "layer", "layer": index, "call": record.spec})
+            self.store.write(layer_key(index), record.tensors, {
+                "kind": "layer", "layer": index, "call": record.spec,
+                "ref_dtype": str(record.tensors[REF_OUTPUT].dtype).removeprefix("torch."),
+            })
         except ValueError as exc:
             raise GoldenError(f"layer {index}: the reference output is not usable as a golden: {exc}") from exc
         from .capture import primary_output_name
@@ -340,6 +433,48 @@ class LayerParitySession:
         out = record.tensors[primary_output_name(record.spec)]
         return {"shape": list(out.shape), "dtype": str(out.dtype).removeprefix("torch."),
                 "tensors": len(record.tensors), "file": str(self.store.root / f"layer_{index:05d}.safetensors")}
+
+    @property
+    def top_k(self) -> int | None:
+        for name in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
+            value = getattr(self.hf_config, name, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+    @cached_property
+    def floor_dtype(self) -> Any:
+        """The dtype of the precision floor: float32 for 16-bit goldens, float64 for float32."""
+        import torch
+
+        return torch.float64 if self.torch_dtype == torch.float32 else torch.float32
+
+    @cached_property
+    def floor_skeleton(self) -> Any:
+        import copy
+
+        config = copy.deepcopy(self.hf_config)
+        if hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"  # grouped kernels have no float64
+        return modeling.build_skeleton(config, self.floor_dtype, self.settings.trust_remote_code)
+
+    def reference_floor(self, index: int, record: Any) -> Any:
+        """The layer's output evaluated in higher precision (weights and inputs upcast) on
+        the CPU, from the same inputs: the yardstick of the golden's own rounding error.
+        Returns it with the routers' exact logits."""
+        import torch
+
+        from .capture import decode_call, first_tensor
+        from .routing import capture_routing, ref_routing
+
+        layer_path = self.layer_list[0]
+        layer = modeling.load_layer(self.floor_skeleton, self.checkpoint, layer_path, index, self.floor_dtype).eval()
+        tensors = {k: (v.to(self.floor_dtype) if torch.is_floating_point(v) else v) for k, v in record.tensors.items()}
+        args, kwargs = decode_call(record.spec, tensors)
+        routing: dict[str, Any] = {}
+        with torch.no_grad(), capture_routing(layer, self.top_k, routing):
+            out = first_tensor(layer(*args, **kwargs))
+        return out.detach().to("cpu", self.floor_dtype), ref_routing(routing)
 
     def verify_layer(self, index: int) -> LayerOutcome:
         """Re-run the reference from the stored input and compare with the stored golden."""
@@ -351,7 +486,7 @@ class LayerParitySession:
         record = run.calls[index]
         golden = entry.tensors[primary_output_name(entry.metadata["call"])]
         new = record.tensors[primary_output_name(record.spec)]
-        return self.compare(index, golden, new)
+        return self.compare(index, golden, new, reference=entry.tensors.get(REF_OUTPUT))
 
     # -- target side ------------------------------------------------------------------
 
@@ -370,23 +505,56 @@ class LayerParitySession:
             module = reference.to(device)
         return module
 
-    def run_layer(self, module: Any, entry: Any, hidden: Any | None = None) -> Any:
+    def run_layer(self, module: Any, entry: Any, hidden: Any | None = None) -> TargetRun:
         """Call ``module`` with the golden call of ``entry`` (hidden states replaced by
-        ``hidden`` when given); returns the first output tensor, still on the device."""
+        ``hidden`` when given, for chained runs), recording its routers' decisions."""
         import torch
 
         from .capture import decode_call, first_tensor, replace_hidden_input
+        from .routing import capture_routing
 
         spec = entry.metadata["call"]
         tensors = entry.tensors if hidden is None else replace_hidden_input(spec, entry.tensors, hidden)
         device = self.backend.device
         args, kwargs = decode_call(spec, tensors, device)
-        with torch.no_grad():
+        routing: dict[str, Any] = {}
+        with torch.no_grad(), capture_routing(module, self.top_k, routing):
             output = module(*args, **kwargs)
-        return first_tensor(output)
+        out = first_tensor(output)
+        self.backend.sync()
+        return TargetRun(out, routing)
 
-    def compare(self, index: int, golden: Any, target: Any) -> LayerOutcome:
-        from .metrics import compare_tensors
+    def compare_entry(self, index: int, entry: Any, run: TargetRun, hidden_in: Any | None = None) -> LayerOutcome:
+        """Hold a target run against the golden entry: metrics, precision floor, routing."""
+        from .capture import hidden_input_name, primary_output_name
+        from .routing import agreement, router_names
+
+        spec = entry.metadata["call"]
+        golden = entry.tensors[primary_output_name(spec)]
+        if hidden_in is None:
+            hidden_in = entry.tensors.get(hidden_input_name(spec))
+        routings = []
+        for router in router_names(entry.tensors):
+            found = agreement(router, entry.tensors, run.routing, self.tie_tolerance)
+            if found is not None:
+                routings.append(found)
+        return self.compare(index, golden, run.output, reference=entry.tensors.get(REF_OUTPUT),
+                            hidden_in=hidden_in, routing=routings)
+
+    @property
+    def tie_tolerance(self) -> float:
+        """Router margins (relative to the largest logit) below this count as near ties:
+        a few units of the golden dtype's rounding."""
+        import torch
+
+        return self.settings.router_tie_tolerance * float(torch.finfo(self.torch_dtype).eps)
+
+    def compare(self, index: int, golden: Any, target: Any, reference: Any | None = None,
+                hidden_in: Any | None = None, routing: list | None = None) -> LayerOutcome:
+        import torch
+
+        from .metrics import compare_tensors, min_passing_tolerance
+        from .noise import noise_stats
         from .verdict import evaluate
 
         target_cpu = target.detach().to("cpu")
@@ -395,36 +563,114 @@ class LayerParitySession:
                 f"layer {index}: the target's output has shape {tuple(target_cpu.shape)}, the golden "
                 f"{tuple(golden.shape)}; the port returns something else than the reference layer"
             )
-        metrics = compare_tensors(golden, target_cpu)
+        routing = routing or []
+        near_ties = sorted({t for r in routing for t in r.near_tie_tokens})
+        rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
+        noise_keep = None  # the verdict leaves near-tie routing flips out unless --strict-routing
+        if near_ties and golden.dim() > 1 and not self.settings.strict_routing:
+            noise_keep = torch.ones(rows, dtype=torch.bool)
+            noise_keep[near_ties] = False
+        excluded = near_ties if self.settings.exclude_near_ties and noise_keep is not None else []
+        g_cmp, t_cmp = golden, target_cpu
+        if excluded:
+            g_cmp = golden.reshape(-1, golden.shape[-1])[noise_keep]
+            t_cmp = target_cpu.reshape(-1, golden.shape[-1])[noise_keep]
+        metrics = compare_tensors(g_cmp, t_cmp)
+        noise = None
+        if reference is not None and tuple(reference.shape) == tuple(golden.shape):
+            noise = noise_stats(golden, target_cpu, reference, hidden_in, noise_keep)
+        checks = evaluate(metrics, self.settings, noise=noise, dtype=self.dtype_name)
         return LayerOutcome(
-            layer=index, metrics=metrics, checks=evaluate(metrics, self.settings), shape=tuple(golden.shape),
+            layer=index, metrics=metrics, checks=checks, shape=tuple(golden.shape),
             golden_dtype=str(golden.dtype).removeprefix("torch."), target_dtype=str(target_cpu.dtype).removeprefix("torch."),
+            noise=noise, routing=routing, excluded_tokens=excluded,
+            tolerance=min_passing_tolerance(g_cmp, t_cmp),
         )
 
     def parity_layer(self, index: int) -> LayerOutcome:
-        from .capture import primary_output_name
-
         entry = self.load_golden(index)
         module = self.build_target(index)
-        out = self.run_layer(module, entry)
-        self.backend.sync()
-        return self.compare(index, entry.tensors[primary_output_name(entry.metadata["call"])], out)
+        run = self.run_layer(module, entry)
+        if self.settings.save_outputs:
+            self.save_output(index, entry, run)
+        return self.compare_entry(index, entry, run)
 
-    def parity_range(self, layer_range: LayerRange) -> list[LayerOutcome]:
-        """Run ``layer_range`` on the target from the golden input of its first layer,
-        feeding each layer's output forward, and compare every layer's output."""
+    @cached_property
+    def output_store(self) -> GoldenStore:
+        """Where --save-outputs keeps the target's outputs, in the golden format."""
+        store = GoldenStore(self.settings.save_outputs)
+        header = {k: v for k, v in (self.manifest or {}).items() if k not in ("files", "schema_version")}
+        header["target"] = self.settings.target_name
+        store.begin(header, compare_keys=EXTRACTION_KEYS + ("target",))
+        return store
+
+    def save_output(self, index: int, entry: Any, run: TargetRun) -> None:
         from .capture import primary_output_name
 
+        spec = entry.metadata["call"]
+        tensors = {k: v for k, v in entry.tensors.items() if not k.startswith(("routing.", "ref_"))}
+        tensors[primary_output_name(spec)] = run.output.detach().to("cpu")
+        tensors.update(run.routing)
+        self.output_store.write(layer_key(index), tensors, {**entry.metadata, "target": self.settings.target_name})
+
+    def parity_range(self, layer_range: LayerRange | list[int]) -> list[LayerOutcome]:
+        """Run the layers on the target from the golden input of the first, feeding each
+        layer's own output forward (a chained run, as in a real forward pass), and compare
+        every layer's output with its golden. The precision floor of a chain is the same
+        chain evaluated in higher precision on the CPU, so accumulated drift is judged
+        against the golden's own accumulated rounding."""
+        import torch
+
+        from .capture import decode_call, first_tensor, hidden_input_name, replace_hidden_input
+
+        layers = layer_range.layers() if isinstance(layer_range, LayerRange) else list(layer_range)
         outcomes = []
-        hidden = None
-        for index in layer_range.layers():
+        hidden = ref_hidden = None
+        for index in layers:
             entry = self.load_golden(index)
-            module = self.build_target(index)
-            hidden = self.run_layer(module, entry, hidden)
-            self.backend.sync()
-            outcomes.append(self.compare(index, entry.tensors[primary_output_name(entry.metadata["call"])], hidden))
-            del module
+            spec = entry.metadata["call"]
+            if ref_hidden is None:
+                ref_hidden = entry.tensors[hidden_input_name(spec)].to(self.floor_dtype)
+            ref_in = ref_hidden
+            run = self.run_layer(self.build_target(index), entry, hidden)
+            hidden = run.output
+            reference = None
+            if REF_OUTPUT in entry.tensors:
+                layer = modeling.load_layer(self.floor_skeleton, self.checkpoint, self.layer_list[0], index, self.floor_dtype).eval()
+                tensors = {k: (v.to(self.floor_dtype) if torch.is_floating_point(v) else v) for k, v in entry.tensors.items()}
+                args, kwargs = decode_call(spec, replace_hidden_input(spec, tensors, ref_hidden))
+                with torch.no_grad():
+                    ref_hidden = first_tensor(layer(*args, **kwargs)).detach()
+                reference = ref_hidden
+                del layer
+            chained = dict(entry.tensors)
+            if reference is not None:
+                chained[REF_OUTPUT] = reference
+            entry = type(entry)(entry.key, entry.path, chained, entry.metadata)
+            outcomes.append(self.compare_entry(index, entry, run, hidden_in=ref_in))
         return outcomes
+
+    def bisect(self, layers: list[int]) -> tuple[int | None, list[tuple[int, bool]]]:
+        """The first layer whose chained output (from the golden input of ``layers[0]``)
+        leaves tolerance, with O(log n) chained range runs, each judged at its last layer.
+        Returns (first bad layer or None, [(end layer of each probe, passed)])."""
+        probes: list[tuple[int, bool]] = []
+
+        def passes(end: int) -> bool:
+            outcome = self.parity_range(layers[: end + 1])[-1]
+            probes.append((layers[end], outcome.passed))
+            return outcome.passed
+
+        if passes(len(layers) - 1):
+            return None, probes
+        lo, hi = 0, len(layers) - 1  # the chain fails at hi; find the first failing end
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if passes(mid):
+                lo = mid + 1
+            else:
+                hi = mid
+        return layers[lo], probes
 
     # -- description --------------------------------------------------------------------
 
@@ -437,12 +683,18 @@ class LayerParitySession:
             lines.append(f"layerparity: reference device {self.golden_device}{why}, dtype {self.dtype_name}")
         else:
             lines.append(f"layerparity: target {s.target_name}, dtype {self.dtype_name}")
-        lines.append(
-            "layerparity: verdict: fail on NaN/Inf, max_abs_diff > {:g}, mean_abs_diff > {:g}, "
-            "similarity_percentage < {:g}, cosine_similarity < {:g}, pearson_correlation < {:g}".format(
-                s.max_abs_diff, s.max_mean_abs_diff, s.min_similarity, s.min_cosine, s.min_pearson)
-        )
+        from .verdict import describe_rule
+
+        lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
         return lines
+
+
+def _input_device(model: Any) -> Any:
+    embeddings = model.get_input_embeddings()
+    for param in embeddings.parameters():
+        if param.device.type != "meta":
+            return param.device
+    return next(p.device for p in model.parameters() if p.device.type != "meta")
 
 
 def worker_env_summary() -> str:

@@ -9,12 +9,22 @@ def test_extract_golden(layerparity_case, layerparity_session, layerparity_recor
     from .golden import GoldenError
     from .modeling import ModelError
 
+    session = layerparity_session
     try:
-        info = layerparity_session.extract_layer(layerparity_case)
+        info = session.extract_layer(layerparity_case)
     except (GoldenError, ModelError) as exc:
         pytest.fail(str(exc), pytrace=False)
+    except OSError as exc:
+        # the store turns its own write failures into GoldenError; this is anything else
+        # (the model folder, a cache, the lock file) that could not be read or written
+        where = f"{exc.filename}: " if exc.filename else ""
+        pytest.fail(
+            f"layer {layerparity_case}: {where}{exc.strerror or exc}; nothing was recorded for this layer; "
+            f"fix that, then run: {session.extract_command(str(layerparity_case))}",
+            pytrace=False,
+        )
     layerparity_record("layers", str(layerparity_case))
     layerparity_record("verdict", "written")
     for key, value in info.items():
         layerparity_record(key, value)
-    assert layerparity_session.store.has(f"layer_{layerparity_case}")
+    assert session.store.has(f"layer_{layerparity_case}")

@@ -506,3 +506,16 @@ def test_cuda_matches_cpu(target_device):
     ref = reference(g, t)
     m = compare_tensors(g.cuda(), t.to(target_device), reference=g.float().cuda())
     assert_matches(m, ref, g.shape)
+
+
+def test_xla_tensors_are_compared_on_the_cpu():
+    pytest.importorskip("torch_xla")
+    import torch_xla
+
+    dev = torch_xla.device()
+    g, t = _pair(torch.bfloat16, (40, 25), 1e-2, seed=14)
+    ref = reference(g, t)
+    assert_matches(compare_tensors(g, t.to(dev), chunk_elements=7), ref, g.shape)
+    m = compare_tensors(g.to(dev), t.to(dev), reference=g.float().to(dev))
+    assert_matches(m, ref, g.shape)
+    assert m.noise_ratio == pytest.approx(noise_ratio(g, t, g.float()), rel=1e-12)

@@ -198,8 +198,9 @@ def test_op_name_spellings():
                   "torch.ops.aten.addmm.default", "aten::addmm.default", "aten.add*",
                   torch.ops.aten.addmm, torch.ops.aten.addmm.default]:
         assert addmm in OpMatcher([entry]), entry
-    for entry in ["aten.add", "torch.ops.aten.addmm.out", "aten.mm"]:
+    for entry in ["aten.add", "torch.ops.aten.addmm.out", "aten.mm", torch.ops.aten.addmm.out]:
         assert addmm not in OpMatcher([entry]), entry
+    assert torch.ops.aten.div_.Tensor in OpMatcher([torch.ops.aten.div_.Tensor])
     assert resolve_op("torch.ops.aten.addmm") is torch.ops.aten.addmm
     assert resolve_op("aten::addmm.default") is torch.ops.aten.addmm.default
     assert resolve_op("addmm") is torch.ops.aten.addmm
@@ -252,11 +253,24 @@ def test_nan_inf_tracker_deferred_on_xla(xla):
         with NanInfTracker() as tracker:
             y = model(_x(xla))
             assert tracker.failures == []  # deferred: nothing resolved yet, no per-op sync
-        # resolved at exit, order kept, op named with its module path
+            assert tracker.check().op_name == "torch.ops.aten.log"  # resolve now
+            z = y * 3.0
+        # the rest is resolved at exit, order kept, ops named with their module path
+        assert tracker.failures[-1].op_name == "torch.ops.aten.mul" and tracker.failures[-1].module_path == ""
     assert tracker.first_failure.op_name == "torch.ops.aten.log"
     assert tracker.first_failure.module_path == "DecoderLayer/MLP"
     assert tracker.first_failure.device == "xla:0"
     assert torch.isnan(y.cpu()).all()
+
+
+def test_nan_inf_tracker_deferred_on_cpu_keeps_order():
+    model = _model("cpu", shift=100.0)
+    with open_module_tracker(model), torch.no_grad():
+        with NanInfTracker(deferred=True, flush_every=3) as tracker:
+            model(_x("cpu"))
+    assert tracker.first_failure.op_name == "torch.ops.aten.log"
+    assert tracker.first_failure.module_path == "DecoderLayer/MLP"
+    assert [f.op_index for f in tracker.failures] == sorted(f.op_index for f in tracker.failures)
 
 
 def test_nan_inf_tracker_no_false_positive_on_overflowing_sum():
@@ -270,6 +284,19 @@ def test_nan_inf_tracker_no_false_positive_on_overflowing_sum():
         (big * 4.0).sum()  # a real inf
     assert tracker.first_failure.op_name == "torch.ops.aten.mul"
     assert tracker.first_failure.inf_count == 64 * 64
+
+
+def test_nan_inf_tracker_checks_dtype_conversions():
+    """fp32 -> fp16 overflow (the AMP NaN/Inf source) is caught on the copy op,
+    although copies are in CompareWithCPU's default white list."""
+    x = torch.full((3,), 1e6)
+    with NanInfTracker() as tracker:
+        y = x.half()
+    assert torch.isinf(y).all()
+    assert tracker.first_failure.op_name == "torch.ops.aten._to_copy"
+    with CompareWithCPU(verbose=True) as cmp:
+        x.half()
+    assert cmp.stats["white_listed"] == 1 and cmp.stats["checked"] == 0
 
 
 def test_nan_inf_in_place_and_integer_outputs():
@@ -308,6 +335,8 @@ def test_dump_error_data_and_compare_for_single_op(xla, wrong_xla_addmm, tmp_pat
     # the name spelling of the seed's docs works too, and the op can come from the dump
     assert compare_for_single_op(str(inputs), "torch.ops.aten.addmm", 1e-3, 1e-3)[0] is False
     assert compare_for_single_op(str(inputs))[0] is False
+    # the seed's docs name the file ..._inputs.pkl: that name finds the safetensors dump
+    assert compare_for_single_op(str(tmp_path / "torch.ops.aten.addmm_inputs.pkl"))[0] is False
     # replayed on the CPU only, there is nothing to find
     assert compare_for_single_op(str(inputs), device="cpu")[0] is True
 
@@ -342,6 +371,42 @@ def test_nan_inf_dump_and_single_op(tmp_path):
     assert correct is False and torch.isnan(out).all()
     # the input itself was finite: the log made the NaN
     assert torch.isfinite(args[0]).all()
+
+
+def test_in_place_dump_keeps_the_pre_op_inputs(tmp_path):
+    x = torch.ones(4)
+    with pytest.raises(NanInfError):
+        with NanInfTracker(dump_error_data=True, output_dir=str(tmp_path)):
+            x.div_(0.0)
+    assert torch.isinf(x).all()
+    values, info = load_op_dump(str(tmp_path / "torch.ops.aten.div__inputs.safetensors"))
+    assert info["op"] == "aten::div_.Tensor"  # the Python scalar arrives as a 0-dim tensor
+    assert values["args"][0].tolist() == [1.0] * 4 and float(values["args"][1]) == 0.0
+    outs, _ = load_op_dump(str(tmp_path / "torch.ops.aten.div__outputs.safetensors"))
+    assert torch.isinf(outs["out"]).all()
+    assert nan_inf_track_for_single_op(str(tmp_path / "torch.ops.aten.div__inputs.safetensors"))[0] is False
+
+
+def test_dump_round_trip_of_argument_kinds(tmp_path):
+    from pytest_layerparity.ops import save_op_dump
+
+    t = torch.randn(2, 3)
+    c = torch.randn(2, dtype=torch.complex64)
+    values = {"args": [t, [t, None], 3, 2.5, float("nan"), True, "mean", torch.bfloat16,
+                       torch.device("cpu"), (1, 2), c, torch.arange(3)],
+              "kwargs": {"dim": -1, "memory_format": torch.contiguous_format}}
+    path = save_op_dump(str(tmp_path / "x.safetensors"), values, {"op": "aten::add.Tensor"})
+    back, info = load_op_dump(path)
+    a = back["args"]
+    assert torch.equal(a[0], t) and a[1][0] is a[0] and a[1][1] is None
+    assert a[2:4] == [3, 2.5] and a[4] != a[4] and a[5] is True and a[6] == "mean"
+    assert a[7] is torch.bfloat16 and a[8] == torch.device("cpu") and a[9] == (1, 2)
+    assert torch.equal(a[10], c) and a[11].dtype == torch.int64
+    assert back["kwargs"] == {"dim": -1, "memory_format": torch.contiguous_format}
+    assert info["op"] == "aten::add.Tensor"
+    with pytest.raises(DumpFormatError, match="could not be saved"):
+        save_op_dump(str(tmp_path / "y.safetensors"), {"args": [object()]}, {})
+        load_op_dump(str(tmp_path / "y.safetensors"))
 
 
 # ------------------------------------------------ (6) safe loading --------
@@ -542,6 +607,48 @@ def test_module_tracker_paths_forward_and_backward():
     with Rec():
         model(x)
     assert {p for p, _, _ in records} == {""}
+
+
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, c):
+        return torch.sigmoid(self.lin(c))
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = _Gate()
+        self.attn = Attention()
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, *, hidden_states):
+        g = self.gate(torch.ones(4, 8))  # its input needs no grad: no "backward done" hook fires
+        return self.out(self.attn(hidden_states) * g)
+
+
+def test_module_tracker_backward_with_kwargs_and_constant_inputs():
+    records = []
+
+    class Rec(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if torch._C._current_graph_task_id() != -1:
+                records.append((ModuleInfo.current_path(), str(func.overloadpacket)))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    block = _Block()
+    x = torch.randn(4, 8, requires_grad=True)
+    with open_module_tracker(block), Rec():
+        block(hidden_states=x).sum().backward()
+    paths = {p for p, _ in records}
+    assert ("_Block/Attention/Linear", "aten.mm") in records
+    assert ("_Block/_Gate/Linear", "aten.mm") in records
+    assert ("_Block/Linear", "aten.mm") in records
+    assert all("_Gate/Attention" not in p and "Attention/_Gate" not in p for p in paths), paths
 
 
 def test_module_stack_survives_an_exception():

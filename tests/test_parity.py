@@ -41,6 +41,7 @@ def test_xla_parity_passes_every_layer_of_the_default_model(project):
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines([
         "layerparity: target xla, dtype float32",
+        "layerparity: verdict: noise policy (float32): fail on NaN/Inf, cosine_similarity < 0.9999, noise_ratio > 1.5, token_noise_ratio > 3 or contribution_bias > 6 *",
         *[f"*test_layer_parity?layer_{i}? PASSED*" for i in range(6)],
         "*layerparity summary*",
     ])
@@ -50,10 +51,13 @@ def test_xla_parity_passes_every_layer_of_the_default_model(project):
     for case in cases:
         props = {p.get("name"): p.get("value") for p in case.findall("./properties/property")}
         for name in ("max_abs_diff", "mean_abs_diff", "similarity_percentage", "cosine_similarity",
-                     "pearson_correlation", "has_nan", "has_inf", "layers", "verdict"):
+                     "pearson_correlation", "has_nan", "has_inf", "layers", "verdict", "noise_ratio",
+                     "token_noise_ratio", "contribution_bias", "routing_agreement"):
             assert name in props, (case.get("name"), name)
         assert props["verdict"] == "pass"
         assert float(props["max_abs_diff"]) < 1e-3
+        assert float(props["noise_ratio"]) < 1.5
+        assert float(props["routing_agreement"]) == 1.0
 
 
 def test_planted_bug_fails_exactly_that_layer_on_xla(project):
@@ -64,8 +68,12 @@ def test_planted_bug_fails_exactly_that_layer_on_xla(project):
         "*_ test_layer_parity?layer_3? _*",
         "layer 3 on xla:0*: output differs from the golden",
         "  shape (1, 32, 64), golden float32, target float32",
-        "  max_abs_diff * <= 0.01 * FAIL",
+        "  noise_ratio * <= 1.5 * FAIL",
+        "  token_noise_ratio * <= 3 * FAIL",
         "  worst element: index (0, *, *): golden *, target *",
+        "  precision floor: ||golden - ref|| = *, ||target - ref|| = *; worst token * at *x its floor*",
+        "  routing (mlp.gate): all 32 tokens chose the same experts",
+        "  minimum passing tolerance: atol * (with rtol 0); rtol * (with atol 0); --max-noise-ratio *",
         "  drill in: pytest --xla --model=* --golden-dir=* --layers 3 -k layer_3 -vv",
         "FAILED layerparity::test_layer_parity[[]layer_3[]] - *",
     ])

@@ -52,12 +52,12 @@ def create_backend(name: str, options: Any = None) -> Backend:
         check_installed("xla")
         from .xla import XlaBackend
 
-        return XlaBackend()
+        return XlaBackend(compile_cache=getattr(options, "compile_cache", None))
     if name == "neuron":
         check_installed("neuron")
         from .neuron import NeuronBackend
 
-        return NeuronBackend(tp_degree=getattr(options, "tp_degree", 1))
+        return NeuronBackend(tp_degree=getattr(options, "tp_degree", 1), compile_cache=getattr(options, "compile_cache", None))
     raise BackendUnavailable(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
 
 

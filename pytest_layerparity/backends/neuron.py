@@ -1,68 +1,147 @@
 """AWS Trainium / Inferentia through torch-neuronx and neuronx-distributed.
 
-Neuron modeling code builds only inside an initialised distributed environment, which may
-be initialised once per process: ``setup()`` does it once per session, respecting what
-torchrun (or anything else) already set up, and ``teardown()`` undoes what it did.
+Neuron modeling code (neuronx-distributed-inference's layers) builds only inside an initialised
+distributed environment, which may be initialised once per process. ``setup()`` does it once
+per session, the way neuronx-distributed's own ``trace()`` does on torch 2.x:
+
+1. RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT where unset (torchrun's values win;
+   MASTER_PORT defaults to a free port, so that xdist workers and concurrent sessions do not
+   rendezvous on one port);
+2. ``torch.distributed.init_process_group("xla")`` (the env:// rendezvous on those variables),
+   unless a process group exists already;
+3. ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_degree)``, unless
+   ``parallel_state.model_parallel_is_initialized()``.
+
+``teardown()`` undoes what ``setup()`` did and nothing else: ``destroy_model_parallel()``,
+``torch.distributed.destroy_process_group()``, and the variables it set.
 """
 from __future__ import annotations
 
 import os
-from typing import Any
+import re
+from pathlib import Path
+from typing import Any, Mapping, MutableMapping
 
-from .base import Backend
+from .base import Backend, BackendUnavailable
 
-DEFAULT_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "12355"}
+DEFAULT_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
+CACHE_URL = "NEURON_COMPILE_CACHE_URL"
 
 
-def apply_env_defaults(environ: dict[str, str] | Any = os.environ) -> dict[str, str]:
+def apply_env_defaults(environ: MutableMapping[str, str] | None = None, port: int | None = None) -> dict[str, str]:
     """Set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT where unset (torchrun's values win).
-    Returns the variables that were set here."""
+    MASTER_PORT defaults to ``port`` or a port nothing listens on. Returns what was set here."""
+    environ = os.environ if environ is None else environ
     applied = {}
     for key, value in DEFAULT_ENV.items():
         if key not in environ:
             environ[key] = value
             applied[key] = value
+    if "MASTER_PORT" not in environ:
+        from ..distributed import free_port
+
+        environ["MASTER_PORT"] = applied["MASTER_PORT"] = str(port if port is not None else free_port(environ["MASTER_ADDR"]))
     return applied
+
+
+def restore_env(applied: Mapping[str, str], environ: MutableMapping[str, str] | None = None) -> None:
+    """Remove the variables ``apply_env_defaults`` (or the cache setup) set, unless changed since."""
+    environ = os.environ if environ is None else environ
+    for key, value in applied.items():
+        if environ.get(key) == value:
+            del environ[key]
+
+
+def configure_compile_cache(location: str, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Point Neuron's compile cache at ``location`` (a folder, or a URL such as s3://...) through
+    NEURON_COMPILE_CACHE_URL. A ``--cache_dir`` in NEURON_CC_FLAGS takes precedence over that
+    variable in the Neuron tools, so a different one there is refused rather than ignored.
+    Returns the variables set here."""
+    environ = os.environ if environ is None else environ
+    flags = environ.get("NEURON_CC_FLAGS", "")
+    match = re.search(r"--cache_dir[= ](\S+)", flags)
+    if match and match.group(1) != location:
+        raise BackendUnavailable(
+            f"--compile-cache {location}: NEURON_CC_FLAGS sets --cache_dir={match.group(1)}, which takes precedence "
+            f"over {CACHE_URL}; drop one of them"
+        )
+    current = environ.get(CACHE_URL)
+    if current is not None and current != location:
+        raise BackendUnavailable(f"--compile-cache {location}: {CACHE_URL} is already {current}; drop one of them")
+    if "://" not in location:
+        Path(location).mkdir(parents=True, exist_ok=True)
+    if current is None:
+        environ[CACHE_URL] = location
+        return {CACHE_URL: location}
+    return {}
+
+
+def import_parallel_state() -> Any:
+    """neuronx-distributed's parallel_state module, or BackendUnavailable with the install hint."""
+    try:
+        from neuronx_distributed.parallel_layers import parallel_state
+    except ImportError as exc:
+        from . import INSTALL_HINTS
+
+        raise BackendUnavailable(
+            f"--neuron: neuronx_distributed.parallel_layers.parallel_state does not import ({exc}); if the PyPI "
+            f"placeholder of that name is what is installed, pip uninstall it, then {INSTALL_HINTS['neuron']}"
+        ) from exc
+    return parallel_state
 
 
 class NeuronBackend(Backend):
     name = "neuron"
     lazy = True
 
-    def __init__(self, tp_degree: int = 1) -> None:
+    def __init__(self, tp_degree: int = 1, compile_cache: str | None = None) -> None:
         self.tp_degree = tp_degree
+        self.compile_cache = compile_cache
         self._device = None
+        self._env_applied: dict[str, str] = {}
         self._we_initialised_pg = False
         self._we_initialised_mp = False
+        self.process_group_backend: str | None = None
+        self.tensor_parallel_size: int | None = None
 
     def setup(self) -> None:
-        import torch
+        if self._device is not None:
+            return
+        import torch.distributed as dist
+
+        applied: dict[str, str] = {}
+        if self.compile_cache:
+            applied.update(configure_compile_cache(self.compile_cache))
+        applied.update(apply_env_defaults())
+        self._env_applied = applied
         import torch_xla
 
-        apply_env_defaults()
-        if not torch.distributed.is_initialized():
+        parallel_state = import_parallel_state()
+        if not dist.is_initialized():
             import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
 
-            torch.distributed.init_process_group("xla")
+            # As neuronx_distributed.trace.trace does on torch 2.x (init_method="pjrt://" was for torch 2.0).
+            dist.init_process_group("xla")
             self._we_initialised_pg = True
-        from neuronx_distributed.parallel_layers import parallel_state
-
+        self.process_group_backend = str(dist.get_backend())
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp_degree)
             self._we_initialised_mp = True
+        self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_size()
         self._device = torch_xla.device()
 
     def teardown(self) -> None:
-        import torch
+        import torch.distributed as dist
 
         if self._we_initialised_mp:
-            from neuronx_distributed.parallel_layers import parallel_state
-
-            parallel_state.destroy_model_parallel()
+            import_parallel_state().destroy_model_parallel()
             self._we_initialised_mp = False
-        if self._we_initialised_pg and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-            self._we_initialised_pg = False
+        if self._we_initialised_pg and dist.is_initialized():
+            dist.destroy_process_group()
+        self._we_initialised_pg = False
+        restore_env(self._env_applied)
+        self._env_applied = {}
+        self._device = None
 
     @property
     def device(self) -> Any:
@@ -76,4 +155,10 @@ class NeuronBackend(Backend):
         torch_xla.sync()
 
     def describe(self) -> str:
-        return f"neuron {self._device} (tp_degree={self.tp_degree}, RANK={os.environ.get('RANK')}, WORLD_SIZE={os.environ.get('WORLD_SIZE')})"
+        pg = "set up here" if self._we_initialised_pg else "already set up"
+        mp = "set up here" if self._we_initialised_mp else "already set up"
+        text = (f"neuron {self._device} (RANK {os.environ.get('RANK')} of WORLD_SIZE {os.environ.get('WORLD_SIZE')}, "
+                f"tensor parallel {self.tensor_parallel_size}; process group {self.process_group_backend} {pg}, parallel_state {mp}")
+        if self.compile_cache:
+            text += f"; compile cache {self.compile_cache}"
+        return text + ")"

@@ -1,9 +1,39 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
-from .base import Backend
+from .base import Backend, BackendUnavailable
+
+CACHE_COUNTERS = ("PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure")
+
+
+def start_persistent_cache(path: str) -> None:
+    """Switch on torch-xla's persistent compilation cache at ``path``
+    (``torch_xla.runtime.initialize_cache``), which must come before the process compiles
+    anything; say so when it is too late rather than fail on torch-xla's assertion."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():
+        if os.environ.get("XLA_PERSISTENT_CACHE_PATH") == path:
+            return
+        raise BackendUnavailable(
+            f"--compile-cache {path}: this process ran XLA computations before the session set up its device, "
+            "so torch-xla's persistent cache can no longer be switched on (torch_xla.runtime.initialize_cache must "
+            f"come first); start pytest in a fresh process, or set XLA_PERSISTENT_CACHE_PATH={path} in its environment"
+        )
+    xr.initialize_cache(path, readonly=False)
+
+
+def cache_counters() -> dict[str, int]:
+    """torch-xla's persistent-cache counters in this process (hits, misses, executables that
+    were found on disk but could not be loaded)."""
+    import torch_xla.debug.metrics as met
+
+    return {name: int(met.counter_value(name) or 0) for name in CACHE_COUNTERS}
 
 
 class XlaBackend(Backend):
@@ -12,13 +42,16 @@ class XlaBackend(Backend):
     name = "xla"
     lazy = True
 
-    def __init__(self) -> None:
+    def __init__(self, compile_cache: str | None = None) -> None:
         self._device = None
+        self.compile_cache = compile_cache
 
     def setup(self) -> None:
         os.environ.setdefault("PJRT_DEVICE", "CPU")
         import torch_xla
 
+        if self.compile_cache:
+            start_persistent_cache(self.compile_cache)
         self._device = torch_xla.device()
 
     @property
@@ -32,7 +65,23 @@ class XlaBackend(Backend):
 
         torch_xla.sync()
 
+    def cache_summary(self) -> str | None:
+        """One line on the persistent cache's use in this process, or None without a cache."""
+        if not self.compile_cache:
+            return None
+        counts = cache_counters()
+        line = (f"compile cache {self.compile_cache}: {counts['PersistentCacheHit']} graphs loaded, "
+                f"{counts['PersistentCacheMiss']} compiled and stored")
+        failures = counts["PersistentCacheDeserializeFailure"]
+        if failures:
+            line += (f", {failures} found but not loadable (this PJRT client cannot deserialize executables, "
+                     "e.g. torch-xla 2.9 on CPU: they were compiled again)")
+        return line
+
     def describe(self) -> str:
         import torch_xla
 
-        return f"{self.device} (torch-xla {torch_xla.__version__}, PJRT_DEVICE={os.environ.get('PJRT_DEVICE')})"
+        text = f"{self.device} (torch-xla {torch_xla.__version__}, PJRT_DEVICE={os.environ.get('PJRT_DEVICE')}"
+        if self.compile_cache:
+            text += f", compile cache {self.compile_cache}"
+        return text + ")"

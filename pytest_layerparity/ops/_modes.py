@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import contextlib
@@ -104,6 +103,7 @@ class NanInfError(OpCheckError):
 class _OpTool(TorchDispatchMode):
     tool_name = "?"
     log_stem = "?"
+    _nan_inf_defaults = False
 
     def __init__(self, *, enabled: bool, target_list: Any, white_list: Any, target_op: Any,
                  dump_error_data: bool, output_dir: Optional[str], should_log_to_file: bool,
@@ -135,6 +135,8 @@ class _OpTool(TorchDispatchMode):
             if self.should_log_to_file else None
         self._file = None
         self._file_opened_once = False
+        self._tmp_handler: Optional[logging.Handler] = None
+        self._old_level = logging.NOTSET
         self._entered = False
         self._active = False
         self._op_index = 0
@@ -172,6 +174,13 @@ class _OpTool(TorchDispatchMode):
         if self._entered:
             raise RuntimeError(f"{self.tool_name} is already active")
         self._open_file()
+        if self.verbose and not logger.hasHandlers():
+            # verbose output must show even when logging is not configured
+            self._tmp_handler = logging.StreamHandler(sys.stderr)
+            self._tmp_handler.setFormatter(logging.Formatter("%(message)s"))
+            self._old_level = logger.level
+            logger.addHandler(self._tmp_handler)
+            logger.setLevel(logging.INFO)
         super().__enter__()
         self._entered = True
         self._refresh()
@@ -189,6 +198,10 @@ class _OpTool(TorchDispatchMode):
             self._flush()
         finally:
             self._close_file()
+            if self._tmp_handler is not None:
+                logger.removeHandler(self._tmp_handler)
+                logger.setLevel(self._old_level)
+                self._tmp_handler = None
         return None
 
     def _flush(self) -> None:
@@ -224,7 +237,7 @@ class _OpTool(TorchDispatchMode):
             d = _NOT_TARGET
         elif func in self._user_white:
             d = _WHITE
-        elif not self._target and is_default_white_listed(func):
+        elif not self._target and is_default_white_listed(func, self._nan_inf_defaults):
             d = _WHITE
         else:
             d = _CHECK
@@ -457,8 +470,8 @@ def compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, writt
         return C.compare_values(dev_items, cpu_leaves, atol, rtol, dev_label)
 
 
-
-_SUM_NATIVE = (torch.float32, torch.bfloat16, torch.float64)
+_FLOATING = frozenset(d for d in (getattr(torch, n, None) for n in dir(torch))
+                      if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
 
 
 class NanInfTracker(_OpTool):
@@ -487,6 +500,7 @@ class NanInfTracker(_OpTool):
 
     tool_name = "NanInfTracker"
     log_stem = "nan_inf_tracker"
+    _nan_inf_defaults = True
 
     def __init__(self, enabled: bool = True, target_list: Any = None, white_list: Any = None,
                  should_log_to_file: bool = False, output_dir: Optional[str] = None,
@@ -511,21 +525,12 @@ class NanInfTracker(_OpTool):
 
     def check(self) -> Optional[OpFailure]:
         """Resolve deferred checks now; returns ``first_failure``."""
-        was = self._active
-        self._active = False  # our own ops must not be intercepted
-        try:
+        with _disable_current_modes():  # our own ops must not be intercepted
             self._flush()
-        finally:
-            self._active = was
         return self.first_failure
 
     def step(self) -> None:
-        was = self._active
-        self._active = False
-        try:
-            self._flush()
-        finally:
-            self._active = was
+        self.check()
         super().step()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -581,17 +586,16 @@ class NanInfTracker(_OpTool):
     # ----------------------------------------------------------- checks ----
     def _probe(self, func, t: torch.Tensor, where: str, args, kwargs, out, pre) -> bool:
         dt = t.dtype
-        if not (dt.is_floating_point or dt.is_complex) or t.numel() == 0:
+        if dt not in _FLOATING:
             return False
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             return False
-        if t.layout != torch.strided or t.device.type == "meta":
+        if t.is_meta or t.layout != torch.strided or t.numel() == 0:
             return False
-        dev_type = t.device.type
-        deferred = self.deferred if self.deferred is not None else dev_type != "cpu"
+        deferred = self.deferred if self.deferred is not None else not t.is_cpu
         if not deferred:
             try:
-                if dt in _SUM_NATIVE:
+                if dt is torch.float32 or dt is torch.bfloat16 or dt is torch.float64:
                     s = t.sum()
                 elif dt == torch.float16:
                     s = t.sum(dtype=torch.float32)
@@ -611,6 +615,7 @@ class NanInfTracker(_OpTool):
             self._report(func, t, where, self._where(), self.step_cnt, self._op_index, args, kwargs, out, pre)
             return True
         # deferred: an exact float64 probe, kept on the device
+        dev_type = t.device.type
         if dt == torch.float64:
             s = (t * 0).sum()
         elif dev_type in self._no_f64:

@@ -64,6 +64,12 @@ DEFAULT_WHITE_LIST: tuple[str, ...] = (
 
 _AUTO_WHITE_TAGS = ("view_copy", "inplace_view", "nondeterministic_seeded")
 
+# Copies that NanInfTracker checks even though they are in the default white
+# list: a dtype conversion (fp32 -> fp16/fp8) overflows to Inf, the classic
+# mixed-precision NaN/Inf source.
+NAN_INF_CHECKED = ("aten._to_copy", "aten.copy_", "aten._copy_from",
+                   "aten._copy_from_and_resize", "aten.to")
+
 
 def op_display_name(func: Any) -> str:
     """``torch.ops.<ns>.<op>`` for an OpOverload / OpOverloadPacket."""
@@ -77,8 +83,9 @@ def op_display_name(func: Any) -> str:
 
 def op_overload_name(func: Any) -> str:
     """``<ns>::<op>.<overload>`` (the schema name), e.g. ``aten::addmm.default``."""
-    if hasattr(func, "_overloadname") and hasattr(func, "name"):
-        return f"{func.name()}.{func._overloadname}"
+    schema = getattr(func, "_schema", None)
+    if schema is not None and hasattr(func, "_overloadname"):
+        return f"{schema.name}.{func._overloadname}"
     packet = getattr(func, "overloadpacket", func)
     return getattr(packet, "_qualified_op_name", repr(func))
 
@@ -94,8 +101,8 @@ def _keys(func: Any) -> tuple[str, str, str]:
 
 def _normalise_entry(entry: Any) -> str:
     if not isinstance(entry, str):
-        if hasattr(entry, "_overloadname") and hasattr(entry, "name"):  # OpOverload
-            return f"{entry.name().replace('::', '.')}.{entry._overloadname}"
+        if hasattr(entry, "_overloadname") and hasattr(entry, "_schema"):  # OpOverload
+            return f"{entry._schema.name.replace('::', '.')}.{entry._overloadname}"
         qual = getattr(entry, "_qualified_op_name", None)  # OpOverloadPacket
         if qual:
             return qual.replace("::", ".")
@@ -140,17 +147,25 @@ class OpMatcher:
 
 
 _DEFAULT_MATCHER: Optional[OpMatcher] = None
-_AUTO_CACHE: dict[Any, bool] = {}
+_NAN_INF_MATCHER: Optional[OpMatcher] = None
+_AUTO_CACHE: dict[tuple, bool] = {}
 
 
-def is_default_white_listed(func: Any) -> bool:
-    """In :data:`DEFAULT_WHITE_LIST` or white-listed by schema/tags (cached, process-wide)."""
-    global _DEFAULT_MATCHER
-    hit = _AUTO_CACHE.get(func)
+def is_default_white_listed(func: Any, for_nan_inf: bool = False) -> bool:
+    """In :data:`DEFAULT_WHITE_LIST` or white-listed by schema/tags (cached,
+    process-wide); with ``for_nan_inf`` the dtype copies of
+    :data:`NAN_INF_CHECKED` are not white-listed."""
+    global _DEFAULT_MATCHER, _NAN_INF_MATCHER
+    key = (func, for_nan_inf)
+    hit = _AUTO_CACHE.get(key)
     if hit is None:
         if _DEFAULT_MATCHER is None:
             _DEFAULT_MATCHER = OpMatcher(DEFAULT_WHITE_LIST)
-        hit = _AUTO_CACHE[func] = func in _DEFAULT_MATCHER or is_auto_white_listed(func)
+            _NAN_INF_MATCHER = OpMatcher(NAN_INF_CHECKED)
+        hit = func in _DEFAULT_MATCHER or is_auto_white_listed(func)
+        if hit and for_nan_inf and func in _NAN_INF_MATCHER:
+            hit = False
+        _AUTO_CACHE[key] = hit
     return hit
 
 

@@ -4,11 +4,16 @@
 pre-hook that pushes the module onto :class:`ModuleInfo`'s stack and a forward
 hook (``always_call=True``, so an exception inside ``forward`` still pops) that
 pops it.  For the backward pass it does what ``torch.utils.module_tracker``
-does: after a module's forward, a multi-grad hook on its outputs pushes it back
-once their gradients are ready (its backward starts), and a multi-grad hook on
-its inputs pops it once theirs are (its backward is done).  Backward stacks
-are kept per autograd graph task, since the engine may run device work on its
-own threads; forward stacks are per thread.
+does: after a module's forward, a multi-grad hook on its outputs makes it the
+current module once their gradients are ready (its backward starts), and a
+multi-grad hook on its inputs makes its parent current again once theirs are
+(its backward is done).  In backward the current path is the forward stack
+the module ran in (so the same path as in forward), which also copes with
+modules whose inputs need no grad (their "done" hook never fires) and with
+outer modules sharing an inner module's output.  Backward state is kept per
+autograd graph task, since the engine may run device work on its own threads;
+forward stacks are per thread.  Independent branches that autograd
+interleaves can still be attributed to the branch that started last.
 
 The path shown in logs is the class names joined by ``/``:
 ``MiniMaxM2DecoderLayer/MiniMaxM2Attention/Linear``.  The dotted attribute
@@ -104,23 +109,34 @@ class ModuleInfo:
                 return
 
     @classmethod
-    def _bw_push(cls, module: nn.Module, qualname: str) -> None:
+    def _bw_enter(cls, chain: tuple) -> None:
+        """A module's backward starts (its outputs' grads are ready); ``chain``
+        is the forward stack it ran in, itself last.  If it is already on the
+        current chain (an outer module whose output is an inner module's output:
+        both hooks fire on the same tensor, inner first), nothing changes."""
         task = torch._C._current_graph_task_id()
+        mid = chain[-1].module_id
         with cls._bw_lock:
             if task != -1 and len(cls._bw_stacks) > 64:  # drop finished tasks
                 for k in [k for k in cls._bw_stacks if k != task][:32]:
                     del cls._bw_stacks[k]
-            stack = cls._bw_stacks.setdefault(task, [])
-            cls._push(stack, module, qualname)
+            current = cls._bw_stacks.get(task)
+            if current and any(f.module_id == mid for f in current):
+                return
+            cls._bw_stacks[task] = list(chain)
 
     @classmethod
-    def _bw_pop(cls, module: nn.Module) -> None:
+    def _bw_exit(cls, chain: tuple) -> None:
+        """A module's backward is done (its inputs' grads are ready): back to
+        its parent's chain, if it is on the current one."""
         task = torch._C._current_graph_task_id()
+        mid = chain[-1].module_id
         with cls._bw_lock:
-            stack = cls._bw_stacks.get(task)
-            if stack is not None:
-                cls._pop(stack, module)
-                if not stack:
+            current = cls._bw_stacks.get(task)
+            if current and any(f.module_id == mid for f in current):
+                if len(chain) > 1:
+                    cls._bw_stacks[task] = list(chain[:-1])
+                else:
                     del cls._bw_stacks[task]
 
 
@@ -185,27 +201,34 @@ def open_module_tracker(model: nn.Module, backward: bool = True) -> ModuleTracke
     handle = ModuleTrackerHandle(model)
 
     for qualname, mod in model.named_modules():
-        def pre_hook(module, inputs, _q=qualname):
+        def pre_hook(module, inputs, kwargs, _q=qualname):
             if not handle.active:
                 return
-            ModuleInfo._push(ModuleInfo._fw_stack(), module, _q)
+            stack = ModuleInfo._fw_stack()
+            ModuleInfo._push(stack, module, _q)
             if backward and torch.is_grad_enabled():
-                ts = _grad_tensors(inputs)
+                ts = _grad_tensors((inputs, kwargs))
                 if ts:
+                    chain = tuple(stack)
                     torch.autograd.graph.register_multi_grad_hook(
-                        ts, lambda _g, _m=module: handle.active and ModuleInfo._bw_pop(_m))
+                        ts, lambda _g, _c=chain: handle.active and ModuleInfo._bw_exit(_c))
 
         def post_hook(module, inputs, output, _q=qualname):
             if not handle.active:
                 return
-            ModuleInfo._pop(ModuleInfo._fw_stack(), module)
+            stack = ModuleInfo._fw_stack()
             if backward and torch.is_grad_enabled():
                 ts = _grad_tensors(output)
                 if ts:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        ts, lambda _g, _m=module, _qq=_q: handle.active and ModuleInfo._bw_push(_m, _qq))
+                    mid = id(module)
+                    idx = max((i for i, f in enumerate(stack) if f.module_id == mid), default=None)
+                    if idx is not None:
+                        chain = tuple(stack[: idx + 1])
+                        torch.autograd.graph.register_multi_grad_hook(
+                            ts, lambda _g, _c=chain: handle.active and ModuleInfo._bw_enter(_c))
+            ModuleInfo._pop(stack, module)
 
-        handle._handles.append(mod.register_forward_pre_hook(pre_hook, prepend=True))
+        handle._handles.append(mod.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True))
         handle._handles.append(mod.register_forward_hook(post_hook, always_call=True))
     _TRACKED[model] = handle
     return handle
