@@ -137,6 +137,10 @@ OPTIONS = (
     Option("save_outputs", "--save-outputs", "Keep the target's per-layer outputs in this folder, in the golden format (for python -m pytest_layerparity compare). Default: none.", default=None, metavar="DIR"),
     Option("chain", "--chain", "Also run the selected layers as chains on the target (each contiguous run, fed the target's own output), comparing every layer: the accumulated drift.", action="store_true", default=False),
     Option("bisect", "--bisect", "Also bisect each contiguous run of selected layers to the first layer whose chained output leaves tolerance, in O(log n) chained range runs.", action="store_true", default=False),
+    Option("op_compare", "--op-compare", "Re-run each failing layer op by op under CompareWithCPU (target device against the CPU) with the module tracker, and report the first op that fails, its module path and the command that replays its dump.", action="store_true", default=False),
+    Option("op_compare_dir", "--op-compare-dir", "Where --op-compare writes the failing op's dump. Default: layerparity-opcompare/.", default=None, ini=True, metavar="DIR"),
+    Option("op_atol", "--op-atol", "--op-compare: absolute tolerance of one op against the CPU. Default: per dtype (bf16 1e-2, fp16 1e-3, fp32 1e-4).", type=tolerance, default=None, ini=True, metavar="X"),
+    Option("op_rtol", "--op-rtol", "--op-compare: relative tolerance of one op against the CPU. Default: per dtype (bf16 1.6e-2, fp16 1e-3, fp32 1e-4).", type=tolerance, default=None, ini=True, metavar="X"),
     Option("tp_degree", "--tp-degree", "Tensor-parallel degree for --neuron (neuronx-distributed parallel_state). Default: 1.", type=positive_int, default=1, ini=True, metavar="N"),
     Option("attn_implementation", "--attn-implementation", "Attention implementation of the reference model (eager, sdpa, ...). Default: the model's.", default=None, ini=True, metavar="NAME"),
     Option("trust_remote_code", "--trust-remote-code", "Allow the model folder's own modeling code (transformers trust_remote_code).", action="store_true", default=False),
@@ -203,6 +207,10 @@ class Settings:
     plan: bool
     parity_report: str | None
     save_outputs: str | None
+    op_compare: bool
+    op_compare_dir: str | None
+    op_atol: float | None
+    op_rtol: float | None
     chain: bool
     bisect: bool
     tp_degree: int
@@ -242,7 +250,7 @@ def read_settings(config: pytest.Config) -> Settings:
     return Settings(**{k: v for k, v in values.items() if k in names})
 
 
-PATH_OPTIONS = ("model", "golden_dir", "parity_report", "save_outputs", "offload_folder")
+PATH_OPTIONS = ("model", "golden_dir", "parity_report", "save_outputs", "offload_folder", "op_compare_dir")
 
 
 def resolve_paths(settings: Settings, config: pytest.Config) -> Settings:

@@ -172,6 +172,34 @@ def layerparity_golden(request: pytest.FixtureRequest, layerparity_session: Any)
         pytest.fail(str(exc), pytrace=False)
 
 
+@pytest.fixture
+def compare_with_cpu(tmp_path: Path) -> Any:
+    """A factory of :class:`pytest_layerparity.ops.CompareWithCPU` for your own tests:
+    ``with compare_with_cpu(atol=1e-3, rtol=1e-3) as tool: model(x)``; dumps and logs go
+    to the test's tmp_path unless ``output_dir`` is given. ``tool.failures`` lists the ops
+    that failed."""
+    from .ops import CompareWithCPU
+
+    def make(**kwargs: Any) -> Any:
+        kwargs.setdefault("output_dir", str(tmp_path / "compare_with_cpu"))
+        return CompareWithCPU(**kwargs)
+
+    return make
+
+
+@pytest.fixture
+def nan_inf_tracker(tmp_path: Path) -> Any:
+    """A factory of :class:`pytest_layerparity.ops.NanInfTracker` for your own tests:
+    ``with nan_inf_tracker() as tracker: model(x)``, then ``tracker.first_failure``."""
+    from .ops import NanInfTracker
+
+    def make(**kwargs: Any) -> Any:
+        kwargs.setdefault("output_dir", str(tmp_path / "nan_inf_tracker"))
+        return NanInfTracker(**kwargs)
+
+    return make
+
+
 class LayerParityReporter:
     """Collects each layerparity test's properties (also from xdist workers, through the
     reports) for the terminal summary and ``--parity-report``."""

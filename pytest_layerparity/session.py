@@ -233,11 +233,15 @@ class LayerParitySession:
             parts += ["--layers", layers]
         return shlex.join(parts)
 
+    @property
+    def op_compare_dir(self) -> Path:
+        return Path(self.settings.op_compare_dir) if self.settings.op_compare_dir else self.rootpath / "layerparity-opcompare"
+
     def drill_command(self, layers: str, keyword: str) -> str:
         target = self.settings.target_name or "xla"
         flag = {"xla": ["--xla"], "neuron": ["--neuron"]}.get(target, ["--target", target])
         parts = ["pytest", *flag, f"--model={self.model_dir}", f"--golden-dir={self.store.root}",
-                 "--layers", layers, "-k", keyword, "-vv"]
+                 "--layers", layers, "-k", keyword, "--op-compare", "-vv"]
         return shlex.join(parts)
 
     # -- backend ------------------------------------------------------------------------

@@ -13,7 +13,14 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
     record(layerparity_record, str(layerparity_case), outcome.passed, properties(outcome))
     if not outcome.passed:
         drill = session.drill_command(str(layerparity_case), f"layer_{layerparity_case}")
-        pytest.fail(failure_text(outcome, f"on {session.backend.describe()}", drill), pytrace=False)
+        text = failure_text(outcome, f"on {session.backend.describe()}", drill)
+        if session.settings.op_compare:
+            from .drill import op_compare
+
+            finding = op_compare(session, layerparity_case, session.op_compare_dir / f"layer_{layerparity_case}")
+            layerparity_record("first_failing_op", finding.label or "none")
+            text += "\n" + finding.text()
+        pytest.fail(text, pytrace=False)
 
 
 def record(layerparity_record, layers: str, passed: bool, props) -> None:

@@ -74,7 +74,7 @@ def test_planted_bug_fails_exactly_that_layer_on_xla(project):
         "  precision floor: ||golden - ref|| = *, ||target - ref|| = *; worst token * at *x its floor*",
         "  routing (mlp.gate): all 32 tokens chose the same experts",
         "  minimum passing tolerance: atol * (with rtol 0); rtol * (with atol 0); --max-noise-ratio *",
-        "  drill in: pytest --xla --model=* --golden-dir=* --layers 3 -k layer_3 -vv",
+        "  drill in: pytest --xla --model=* --golden-dir=* --layers 3 -k layer_3 --op-compare -vv",
         "FAILED layerparity::test_layer_parity[[]layer_3[]] - *",
     ])
 
@@ -171,3 +171,53 @@ def test_parity_with_and_without_xdist(project, workers):
     result.assert_outcomes(passed=5, failed=1)
     report = json.loads((project.path / "rep" / "report.json").read_text())
     assert len(report["tests"]) == 6
+
+
+WRONG_XLA_RSQRT = """
+import warnings
+import torch
+import torch_xla  # registers the real XLA kernels first; ours then replaces rsqrt's
+
+_lib = torch.library.Library("aten", "IMPL")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    # the bug: a wrong rsqrt kernel on the device (5% too large), as a broken backend kernel would be
+    _lib.impl("rsqrt", lambda x: torch.ops.aten.pow.Tensor_Scalar(x, -0.5) * 1.05, "XLA")
+"""
+
+
+def test_op_compare_names_the_first_wrong_op_and_how_to_replay_it(project):
+    project.makeconftest(WRONG_XLA_RSQRT)
+    result = project.runpytest_subprocess("--xla", "--layers", "1", "--op-compare", "--op-compare-dir=ops")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "  op-compare (the layer re-run op by op against the CPU):",
+        "    first op that fails: MiniMaxM2DecoderLayer/MiniMaxM2RMSNorm/torch.ops.aten.rsqrt(forward): * elements off *",
+        "    replay: python -c *compare_for_single_op(*torch.ops.aten.rsqrt_inputs.safetensors*",
+    ])
+    dump = next((project.path / "ops" / "layer_1").glob("torch.ops.aten.rsqrt_inputs.safetensors"))
+    from pytest_layerparity.ops import compare_for_single_op
+
+    correct, args, kwargs, out = compare_for_single_op(str(dump), "torch.ops.aten.rsqrt", atol=1e-4, rtol=1e-4)
+    assert correct  # without the wrong kernel (this process), the op itself is fine: the kernel was the bug
+
+
+def test_own_tests_can_use_the_op_fixtures(pytester):
+    pytester.makepyfile(
+        """
+        import torch
+
+        def test_nan(nan_inf_tracker):
+            lin = torch.nn.Linear(4, 4)
+            with nan_inf_tracker() as tracker:
+                torch.log(lin(torch.ones(2, 4)) - 100.0)
+            assert tracker.first_failure is not None
+            assert tracker.first_failure.op_name == "torch.ops.aten.log"
+
+        def test_compare(compare_with_cpu):
+            with compare_with_cpu(atol=1e-5, rtol=1e-5) as tool:
+                torch.ones(3) * 2
+            assert tool.failures == []
+        """
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
