@@ -163,8 +163,9 @@ def worker_environment(
     """The variables xdist worker ``index`` sets for itself (None: unset it).
 
     --neuron: its NeuronCores, and a world of one of its own (RANK 0, WORLD_SIZE 1, MASTER_PORT
-    left to the backend, which picks a free port), so that workers do not rendezvous on one
-    inherited port. cuda_devices: the GPUs to share out (None: leave CUDA_VISIBLE_DEVICES alone).
+    left to the backend, which picks a free port; NEURON_RT_ROOT_COMM_ID given a free port by
+    the worker), so that workers do not rendezvous on one inherited port. cuda_devices: the
+    GPUs to share out (None: leave CUDA_VISIBLE_DEVICES alone).
     """
     env: dict[str, str | None] = {}
     if neuron:
@@ -219,9 +220,12 @@ def resolve_cache_location(value: str, base: Path) -> str:
 def _mode_flags(config: pytest.Config) -> dict[str, Any]:
     get = config.getoption
     target = get("layerparity_target", None)
+    gpu_golden = bool(get("layerparity_gpu_golden", False))
     neuron = bool(get("layerparity_neuron", False)) or target == "neuron"
-    cuda = target == "cuda" or (bool(get("layerparity_gpu_golden", False)) and _golden_device_choice(config) in ("auto", "cuda"))
-    return {"neuron": neuron, "cuda": cuda, "gpu_golden": bool(get("layerparity_gpu_golden", False))}
+    cuda = target == "cuda" or (gpu_golden and _golden_device_choice(config) in ("auto", "cuda"))
+    xla = bool(get("layerparity_xla", False)) or target == "xla"
+    active = gpu_golden or neuron or xla or target is not None
+    return {"neuron": neuron, "xla": xla, "cuda": cuda, "gpu_golden": gpu_golden, "active": active}
 
 
 def _ini_or_option(config: pytest.Config, dest: str) -> Any:
@@ -265,10 +269,12 @@ class DistributedRuns:
 
     def __init__(self) -> None:
         self.ranks = rank_info()
+        self.active = False
         self.quiet = False
         self.failed = 0
         self.passed = 0
         self.neuron = False
+        self.xla = False
         self.cuda = False
         self.cores_per_worker = 1
         self.cuda_pool: list[str] | None = None
@@ -278,11 +284,18 @@ class DistributedRuns:
     # this runs at once, before junitxml, the terminal reporter and the layerparity session.
     def pytest_configure(self, config: pytest.Config) -> None:
         flags = _mode_flags(config)
-        self.neuron, self.cuda = flags["neuron"], flags["cuda"]
+        if not flags["active"]:
+            return  # no layerparity mode: other test suites run under torchrun or xdist as they would without the plugin
+        self.active = True
+        self.neuron, self.xla, self.cuda = flags["neuron"], flags["xla"], flags["cuda"]
         self._resolve_compile_cache(config)
         workerinput = getattr(config, "workerinput", None)
         if workerinput is not None:
             self.worker_env = dict(workerinput.get(WORKERINPUT_KEY) or {})
+            if self.neuron and "NEURON_RT_ROOT_COMM_ID" in self.worker_env:
+                # torch-xla's Neuron plugin would give every worker localhost:62182 for the
+                # runtime's collectives bootstrap; each world of one gets a port of its own.
+                self.worker_env["NEURON_RT_ROOT_COMM_ID"] = f"localhost:{free_port()}"
             apply_environment(self.worker_env)
             return
         workers = _xdist_workers(config)
@@ -301,7 +314,12 @@ class DistributedRuns:
         if self.neuron:
             tp = _ini_or_option(config, "tp_degree")
             try:
-                check_tp_degree(int(tp) if tp is not None else 1, self.ranks)
+                tp_degree = int(tp) if tp is not None else 1
+            except ValueError:
+                tp_degree = 0  # not a number: the option's own parser says so
+            try:
+                if tp_degree > 0:
+                    check_tp_degree(tp_degree, self.ranks)
             except ValueError as exc:
                 raise pytest.UsageError(f"--neuron: {exc}") from None
         if workers:
@@ -350,6 +368,8 @@ class DistributedRuns:
 
     def pytest_report_header(self, config: pytest.Config) -> list[str] | None:
         lines = []
+        if not self.active:
+            return None
         if self.ranks.torchrun:
             lines.append(
                 f"layerparity: torchrun rank {self.ranks.rank} of {self.ranks.world_size} "
@@ -357,7 +377,8 @@ class DistributedRuns:
             )
         cache = config.getoption("layerparity_compile_cache", None)
         if cache:
-            kind = "NEURON_COMPILE_CACHE_URL" if self.neuron else "torch-xla persistent cache"
+            kind = ("NEURON_COMPILE_CACHE_URL" if self.neuron else "torch-xla persistent cache" if self.xla
+                    else "unused: only --xla and --neuron compile graphs")
             lines.append(f"layerparity: compile cache {cache} ({kind})")
         return lines or None
 

@@ -25,8 +25,8 @@ class NoiseStats:
     target_error: float  # ||target - ref||
     delta_cosine: float | None  # cosine of (target - input) and (golden - input): the layer's own contribution
     tokens: int
-    contribution_z: float | None = None  # the target's error along the layer's contribution, in noise units
-    golden_contribution_z: float | None = None  # the same for the golden (the control)
+    contribution_z: float | None = None  # (target - golden) along the layer's contribution, in noise units
+    golden_contribution_z: float | None = None  # (golden - ref) along it: the golden's own bias
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -62,13 +62,15 @@ def noise_stats(golden: torch.Tensor, target: torch.Tensor, reference: torch.Ten
         dg, dt = (g - x).flatten(), (t - x).flatten()
         denom = float(dg.norm() * dt.norm())
         delta_cos = max(-1.0, min(1.0, float(dg @ dt) / denom)) if denom > 0 else 1.0
-        # Rounding noise has no preferred direction; a bug that scales or skews the layer's
-        # own contribution (output - input) leaves a consistent component along it.
+        # A bug that scales or skews the layer's own contribution (output - input) leaves a
+        # consistent component along it. The golden's rounding may have one too (16-bit
+        # rounding of a large contribution is biased), so the target is measured against the
+        # golden along that direction, in units of the golden's noise per element.
         u = (r - x).flatten()
         unorm = float(u.norm())
         if unorm > 0 and golden_error > 0:
             u = u / unorm
             scale = (u.numel() ** 0.5) / golden_error
-            z_t = float((t - r).flatten() @ u) * scale
+            z_t = float((t - g).flatten() @ u) * scale
             z_g = float((g - r).flatten() @ u) * scale
     return NoiseStats(ratio, float(per_token[worst]), worst, golden_error, target_error, delta_cos, tokens, z_t, z_g)

@@ -129,6 +129,7 @@ OPTIONS = (
     Option("exclude_near_ties", "--exclude-near-ties", "Leave tokens whose MoE routing flipped on a near tie out of the output metrics.", action="store_true", default=False),
     Option("strict_routing", "--strict-routing", "Count tokens whose MoE routing flipped on a near tie in the verdict too (by default the noise policy leaves them out and reports them).", action="store_true", default=False),
     Option("router_tie_tolerance", "--router-tie-tolerance", "A router margin (gap between the k-th and k+1-th logit over the largest) below this many units of the dtype's epsilon is a near tie. Default: 8.", type=tolerance, default=8.0, ini=True, metavar="N"),
+    Option("no_precision_floor", "--no-precision-floor", "Extraction: skip the higher-precision evaluation of each layer (the noise policy then falls back to the table policy for these goldens).", action="store_true", default=False),
     Option("device_map", "--device-map", "Placement of the reference model: stream (one layer at a time from the shards), auto, balanced, balanced_low_0, sequential, cpu or cuda:N (whole model through accelerate). Default: whole model on the golden device when it fits, else stream.", type=device_map_choice, default=None, ini=True, metavar="MAP"),
     Option("max_memory", "--max-memory", "Memory budget per device for whole-model placement: 40GB, 0:60GB,1:60GB,2:40GB or cpu:100GB. Default: what is free.", type=max_memory_spec, default=None, ini=True, metavar="SPEC"),
     Option("offload_folder", "--offload-folder", "Folder for weights accelerate offloads to disk in whole-model placement. Default: none.", default=None, ini=True, metavar="DIR"),
@@ -201,6 +202,7 @@ class Settings:
     exclude_near_ties: bool
     strict_routing: bool
     router_tie_tolerance: float
+    no_precision_floor: bool
     device_map: str | None
     max_memory: str | None
     offload_folder: str | None

@@ -422,13 +422,14 @@ class LayerParitySession:
         if not self.store.verifies(MODEL_IO_KEY):  # absent or damaged: (re)write it; NaN logits are left out
             self.store.write(MODEL_IO_KEY, run.model_io, {"kind": "model_io"}, omit_nonfinite=True)
         record = run.calls[index]
-        floor, floor_routing = self.reference_floor(index, record)
-        record.tensors[REF_OUTPUT] = floor
-        record.tensors.update(floor_routing)
+        if not self.settings.no_precision_floor:
+            floor, floor_routing = self.reference_floor(index, record)
+            record.tensors[REF_OUTPUT] = floor
+            record.tensors.update(floor_routing)
         try:
             self.store.write(layer_key(index), record.tensors, {
                 "kind": "layer", "layer": index, "call": record.spec,
-                "ref_dtype": str(record.tensors[REF_OUTPUT].dtype).removeprefix("torch."),
+                "ref_dtype": str(record.tensors[REF_OUTPUT].dtype).removeprefix("torch.") if REF_OUTPUT in record.tensors else None,
             })
         except ValueError as exc:
             raise GoldenError(f"layer {index}: the reference output is not usable as a golden: {exc}") from exc
@@ -684,7 +685,8 @@ class LayerParitySession:
         lines.append(f"layerparity: golden store {self.store.root}")
         if s.mode in ("extract", "verify"):
             why = "" if s.golden_device != "auto" else (" (CUDA visible)" if self.golden_device.startswith("cuda") else " (no CUDA visible)")
-            lines.append(f"layerparity: reference device {self.golden_device}{why}, dtype {self.dtype_name}")
+            lines.append(f"layerparity: reference device {self.golden_device}{why}, dtype {self.dtype_name}, "
+                         f"placement {self.device_map}{' (one layer at a time)' if self.device_map == 'stream' else ''}")
         else:
             lines.append(f"layerparity: target {s.target_name}, dtype {self.dtype_name}")
         from .verdict import describe_rule

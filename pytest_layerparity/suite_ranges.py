@@ -10,17 +10,22 @@ from .suite_parity import record
 def test_layer_range_parity(layerparity_case, layerparity_session, layerparity_golden, layerparity_record):
     """The range, run end to end on the target from its first layer's golden input,
     stays within tolerance at every layer."""
-    session = layerparity_session
-    outcomes = session.parity_range(layerparity_case)
+    judge_chain("range", layerparity_case, layerparity_session, layerparity_record)
+
+
+def judge_chain(kind: str, layer_range, session, layerparity_record) -> None:
+    """Run ``layer_range`` as a chain on the target, record every layer's metrics, and fail
+    naming the first layer that leaves tolerance."""
+    outcomes = session.parity_range(layer_range)
     failing = [o for o in outcomes if not o.passed]
-    worst = failing[0] if failing else outcomes[-1]
-    props = properties(worst)
+    props = properties(failing[0] if failing else outcomes[-1])
     for outcome in outcomes:
         props += properties(outcome, prefix=f"layer_{outcome.layer}.")
-    record(layerparity_record, f"{layerparity_case.first}-{layerparity_case.last}", not failing, props)
+    record(layerparity_record, f"{layer_range.first}-{layer_range.last}", not failing, props)
     if failing:
         first = failing[0]
         drill = session.drill_command(str(first.layer), f"layer_{first.layer}")
-        head = (f"range {layerparity_case.first}-{layerparity_case.last}: {len(failing)} of {len(outcomes)} layers "
+        head = (f"{kind} {layer_range.first}-{layer_range.last}: {len(failing)} of {len(outcomes)} layers "
                 f"leave tolerance; the first is layer {first.layer}\n")
-        pytest.fail(head + failure_text(first, f"(in range, on {session.backend.describe()})", drill), pytrace=False)
+        where = "in range" if kind == "range" else "chained"
+        pytest.fail(head + failure_text(first, f"({where}, on {session.backend.describe()})", drill), pytrace=False)

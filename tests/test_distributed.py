@@ -201,6 +201,8 @@ def test_xdist_workers_get_their_own_neuroncores_and_rendezvous(recorded, monkey
     env, calls = recorded.read_records()
     assert {w: r["env"]["NEURON_RT_VISIBLE_CORES"] for w, r in env.items() if w.startswith("gw")} == {"gw0": "4-5", "gw1": "6-7"}
     assert env["main"]["env"]["NEURON_RT_VISIBLE_CORES"] == "4-7"  # the controller keeps the pool
+    comm = [env[w]["env"]["NEURON_RT_ROOT_COMM_ID"] for w in ("gw0", "gw1")]
+    assert all(c and c.startswith("localhost:") for c in comm) and comm[0] != comm[1]
     inits = [c for c in calls if c["call"] == "initialize_model_parallel"]
     assert inits and all(c["pg_world_size"] == 1 and c["env"]["WORLD_SIZE"] == "1" for c in inits)
     ports = {c["env"]["PYTEST_XDIST_WORKER"]: c["env"]["MASTER_PORT"] for c in inits}

@@ -135,6 +135,23 @@ def test_setup_initialises_once_per_process_and_teardown_undoes_it(clean_env, no
         assert name not in os.environ
 
 
+def test_a_failed_setup_leaves_nothing_behind(clean_env, no_process_group):
+    """RecordingParallelState stand-in, made to fail; real process group."""
+    import torch.distributed as dist
+
+    state = install_in_sys_modules(clean_env)
+
+    def refuse(**kwargs):
+        raise RuntimeError("invalid implied data parallel degree")
+
+    clean_env.setattr(state, "initialize_model_parallel", refuse)
+    backend = NeuronBackend(tp_degree=1)
+    with pytest.raises(RuntimeError, match="invalid implied data parallel degree"):
+        backend.setup()
+    assert not dist.is_initialized()
+    assert not any(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def test_what_someone_else_initialised_is_used_and_left_alone(clean_env, no_process_group):
     """RecordingParallelState stand-in (no Neuron SDK here); real "xla" process group."""
     import torch.distributed as dist

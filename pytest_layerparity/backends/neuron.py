@@ -114,21 +114,25 @@ class NeuronBackend(Backend):
             applied.update(configure_compile_cache(self.compile_cache))
         applied.update(apply_env_defaults())
         self._env_applied = applied
-        import torch_xla
+        try:
+            import torch_xla
 
-        parallel_state = import_parallel_state()
-        if not dist.is_initialized():
-            import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
+            parallel_state = import_parallel_state()
+            if not dist.is_initialized():
+                import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
 
-            # As neuronx_distributed.trace.trace does on torch 2.x (init_method="pjrt://" was for torch 2.0).
-            dist.init_process_group("xla")
-            self._we_initialised_pg = True
-        self.process_group_backend = str(dist.get_backend())
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp_degree)
-            self._we_initialised_mp = True
-        self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_size()
-        self._device = torch_xla.device()
+                # As neuronx_distributed.trace.trace does on torch 2.x (init_method="pjrt://" was for torch 2.0).
+                dist.init_process_group("xla")
+                self._we_initialised_pg = True
+            self.process_group_backend = str(dist.get_backend())
+            if not parallel_state.model_parallel_is_initialized():
+                parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp_degree)
+                self._we_initialised_mp = True
+            self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_size()
+            self._device = torch_xla.device()
+        except BaseException:
+            self.teardown()  # leave nothing half set up: the next layer's test tries again
+            raise
 
     def teardown(self) -> None:
         import torch.distributed as dist

@@ -1,0 +1,96 @@
+"""Golden extraction against a plain forward of the same model: what capture, the precision
+floor and writing cost.
+
+    python bench/bench_extraction.py [--layers 8] [--seq-len 512]
+
+Model loading is timed separately and left out of every ratio. One process, CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "fixtures"))
+
+import torch  # noqa: E402
+
+from pytest_layerparity.options import OPTIONS, Settings  # noqa: E402
+from pytest_layerparity.session import LayerParitySession  # noqa: E402
+
+WIDTH = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+             vocab_size=8000)
+
+
+def settings(**values) -> Settings:
+    base = {o.dest: o.default for o in OPTIONS}
+    base.update(values)
+    return Settings(**{k: v for k, v in base.items() if k in Settings.__dataclass_fields__})
+
+
+def plain_forward(model_dir: Path, dtype: torch.dtype, ids: torch.Tensor, repeats: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map="cpu").eval()
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats):
+            started = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def extraction(model_dir: Path, store: Path, seq_len: int, floor: bool) -> tuple[float, float]:
+    """(seconds for the whole extraction without model loading, loading seconds)."""
+    session = LayerParitySession(settings(gpu_golden=True, extract=True, model=str(model_dir), golden_dir=str(store),
+                                          dtype="bfloat16", seq_len=seq_len, device_map="cpu",
+                                          no_precision_floor=not floor), ROOT)
+    loading = []
+    original = session.load_reference_model
+
+    def timed(streaming):
+        started = time.perf_counter()
+        model = original(streaming)
+        loading.append(time.perf_counter() - started)
+        return model
+
+    session.load_reference_model = timed
+    started = time.perf_counter()
+    for i in session.selected_layers:
+        session.extract_layer(i)
+    total = time.perf_counter() - started
+    return total - sum(loading), sum(loading)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from tiny_models import make
+
+    work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
+    model = make("llama", work / "model", num_layers=args.layers, shard_size="200MB", **WIDTH)
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9
+    ids = torch.randint(0, WIDTH["vocab_size"], (1, args.seq_len), generator=torch.Generator().manual_seed(0))
+    bf16 = plain_forward(model, torch.bfloat16, ids, args.repeats)
+    fp32 = plain_forward(model, torch.float32, ids, args.repeats)
+    bare, _ = extraction(model, work / "no-floor", args.seq_len, floor=False)
+    full, load = extraction(model, work / "floor", args.seq_len, floor=True)
+    print(f"model: llama, {args.layers} layers, hidden {WIDTH['hidden_size']}, {size:.2f} GB bf16; seq {args.seq_len}; "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'what':<58} {'seconds':>8} {'ratio':>7}")
+    print(f"{'plain forward, bf16 (best of %d)' % args.repeats:<58} {bf16:>8.2f}")
+    print(f"{'plain forward, float32 (best of %d)' % args.repeats:<58} {fp32:>8.2f}")
+    print(f"{'extraction, no precision floor (forward+capture+writes)':<58} {bare:>8.2f} {bare / bf16:>6.2f}x  of the bf16 forward")
+    print(f"{'extraction with the float32 precision floor':<58} {full:>8.2f} {full / (bf16 + fp32):>6.2f}x  of bf16 + float32 forwards")
+    print(f"{'(model loading, left out of the ratios)':<58} {load:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
