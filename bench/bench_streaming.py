@@ -72,11 +72,17 @@ def main() -> None:
     floor, floor_t = measure([sys.executable, "-c", "import torch, transformers"], work)
     print(f"{'run':<44} {'peak RSS GB':>12} {'above floor':>12} {'wall s':>8}")
     print(f"{'import torch + transformers':<44} {floor:>12.3f} {'':>12} {floor_t:>8.1f}")
-    for mode in ("stream", "cpu"):
-        store = work / f"golden-{mode}"
+    base, _ = measure(pytest_args("--gpu-golden", "--extract", f"--model={model16}", f"--golden-dir={work / 'co'}",
+                                  "--dtype", "bfloat16", "--co"), work)
+    print(f"{'pytest --gpu-golden --extract --co (imports)':<44} {base:>12.3f} {base - floor:>12.3f}")
+    runs = [("stream", [], "extract, --device-map stream"),
+            ("stream-nofloor", ["--no-precision-floor"], "extract, stream, --no-precision-floor"),
+            ("cpu", [], "extract, whole model (--device-map cpu)")]
+    for name, extra, label in runs:
+        store = work / f"golden-{name}"
+        mode = name.split("-")[0]
         rss, wall = measure(pytest_args("--gpu-golden", "--extract", f"--model={model16}", f"--golden-dir={store}",
-                                        "--dtype", "bfloat16", "--device-map", mode, "--seq-len", opts.seq_len), work)
-        label = "extract, --device-map stream" if mode == "stream" else "extract, whole model (--device-map cpu)"
+                                        "--dtype", "bfloat16", "--device-map", mode, "--seq-len", opts.seq_len, *extra), work)
         print(f"{label:<44} {rss:>12.3f} {rss - floor:>12.3f} {wall:>8.1f}", flush=True)
     same = all((work / "golden-stream" / p.name).read_bytes() == p.read_bytes() for p in (work / "golden-cpu").glob("*.safetensors"))
     print(f"streaming goldens equal whole-model goldens bit for bit: {same}")

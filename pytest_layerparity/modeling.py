@@ -242,6 +242,19 @@ def meta_tensors(module: Any) -> list[str]:
     return names
 
 
+def give_back_memory() -> None:
+    """Return freed heap memory to the system (glibc keeps it otherwise, so peak RSS would
+    grow with each layer loaded and freed)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+
+
 def load_layer(skeleton: Any, checkpoint: Checkpoint, layer_path: str, index: int, dtype: Any):
     """Materialise decoder layer ``index`` of ``skeleton`` on the CPU from the checkpoint,
     reading only that layer's tensors. Returns the layer module."""

@@ -2,6 +2,8 @@
 imported here; torch and transformers load only when a layerparity mode is switched on."""
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,10 @@ def pytest_configure(config: pytest.Config) -> None:
     check_combinations(settings)
     if settings.mode is None:
         return
+    if settings.mode in ("extract", "verify") and "torch_xla" not in sys.modules:
+        # The reference side needs no XLA; keep accelerate and transformers from importing
+        # torch-xla (a few hundred MB of memory) just because it is installed.
+        os.environ.setdefault("USE_TORCH_XLA", "0")
     from .backends import BackendUnavailable, check_installed
     from .golden import GoldenError
     from .modeling import ModelError

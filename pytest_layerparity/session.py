@@ -479,6 +479,8 @@ class LayerParitySession:
         routing: dict[str, Any] = {}
         with torch.no_grad(), capture_routing(layer, self.top_k, routing):
             out = first_tensor(layer(*args, **kwargs))
+        del layer, args, kwargs, tensors
+        modeling.give_back_memory()
         return out.detach().to("cpu", self.floor_dtype), ref_routing(routing)
 
     def verify_layer(self, index: int) -> LayerOutcome:

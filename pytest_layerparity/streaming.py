@@ -108,6 +108,7 @@ def streamed(model: Any, checkpoint: modeling.Checkpoint, layer_path: str, dtype
     def post(unit: Unit):
         def release(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
             _release(module)
+            modeling.give_back_memory()
 
         return release
 

@@ -20,7 +20,7 @@ def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
     result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "0-2", "--seq-len", "8", "--batch-size", "2", "-v")
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([
-        "layerparity: reference device cpu (no CUDA visible), dtype float32",
+        "layerparity: reference device cpu (no CUDA visible), dtype float32, placement cpu",
         "*test_extract_golden?layer_0? PASSED*",
         "*test_extract_golden?layer_2? PASSED*",
     ])
