@@ -501,6 +501,8 @@ def check_finite(key: str, tensors: Mapping[str, Any]) -> None:
     for name, tensor in tensors.items():
         if not torch.is_floating_point(tensor):
             continue
+        if bool(torch.isfinite(tensor).all()):  # the common case, one pass
+            continue
         nan = torch.isnan(tensor)
         if bool(nan.any()):
             index = tuple(int(i) for i in torch.nonzero(nan)[0])

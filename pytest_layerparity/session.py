@@ -71,6 +71,7 @@ class ReferenceRun:
 
     calls: dict[int, Any] = field(default_factory=dict)
     model_io: dict[str, Any] = field(default_factory=dict)
+    layer_path: str = ""
 
 
 class LayerParitySession:
@@ -81,6 +82,7 @@ class LayerParitySession:
         self._reference_run: ReferenceRun | None = None
         self._backend = None
         self._header_written = False
+        self._model_io_checked = False
 
     # -- model ------------------------------------------------------------------------
 
@@ -277,7 +279,8 @@ class LayerParitySession:
         import transformers
 
         identity = self.model_identity()
-        identity.update({"path": str(self.model_dir), "name": self.model_dir.name, "layer_module": self.layer_list[0]})
+        layer_path = self._reference_run.layer_path if self._reference_run is not None else self.layer_list[0]
+        identity.update({"path": str(self.model_dir), "name": self.model_dir.name, "layer_module": layer_path})
         return {
             "created_by": f"pytest-layerparity {__version__}",
             "model": identity,
@@ -330,7 +333,7 @@ class LayerParitySession:
         model = self.load_reference_model(streaming)
         layer_path, _ = modeling.find_layer_list(model, modeling.layer_count_from_config(self.config_json), self.settings.layer_module)
         layer_list = model.get_submodule(layer_path)
-        run = ReferenceRun()
+        run = ReferenceRun(layer_path=layer_path)
         ids = self.make_input_ids() if input_ids is None else input_ids
         device = self.golden_device if streaming else _input_device(model)
         embeddings = model.get_input_embeddings()
@@ -417,10 +420,12 @@ class LayerParitySession:
 
     def extract_layer(self, index: int) -> dict[str, Any]:
         """Write the golden of one layer (running the reference once per session)."""
-        self.begin_extraction()
         run = self.reference_run(self.selected_layers)
-        if not self.store.verifies(MODEL_IO_KEY):  # absent or damaged: (re)write it; NaN logits are left out
-            self.store.write(MODEL_IO_KEY, run.model_io, {"kind": "model_io"}, omit_nonfinite=True)
+        self.begin_extraction()
+        if not self._model_io_checked:
+            if not self.store.verifies(MODEL_IO_KEY):  # absent or damaged: (re)write it; NaN logits are left out
+                self.store.write(MODEL_IO_KEY, run.model_io, {"kind": "model_io"}, omit_nonfinite=True)
+            self._model_io_checked = True
         record = run.calls[index]
         if not self.settings.no_precision_floor:
             floor, floor_routing = self.reference_floor(index, record)
