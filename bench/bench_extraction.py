@@ -18,17 +18,14 @@ sys.path.insert(0, str(ROOT / "fixtures"))
 
 import torch  # noqa: E402
 
-from pytest_layerparity.options import OPTIONS, Settings  # noqa: E402
+from pytest_layerparity.options import make_settings  # noqa: E402
 from pytest_layerparity.session import LayerParitySession  # noqa: E402
 
 WIDTH = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
              vocab_size=8000)
 
 
-def settings(**values) -> Settings:
-    base = {o.dest: o.default for o in OPTIONS}
-    base.update(values)
-    return Settings(**{k: v for k, v in base.items() if k in Settings.__dataclass_fields__})
+settings = make_settings
 
 
 def plain_forward(model_dir: Path, dtype: torch.dtype, ids: torch.Tensor, repeats: int) -> tuple[float, float]:

@@ -26,14 +26,11 @@ import torch  # noqa: E402
 
 from pytest_layerparity.capture import primary_output_name  # noqa: E402
 from pytest_layerparity.noise import noise_stats  # noqa: E402
-from pytest_layerparity.options import OPTIONS, Settings  # noqa: E402
+from pytest_layerparity.options import make_settings  # noqa: E402
 from pytest_layerparity.session import REF_OUTPUT, LayerParitySession  # noqa: E402
 
 
-def settings(**values) -> Settings:
-    base = {o.dest: o.default for o in OPTIONS}
-    base.update(values)
-    return Settings(**{k: v for k, v in base.items() if k in Settings.__dataclass_fields__})
+settings = make_settings
 
 
 # -- bugs, planted through the target-build hook ---------------------------------------------

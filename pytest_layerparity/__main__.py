@@ -10,12 +10,9 @@ from pathlib import Path
 
 
 def _settings(args: argparse.Namespace):
-    from .options import OPTIONS, Settings
+    from .options import make_settings
 
-    values = {o.dest: o.default for o in OPTIONS}
-    values.update(verdict=args.verdict)
-    settings = Settings(**{k: v for k, v in values.items() if k in Settings.__dataclass_fields__})
-    return replace(settings, max_noise_ratio=args.max_noise_ratio) if args.max_noise_ratio is not None else settings
+    return make_settings(verdict=args.verdict, max_noise_ratio=args.max_noise_ratio)
 
 
 def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings) -> list[dict]:

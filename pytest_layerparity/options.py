@@ -239,6 +239,17 @@ class Settings:
         return None
 
 
+def make_settings(**values: Any) -> Settings:
+    """Settings with every option at its default except ``values`` (for use without pytest:
+    scripts, benchmarks, ``python -m pytest_layerparity``)."""
+    base = {opt.dest: opt.default for opt in OPTIONS}
+    unknown = set(values) - set(base)
+    if unknown:
+        raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
+    base.update(values)
+    return Settings(**base)
+
+
 def read_settings(config: pytest.Config) -> Settings:
     values = {}
     for opt in OPTIONS:

@@ -16,13 +16,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 @pytest.fixture(scope="module")
 def bf16_store(tmp_path_factory):
     """bf16 goldens of the default model (made once for this module)."""
-    from pytest_layerparity.options import OPTIONS, Settings
+    from pytest_layerparity.options import make_settings
     from pytest_layerparity.session import LayerParitySession
 
     store = tmp_path_factory.mktemp("bf16") / "store"
-    values = {o.dest: o.default for o in OPTIONS}
-    values.update(gpu_golden=True, extract=True, model=str(DEFAULT_MODEL), golden_dir=str(store), dtype="bfloat16")
-    session = LayerParitySession(Settings(**{k: v for k, v in values.items() if k in Settings.__dataclass_fields__}), ROOT)
+    session = LayerParitySession(make_settings(gpu_golden=True, extract=True, model=str(DEFAULT_MODEL),
+                                               golden_dir=str(store), dtype="bfloat16"), ROOT)
     for i in range(6):
         session.extract_layer(i)
     return store
@@ -48,15 +47,14 @@ def test_correct_bf16_port_passes_isolated_and_chained_on_xla(pytester, bf16_sto
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_correct_bf16_ports_of_other_architectures_pass(pytester, kind):
-    from pytest_layerparity.options import OPTIONS, Settings
+    from pytest_layerparity.options import make_settings
     from pytest_layerparity.session import LayerParitySession
     from tiny_models import make
 
     model = make(kind, pytester.path / kind, num_layers=3)
     store = pytester.path / "store"
-    values = {o.dest: o.default for o in OPTIONS}
-    values.update(gpu_golden=True, extract=True, model=str(model), golden_dir=str(store), dtype="bfloat16")
-    session = LayerParitySession(Settings(**{k: v for k, v in values.items() if k in Settings.__dataclass_fields__}), ROOT)
+    session = LayerParitySession(make_settings(gpu_golden=True, extract=True, model=str(model), golden_dir=str(store),
+                                               dtype="bfloat16"), ROOT)
     for i in range(3):
         session.extract_layer(i)
     _ini(pytester, model, store)
