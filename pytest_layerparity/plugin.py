@@ -237,14 +237,18 @@ class LayerParityReporter:
                 "metrics": metrics,
                 "message": report.longreprtext if report.failed else "",
                 "properties": {k: v for k, v in props.items() if "." in k},
+                "placement": props.get("placement"),
             })
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         from .report import summary_lines
 
         lines = summary_lines(sorted(self.entries, key=lambda e: _case_order(e["nodeid"])))
+        placements = sorted({e["placement"] for e in self.entries if e.get("placement")})
         if lines:
             terminalreporter.write_sep("=", "layerparity summary")
+            for placement in placements:
+                terminalreporter.write_line(f"reference placement: {placement}")
             for line in lines:
                 terminalreporter.write_line(line)
         if self.settings.parity_report:

@@ -6,7 +6,6 @@ plugin, by ``python -m pytest_layerparity`` or by a user's own script.
 from __future__ import annotations
 
 import contextlib
-import os
 import shlex
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -83,6 +82,8 @@ class LayerParitySession:
         self._backend = None
         self._header_written = False
         self._model_io_checked = False
+        self.placement: dict | None = None  # accelerate's device map of the reference model
+        self.audit: dict[str, list] = {}  # streamed unit -> tensors whose dtype differs from --dtype
 
     # -- model ------------------------------------------------------------------------
 
@@ -395,23 +396,36 @@ class LayerParitySession:
         self.placement = getattr(model, "hf_device_map", None)
         return model
 
-    placement: dict | None = None
-    audit: dict[str, list] = {}
+    def placement_summary(self) -> str:
+        """Where the reference model went: modules per device, and memory in use on each
+        CUDA device (the seeds' multi-GPU report)."""
+        if not self.placement:
+            return f"{self.device_map} on {self.golden_device}" if self.device_map == "stream" else str(self.device_map)
+        counts: dict[str, int] = {}
+        for device in self.placement.values():
+            key = device if isinstance(device, str) else f"cuda:{device}"
+            counts[key] = counts.get(key, 0) + 1
+        parts = []
+        for device, count in sorted(counts.items()):
+            text = f"{device}: {count} modules"
+            if device.startswith("cuda"):
+                import torch
+
+                index = int(device.split(":")[1]) if ":" in device else 0
+                text += (f", {torch.cuda.memory_allocated(index) / 1e9:.2f} GB allocated, "
+                         f"{torch.cuda.memory_reserved(index) / 1e9:.2f} GB reserved")
+            parts.append(text)
+        return "; ".join(parts)
 
     def audit_unit(self, unit: Any, module: Any) -> None:
         """The dtype audit of one streamed unit: refuse a layer that would materialise in
         float32 under a 16-bit request (the seeds' 1 TB bug), naming the tensors."""
         from .planning import dtype_audit
 
-        report = dtype_audit(module, self.torch_dtype, keep=getattr(self.skeleton_for_audit, "_keep_in_fp32_modules", None))
-        self.audit = dict(self.audit)
+        report = dtype_audit(module, self.torch_dtype, keep=getattr(self.skeleton, "_keep_in_fp32_modules", None))
         self.audit[unit.path] = report.odd
         if report.fatal:
             raise modeling.ModelError(f"{unit.path}: {report.message}")
-
-    @property
-    def skeleton_for_audit(self) -> Any:
-        return self.skeleton
 
     def begin_extraction(self) -> None:
         if not self._header_written:
@@ -708,7 +722,3 @@ def _input_device(model: Any) -> Any:
         if param.device.type != "meta":
             return param.device
     return next(p.device for p in model.parameters() if p.device.type != "meta")
-
-
-def worker_env_summary() -> str:
-    return ", ".join(f"{k}={os.environ[k]}" for k in ("RANK", "WORLD_SIZE", "PYTEST_XDIST_WORKER") if k in os.environ)

@@ -24,6 +24,7 @@ def test_extract_golden(layerparity_case, layerparity_session, layerparity_recor
             pytrace=False,
         )
     layerparity_record("layers", str(layerparity_case))
+    layerparity_record("placement", layerparity_session.placement_summary())
     layerparity_record("verdict", "written")
     for key, value in info.items():
         layerparity_record(key, value)

@@ -28,7 +28,10 @@ def test_streaming_goldens_equal_whole_model_goldens_bit_for_bit(pytester):
 
 def test_header_names_the_placement(pytester):
     result = _extract(pytester, "s", "--device-map", "stream")
-    result.stdout.fnmatch_lines(["layerparity: reference device cpu (no CUDA visible), dtype bfloat16, placement stream*"])
+    result.stdout.fnmatch_lines([
+        "layerparity: reference device cpu (no CUDA visible), dtype bfloat16, placement stream*",
+        "reference placement: stream on cpu",
+    ])
 
 
 def test_single_layer_test_opens_only_the_shards_of_that_layer(pytester):
