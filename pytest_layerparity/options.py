@@ -143,6 +143,7 @@ OPTIONS = (
     Option("op_atol", "--op-atol", "--op-compare: absolute tolerance of one op against the CPU. Default: per dtype (bf16 1e-2, fp16 1e-3, fp32 1e-4).", type=tolerance, default=None, ini=True, metavar="X"),
     Option("op_rtol", "--op-rtol", "--op-compare: relative tolerance of one op against the CPU. Default: per dtype (bf16 1.6e-2, fp16 1e-3, fp32 1e-4).", type=tolerance, default=None, ini=True, metavar="X"),
     Option("tp_degree", "--tp-degree", "Tensor-parallel degree for --neuron (neuronx-distributed parallel_state). Default: 1.", type=positive_int, default=1, ini=True, metavar="N"),
+    Option("experts_implementation", "--experts-implementation", "MoE experts implementation of the layers built for the target (transformers': eager, batched_mm, grouped_mm). Default: eager on torch-xla and Neuron (grouped_mm does not run there), the model's elsewhere.", default=None, ini=True, metavar="NAME"),
     Option("attn_implementation", "--attn-implementation", "Attention implementation of the reference model (eager, sdpa, ...). Default: the model's.", default=None, ini=True, metavar="NAME"),
     Option("trust_remote_code", "--trust-remote-code", "Allow the model folder's own modeling code (transformers trust_remote_code).", action="store_true", default=False),
     Option("cores_per_worker", "--cores-per-worker", "With -n N and --neuron: NeuronCores each xdist worker gets (NEURON_RT_VISIBLE_CORES, taken in order from the visible cores); 0 leaves the workers unpinned. Default: 1.", type=non_negative_int, default=1, ini=True, metavar="N"),
@@ -216,6 +217,7 @@ class Settings:
     chain: bool
     bisect: bool
     tp_degree: int
+    experts_implementation: str | None
     attn_implementation: str | None
     trust_remote_code: bool
     cores_per_worker: int

@@ -157,8 +157,11 @@ class LayerParitySession:
         import copy
 
         config = copy.deepcopy(self.hf_config)
-        if self.settings.mode == "parity" and self.backend.lazy and hasattr(config, "_experts_implementation"):
-            config._experts_implementation = "eager"
+        if self.settings.mode == "parity" and hasattr(config, "_experts_implementation"):
+            if self.settings.experts_implementation:
+                config._experts_implementation = self.settings.experts_implementation
+            elif self.backend.lazy:
+                config._experts_implementation = "eager"
         return config
 
     @cached_property

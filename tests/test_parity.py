@@ -221,3 +221,8 @@ def test_own_tests_can_use_the_op_fixtures(pytester):
         """
     )
     pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+def test_batched_experts_on_xla_pass_every_layer(project):
+    result = project.runpytest("--xla", "--experts-implementation", "batched_mm")
+    result.assert_outcomes(passed=6)
