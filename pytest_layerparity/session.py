@@ -445,7 +445,7 @@ class LayerParitySession:
             self._model_io_checked = True
         record = run.calls[index]
         if not self.settings.no_precision_floor:
-            floor, floor_routing = self.reference_floor(index, record)
+            floor, floor_routing = self.reference_floor(index, record.spec, record.tensors)
             record.tensors[REF_OUTPUT] = floor
             record.tensors.update(floor_routing)
         try:
@@ -485,23 +485,25 @@ class LayerParitySession:
             config._experts_implementation = "eager"  # grouped kernels have no float64
         return modeling.build_skeleton(config, self.floor_dtype, self.settings.trust_remote_code)
 
-    def reference_floor(self, index: int, record: Any) -> Any:
+    def reference_floor(self, index: int, spec: Any, tensors: dict[str, Any], hidden: Any | None = None) -> Any:
         """The layer's output evaluated in higher precision (weights and inputs upcast) on
-        the CPU, from the same inputs: the yardstick of the golden's own rounding error.
+        the CPU, from the call ``spec``/``tensors`` (hidden states replaced by ``hidden``
+        when given, for chains): the yardstick of the golden's own rounding error.
         Returns it with the routers' exact logits."""
         import torch
 
-        from .capture import decode_call, first_tensor
+        from .capture import decode_call, first_tensor, replace_hidden_input
         from .routing import capture_routing, ref_routing
 
-        layer_path = self.layer_list[0]
-        layer = modeling.load_layer(self.floor_skeleton, self.checkpoint, layer_path, index, self.floor_dtype).eval()
-        tensors = {k: (v.to(self.floor_dtype) if torch.is_floating_point(v) else v) for k, v in record.tensors.items()}
-        args, kwargs = decode_call(record.spec, tensors)
+        layer = modeling.load_layer(self.floor_skeleton, self.checkpoint, self.layer_list[0], index, self.floor_dtype).eval()
+        upcast = {k: (v.to(self.floor_dtype) if torch.is_floating_point(v) else v) for k, v in tensors.items()}
+        if hidden is not None:
+            upcast = replace_hidden_input(spec, upcast, hidden)
+        args, kwargs = decode_call(spec, upcast)
         routing: dict[str, Any] = {}
         with torch.no_grad(), capture_routing(layer, self.top_k, routing):
             out = first_tensor(layer(*args, **kwargs))
-        del layer, args, kwargs, tensors
+        del layer, args, kwargs, upcast
         modeling.give_back_memory()
         return out.detach().to("cpu", self.floor_dtype), ref_routing(routing)
 
@@ -648,9 +650,7 @@ class LayerParitySession:
         every layer's output with its golden. The precision floor of a chain is the same
         chain evaluated in higher precision on the CPU, so accumulated drift is judged
         against the golden's own accumulated rounding."""
-        import torch
-
-        from .capture import decode_call, first_tensor, hidden_input_name, replace_hidden_input
+        from .capture import hidden_input_name
 
         layers = layer_range.layers() if isinstance(layer_range, LayerRange) else list(layer_range)
         outcomes = []
@@ -665,13 +665,8 @@ class LayerParitySession:
             hidden = run.output
             reference = None
             if REF_OUTPUT in entry.tensors:
-                layer = modeling.load_layer(self.floor_skeleton, self.checkpoint, self.layer_list[0], index, self.floor_dtype).eval()
-                tensors = {k: (v.to(self.floor_dtype) if torch.is_floating_point(v) else v) for k, v in entry.tensors.items()}
-                args, kwargs = decode_call(spec, replace_hidden_input(spec, tensors, ref_hidden))
-                with torch.no_grad():
-                    ref_hidden = first_tensor(layer(*args, **kwargs)).detach()
+                ref_hidden, _ = self.reference_floor(index, spec, entry.tensors, ref_hidden)
                 reference = ref_hidden
-                del layer
             chained = dict(entry.tensors)
             if reference is not None:
                 chained[REF_OUTPUT] = reference
