@@ -219,14 +219,10 @@ class LayerParityReporter:
         if not report.nodeid.startswith(f"{NODEID}::"):
             return
         if report.when == "call" or (report.when == "setup" and report.failed):
-            props = dict(report.user_properties)
-            from .metrics import METRIC_NAMES
+            from .report import reported_metrics
 
-            metrics = {k: props[k] for k in METRIC_NAMES if k in props}
-            for k in ("noise_ratio", "token_noise_ratio", "contribution_bias", "delta_cosine", "routing_agreement", "routing_flipped",
-                      "routing_near_tie_flipped", "nan_count", "inf_count", "worst_index", "worst_golden", "worst_target"):
-                if k in props:
-                    metrics[k] = props[k]
+            props = dict(report.user_properties)
+            metrics = reported_metrics(props)
             verdict = props.get("verdict") or ("error" if report.when == "setup" else ("pass" if report.passed else "fail"))
             if report.failed and verdict == "pass":
                 verdict = "fail"

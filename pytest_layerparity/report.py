@@ -55,6 +55,19 @@ def failure_text(outcome: Any, where: str, drill: str) -> str:
     return "\n".join(lines)
 
 
+# What properties() records besides the five metrics, under the same names in reports.
+EXTRA_METRICS = ("noise_ratio", "token_noise_ratio", "contribution_bias", "delta_cosine", "routing_agreement",
+                 "routing_flipped", "routing_near_tie_flipped", "nan_count", "inf_count", "worst_index",
+                 "worst_golden", "worst_target")
+
+
+def reported_metrics(props: dict[str, Any]) -> dict[str, Any]:
+    """The metrics among a test's (unprefixed) properties, for report entries."""
+    from .metrics import METRIC_NAMES
+
+    return {k: props[k] for k in METRIC_NAMES + EXTRA_METRICS if k in props}
+
+
 def _passes(outcome: Any) -> bool:
     return all(check.ok for check in outcome.checks)
 
