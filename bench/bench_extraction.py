@@ -49,7 +49,8 @@ def extraction(model_dir: Path, store: Path, seq_len: int, floor: bool) -> tuple
                                           dtype="bfloat16", seq_len=seq_len, device_map="cpu",
                                           no_precision_floor=not floor), ROOT)
     loading = []
-    original = session.load_reference_model
+    reference = session.reference
+    original = reference._load
 
     def timed(streaming):
         started = time.perf_counter()
@@ -57,7 +58,7 @@ def extraction(model_dir: Path, store: Path, seq_len: int, floor: bool) -> tuple
         loading.append(time.perf_counter() - started)
         return model
 
-    session.load_reference_model = timed
+    reference._load = timed
     started = time.perf_counter()
     for i in session.selected_layers:
         session.extract_layer(i)

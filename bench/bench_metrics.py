@@ -1,4 +1,4 @@
-"""Benchmark pytest_layerparity.metrics.compare_tensors against the obvious float32 code.
+"""Benchmark pytest_layerparity.compare.metrics.compare_tensors against the obvious float32 code.
 
     python bench/bench_metrics.py                      # 1M, 4M, 16M, 32M, 128M bf16 pairs
     python bench/bench_metrics.py --sizes 1,4,16,32    # skip 128M (needs ~3 GB RAM)
@@ -74,7 +74,7 @@ def best_time(fn, repeats: int) -> float:
 def run_table(sizes_m: list[int], dtype_name: str, repeats: int) -> None:
     import torch
 
-    from pytest_layerparity.metrics import compare_tensors
+    from pytest_layerparity.compare.metrics import compare_tensors
 
     print(
         f"{'elements':>9} {'MiB in':>7} | {'compare_tensors':>16} {'float32 naive':>14} | "
@@ -102,7 +102,7 @@ _MEM_CHILD = r"""
 import resource, sys, torch
 sys.path.insert(0, {root!r})
 from bench.bench_metrics import make_pair, naive_float32
-from pytest_layerparity.metrics import compare_tensors
+from pytest_layerparity.compare.metrics import compare_tensors
 g, t = make_pair({n}, {dtype!r})
 # warm up on tiny data (loads MKL, thread pools), not big enough to pre-grow the heap
 compare_tensors(g[:4096], t[:4096]); naive_float32(g[:4096], t[:4096])

@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT / "fixtures"))
 
 import torch  # noqa: E402
 
-from pytest_layerparity.capture import primary_output_name  # noqa: E402
-from pytest_layerparity.noise import noise_stats  # noqa: E402
+from pytest_layerparity.compare.floor import FLOOR_KEY, floor_stats  # noqa: E402
 from pytest_layerparity.options import make_settings  # noqa: E402
-from pytest_layerparity.session import REF_OUTPUT, LayerParitySession  # noqa: E402
+from pytest_layerparity.session import LayerParitySession  # noqa: E402
+from pytest_layerparity.store.callspec import primary_output_name  # noqa: E402
 
 
 settings = make_settings
@@ -108,7 +108,7 @@ def judge(outcome, golden, target, reference) -> dict[str, bool]:
     table = (m.max_abs_diff <= 0.01 and m.mean_abs_diff <= 0.001 and m.similarity_percentage >= 95
              and m.cosine_similarity >= 0.99 and m.pearson_correlation >= 0.99)
     close = bool(torch.isclose(target.float(), golden.float(), rtol=1.6e-2, atol=1e-5).all())
-    r_rule = noise_stats(golden, target, reference).noise_ratio <= 1.2
+    r_rule = floor_stats(golden, target, reference).noise_ratio <= 1.2
     return {"seeds' table": table, "assert_close": close, "R <= 1.2": r_rule,
             "cosine > 0.99": m.cosine_similarity > 0.99, "default verdict": outcome.passed}
 
@@ -118,7 +118,7 @@ def run_layer(session, index):
     run = session.run_layer(session.build_target(index), entry)
     outcome = session.compare_entry(index, entry, run)
     golden = entry.tensors[primary_output_name(entry.metadata["call"])]
-    return outcome, golden, run.output.detach().cpu(), entry.tensors[REF_OUTPUT]
+    return outcome, golden, run.output.detach().cpu(), entry.tensors[FLOOR_KEY]
 
 
 def main() -> None:

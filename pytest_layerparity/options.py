@@ -1,17 +1,29 @@
-"""Command-line options and ini keys, parsed by small pure functions that raise with the fix."""
+"""Command-line options and ini keys: the one table of options, the settings they make, and
+the small pure functions that parse each value and raise with the fix.
+
+Everything that reads an option reads it here (:func:`read_settings`), the plugin and the
+distributed runs alike.
+"""
 from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, fields
-from typing import Any, Callable
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from .planning import device_map_choice, max_memory_spec
-
 DTYPES = ("bfloat16", "float16", "float32")
 GOLDEN_DEVICES_HELP = "auto, cpu, cuda or cuda:N"
+DEVICE_MAP_CHOICES = ("stream", "auto", "balanced", "balanced_low_0", "sequential", "cpu")
+MAX_MEMORY_FORMS = ("40GB (every GPU), 0:60GB,1:60GB,2:40GB (per GPU), cpu:100GB (host), "
+                    "units B/KB/MB/GB/TB or KiB/MiB/GiB/TiB")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def positive_int(text: str) -> int:
@@ -79,6 +91,62 @@ def golden_device(text: str) -> str:
     if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
         return value
     raise argparse.ArgumentTypeError(f"{text!r} is not a golden device; choose {GOLDEN_DEVICES_HELP}")
+
+
+def size_bytes(text: str) -> int:
+    """``40GB`` -> 40_000_000_000; ValueError for anything else."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(text)
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def max_memory_spec(text: str) -> str:
+    """argparse type of --max-memory: checks the form, keeps the text."""
+    try:
+        parse_max_memory(text, gpus=1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a memory budget ({exc}); accepted forms: {MAX_MEMORY_FORMS}"
+        ) from None
+    return text
+
+
+def parse_max_memory(text: str, gpus: int | None = None) -> dict[int | str, str]:
+    """'40GB' -> every visible GPU gets 40GB; '0:60GB,1:40GB,cpu:100GB' -> per device
+    (accelerate's ``max_memory``)."""
+    if gpus is None:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("empty")
+    if len(parts) == 1 and ":" not in parts[0]:
+        size_bytes(parts[0])
+        return dict.fromkeys(range(gpus), parts[0]) if gpus else {"cpu": parts[0]}
+    out: dict[int | str, str] = {}
+    for part in parts:
+        if ":" not in part:
+            raise ValueError(f"{part!r} has no device; write DEVICE:SIZE")
+        device, size = (x.strip() for x in part.split(":", 1))
+        size_bytes(size)
+        if device.lower() == "cpu":
+            out["cpu"] = size
+        elif device.isdigit():
+            out[int(device)] = size
+        else:
+            raise ValueError(f"{device!r} is not a GPU index or cpu")
+    return out
+
+
+def device_map_choice(text: str) -> str:
+    value = text.strip()
+    if value in DEVICE_MAP_CHOICES or re.fullmatch(r"cuda:\d+", value):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a device map; choose {', '.join(DEVICE_MAP_CHOICES)} or cuda:N"
+    )
 
 
 @dataclass(frozen=True)
@@ -265,24 +333,44 @@ def read_settings(config: pytest.Config) -> Settings:
     return Settings(**{k: v for k, v in values.items() if k in names})
 
 
-PATH_OPTIONS = ("model", "golden_dir", "parity_report", "save_outputs", "offload_folder", "op_compare_dir")
+PATH_OPTIONS = ("model", "golden_dir", "parity_report", "save_outputs", "offload_folder", "op_compare_dir",
+                "compile_cache")
+
+
+def is_url(location: str) -> bool:
+    return "://" in location
+
+
+def resolve_cache_location(value: str, base: Path) -> str:
+    """A local folder made absolute against ``base``; URLs (s3://, for Neuron's compile
+    cache) are kept as they are."""
+    if is_url(value) or Path(value).is_absolute():
+        return value
+    return str(base / value)
 
 
 def resolve_paths(settings: Settings, config: pytest.Config) -> Settings:
     """Make path options absolute: command-line values against the directory pytest was
-    started in, ini values against the ini file's directory."""
-    from dataclasses import replace
-    from pathlib import Path
-
+    started in, ini values against the ini file's directory (URLs stay as they are)."""
     changes = {}
     for dest in PATH_OPTIONS:
         value = getattr(settings, dest)
-        if not value or Path(value).is_absolute():
+        if not value:
             continue
         from_cli = config.getoption(f"layerparity_{dest}") is not None
         base = config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
-        changes[dest] = str(Path(base) / value)
+        resolved = resolve_cache_location(value, Path(base))
+        if resolved != value:
+            changes[dest] = resolved
     return replace(settings, **changes)
+
+
+def current_settings(config: pytest.Config) -> Settings:
+    """The session's settings: every option read (command line over ini over default), paths
+    made absolute, contradictions refused."""
+    settings = resolve_paths(read_settings(config), config)
+    check_combinations(settings)
+    return settings
 
 
 def _parse_ini(opt: Option, raw: Any) -> Any:

@@ -5,17 +5,24 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from . import hookspecs
-from .options import add_options, check_combinations, read_settings, resolve_paths
+from .options import add_options, current_settings, read_settings, resolve_paths
+from .state import SESSION_KEY
 
-SESSION_KEY = pytest.StashKey["Any"]()
+if TYPE_CHECKING:
+    from collections.abc import Callable, Generator
+
+    from .options import Settings
+    from .session import LayerParitySession
+    from .store.golden import GoldenEntry
+
+__all__ = ["SESSION_KEY"]
 REPORTER_NAME = "layerparity-reporter"
 NODEID = "layerparity"
-_SUITES = {"parity": "suite_parity", "extract": "suite_extract", "verify": "suite_verify"}
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -26,24 +33,51 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
-def _usage(exc: Exception) -> pytest.UsageError:
-    return pytest.UsageError(str(exc))
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    """Before pytest configures: quiet the torchrun ranks other than 0; ``--plan`` prints the
+    memory plan and exits without running tests."""
+    from .distributed.runs import quiet_secondary_rank
+
+    quiet_secondary_rank(config)
+    if not config.getoption("layerparity_plan", False):
+        return None
+    from .reference.model import ModelError
+    from .reference.plan import plan_lines, resolve_golden_device
+    from .session import LayerParitySession
+
+    settings = resolve_paths(read_settings(config), config)
+    try:
+        session = LayerParitySession(settings, Path(config.rootpath))
+        lines = plan_lines(session.model, session.dtype_name, settings.batch_size, settings.seq_len,
+                           resolve_golden_device(settings.golden_device))
+    except (ModelError, OSError, ValueError) as exc:
+        raise pytest.UsageError(f"--plan: {exc}") from None
+    for line in lines:
+        print(line)
+    return 0
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    settings = resolve_paths(read_settings(config), config)
-    check_combinations(settings)
+    from .distributed.runs import PLUGIN_NAME, DistributedRuns
+
+    settings = current_settings(config)
+    if not config.pluginmanager.has_plugin(PLUGIN_NAME):
+        config.pluginmanager.register(DistributedRuns(settings), PLUGIN_NAME)
     if settings.mode is None:
         return
     if settings.mode in ("extract", "verify") and "torch_xla" not in sys.modules:
         # The reference side needs no XLA; keep accelerate and transformers from importing
         # torch-xla (a few hundred MB of memory) just because it is installed.
         os.environ.setdefault("USE_TORCH_XLA", "0")
+    _check_installed(settings)
+    session = _start_session(config, settings)
+    config.stash[SESSION_KEY] = session
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(LayerParityReporter(settings, session.header_lines()), REPORTER_NAME)
+
+
+def _check_installed(settings: Settings) -> None:
     from .backends import BackendUnavailable, check_installed
-    from .golden import GoldenError
-    from .modeling import ModelError
-    from .selection import SelectionError
-    from .session import LayerParitySession
 
     try:
         check_installed("reference")
@@ -51,45 +85,37 @@ def pytest_configure(config: pytest.Config) -> None:
             check_installed(settings.target_name)
     except BackendUnavailable as exc:
         target = settings.target_name
-        flag = "--gpu-golden" if settings.mode != "parity" else (f"--{target}" if target in ("xla", "neuron") else f"--target {target}")
+        if settings.mode != "parity":
+            flag = "--gpu-golden"
+        else:
+            flag = f"--{target}" if target in ("xla", "neuron") else f"--target {target}"
         raise pytest.UsageError(f"{flag}: {exc}") from None
+
+
+def _start_session(config: pytest.Config, settings: Settings) -> LayerParitySession:
+    """The session, with everything that can be refused before a test runs checked."""
+    from .reference.inputs import check_prompt
+    from .reference.model import ModelError
+    from .selection import SelectionError
+    from .session import LayerParitySession
+    from .store.golden import GoldenError
 
     def build_target_layer(**kwargs: Any) -> Any:
         return config.hook.pytest_layerparity_build_target_layer(**kwargs)
 
     session = LayerParitySession(settings, Path(config.rootpath), build_target_layer)
     try:
-        session.selected_layers
-        session.layer_ranges
+        session.selected_layers  # noqa: B018  parsed now: a bad spec is a usage error
+        session.layer_ranges  # noqa: B018
         if settings.mode == "extract":
-            session.check_prompt()
-        if settings.mode != "extract":
+            check_prompt(settings, session.model.model_dir)
+        else:
             session.check_store_matches_model()
     except (ModelError, SelectionError) as exc:
-        raise _usage(exc) from None
+        raise pytest.UsageError(str(exc)) from None
     except GoldenError as exc:
         raise pytest.UsageError(f"refusing the golden store: {exc}") from None
-    config.stash[SESSION_KEY] = session
-    if not hasattr(config, "workerinput"):
-        config.pluginmanager.register(LayerParityReporter(settings, session.header_lines()), REPORTER_NAME)
-
-
-def pytest_cmdline_main(config: pytest.Config) -> int | None:
-    """``--plan``: print the memory plan and exit without running tests."""
-    if not config.getoption("layerparity_plan", False):
-        return None
-    from .modeling import ModelError
-    from .planning import plan_lines
-    from .session import LayerParitySession
-
-    try:
-        session = LayerParitySession(resolve_paths(read_settings(config), config), Path(config.rootpath))
-        lines = plan_lines(session)
-    except (ModelError, OSError, ValueError) as exc:
-        raise pytest.UsageError(f"--plan: {exc}") from None
-    for line in lines:
-        print(line)
-    return 0
+    return session
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -104,22 +130,18 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector):
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     report = yield
     if isinstance(collector, pytest.Session):
         session = collector.config.stash.get(SESSION_KEY, None)
         if session is not None:
             import importlib
 
-            names = [_SUITES[session.settings.mode]]
-            if session.layer_ranges:
-                names.append("suite_ranges")
-            if session.settings.chain:
-                names.append("suite_chain")
-            if session.settings.bisect:
-                names.append("suite_bisect")
-            for name in names:
-                module = importlib.import_module(f"pytest_layerparity.{name}")
+            from .suites import suite_modules
+
+            for name in suite_modules(session.settings, bool(session.layer_ranges)):
+                module = importlib.import_module(name)
+                assert module.__file__ is not None
                 report.result.append(pytest.Module.from_parent(collector, path=Path(module.__file__), nodeid=NODEID))
     return report
 
@@ -127,22 +149,31 @@ def pytest_make_collect_report(collector: pytest.Collector):
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "layerparity_case" not in metafunc.fixturenames:
         return
+    from .selection import layer_key
+    from .suites import CASE_KINDS
+
     session = metafunc.config.stash[SESSION_KEY]
-    name = metafunc.function.__name__
-    if name == "test_layer_range_parity":
-        cases: list[Any] = session.layer_ranges
-        ids = [r.id for r in cases]
-    elif name in ("test_chain_parity", "test_bisect"):
-        cases = session.chains
-        ids = [r.id for r in cases]
-    else:
-        cases = session.selected_layers
-        ids = [f"layer_{i}" for i in cases]
-    metafunc.parametrize("layerparity_case", cases, ids=ids)
+    kind = getattr(metafunc.module, "CASES", None)
+    if kind not in CASE_KINDS:
+        raise pytest.UsageError(f"{metafunc.module.__name__}: CASES must be one of {', '.join(CASE_KINDS)}, not {kind!r}")
+    if kind == "layers":
+        metafunc.parametrize("layerparity_case", session.selected_layers, ids=[layer_key(i) for i in session.selected_layers])
+        return
+    cases = session.layer_ranges if kind == "ranges" else session.chains
+    metafunc.parametrize("layerparity_case", cases, ids=[r.id for r in cases])
+
+
+@pytest.hookimpl
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """Say what the compile cache did in this process (not known to an xdist controller)."""
+    session = config.stash.get(SESSION_KEY, None)
+    line = session.cache_summary() if session is not None else None
+    if line:
+        terminalreporter.write_line(f"layerparity: {line}")
 
 
 @pytest.fixture(scope="session")
-def layerparity_session(pytestconfig: pytest.Config) -> Any:
+def layerparity_session(pytestconfig: pytest.Config) -> LayerParitySession:
     """The session's :class:`~pytest_layerparity.session.LayerParitySession`: the model,
     the golden store and the target runtime, set up once per process."""
     session = pytestconfig.stash.get(SESSION_KEY, None)
@@ -152,7 +183,7 @@ def layerparity_session(pytestconfig: pytest.Config) -> Any:
 
 
 @pytest.fixture
-def layerparity_record(request: pytest.FixtureRequest) -> Any:
+def layerparity_record(request: pytest.FixtureRequest) -> Callable[[str, Any], None]:
     """Like ``record_property``: adds (name, value) to the test's user properties, which
     JUnit XML, xdist and the layerparity reports carry; without record_property's warning
     under the default ``junit_family = xunit2`` (the properties are written either way)."""
@@ -164,11 +195,11 @@ def layerparity_record(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture
-def layerparity_golden(request: pytest.FixtureRequest, layerparity_session: Any) -> Any:
+def layerparity_golden(request: pytest.FixtureRequest, layerparity_session: LayerParitySession) -> list[GoldenEntry]:
     """The golden entries of this test's layer(s), verified; an unusable golden errors the
     test at setup with the file and the command that regenerates it."""
-    from .golden import GoldenError
     from .selection import LayerRange
+    from .store.golden import GoldenError
 
     case = request.getfixturevalue("layerparity_case")
     layers = case.layers() if isinstance(case, LayerRange) else [case]
@@ -179,14 +210,14 @@ def layerparity_golden(request: pytest.FixtureRequest, layerparity_session: Any)
 
 
 @pytest.fixture
-def compare_with_cpu(tmp_path: Path) -> Any:
+def compare_with_cpu(tmp_path: Path) -> Callable[..., Any]:
     """A factory of :class:`pytest_layerparity.ops.CompareWithCPU` for your own tests:
     ``with compare_with_cpu(atol=1e-3, rtol=1e-3) as tool: model(x)``; dumps and logs go
     to the test's tmp_path unless ``output_dir`` is given. ``tool.failures`` lists the ops
     that failed."""
     from .ops import CompareWithCPU
 
-    def make(**kwargs: Any) -> Any:
+    def make(**kwargs: Any) -> CompareWithCPU:
         kwargs.setdefault("output_dir", str(tmp_path / "compare_with_cpu"))
         return CompareWithCPU(**kwargs)
 
@@ -194,12 +225,12 @@ def compare_with_cpu(tmp_path: Path) -> Any:
 
 
 @pytest.fixture
-def nan_inf_tracker(tmp_path: Path) -> Any:
+def nan_inf_tracker(tmp_path: Path) -> Callable[..., Any]:
     """A factory of :class:`pytest_layerparity.ops.NanInfTracker` for your own tests:
     ``with nan_inf_tracker() as tracker: model(x)``, then ``tracker.first_failure``."""
     from .ops import NanInfTracker
 
-    def make(**kwargs: Any) -> Any:
+    def make(**kwargs: Any) -> NanInfTracker:
         kwargs.setdefault("output_dir", str(tmp_path / "nan_inf_tracker"))
         return NanInfTracker(**kwargs)
 
@@ -210,7 +241,7 @@ class LayerParityReporter:
     """Collects each layerparity test's properties (also from xdist workers, through the
     reports) for the terminal summary and ``--parity-report``."""
 
-    def __init__(self, settings: Any, header: list[str] | None = None) -> None:
+    def __init__(self, settings: Settings, header: list[str] | None = None) -> None:
         self.settings = settings
         self.header = header or []
         self.entries: list[dict[str, Any]] = []
@@ -219,10 +250,9 @@ class LayerParityReporter:
         if not report.nodeid.startswith(f"{NODEID}::"):
             return
         if report.when == "call" or (report.when == "setup" and report.failed):
-            from .report import reported_metrics
+            from .report.properties import reported_metrics
 
             props = dict(report.user_properties)
-            metrics = reported_metrics(props)
             verdict = props.get("verdict") or ("error" if report.when == "setup" else ("pass" if report.passed else "fail"))
             if report.failed and verdict == "pass":
                 verdict = "fail"
@@ -230,16 +260,19 @@ class LayerParityReporter:
                 "nodeid": report.nodeid,
                 "layers": props.get("layers", report.nodeid.rsplit("[", 1)[-1].rstrip("]").split("_", 1)[-1]),
                 "verdict": verdict,
-                "metrics": metrics,
+                "metrics": reported_metrics(props),
                 "message": report.longreprtext if report.failed else "",
                 "properties": {k: v for k, v in props.items() if "." in k},
                 "placement": props.get("placement"),
             })
 
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        from .report import summary_lines
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        from .distributed.env import rank_info
+        from .report.text import summary_lines
+        from .selection import case_order
 
-        lines = summary_lines(sorted(self.entries, key=lambda e: _case_order(e["nodeid"])))
+        ordered = sorted(self.entries, key=lambda e: case_order(e["nodeid"]))
+        lines = summary_lines(ordered)
         placements = sorted({e["placement"] for e in self.entries if e.get("placement")})
         if lines:
             terminalreporter.write_sep("=", "layerparity summary")
@@ -247,29 +280,8 @@ class LayerParityReporter:
                 terminalreporter.write_line(f"reference placement: {placement}")
             for line in lines:
                 terminalreporter.write_line(line)
-        if self.settings.parity_report:
-            from .report import write_reports
+        if self.settings.parity_report and rank_info().reports:
+            from .report.files import write_reports
 
-            ordered = sorted(self.entries, key=lambda e: _case_order(e["nodeid"]))
             paths = write_reports(self.settings.parity_report, ordered, header=self.header)
             terminalreporter.write_line(f"layerparity: reports written to {', '.join(str(p) for p in paths)}")
-
-
-def _case_order(nodeid: str) -> tuple:
-    import re
-
-    numbers = [int(n) for n in re.findall(r"\d+", nodeid.rsplit("[", 1)[-1])]
-    return (nodeid.split("[")[0], numbers)
-
-
-# -- runs over several processes (distributed.py): torchrun ranks, xdist workers pinned to
-# their own NeuronCores / GPU, the compile cache's location. Registered before every other
-# pytest_configure so that it sees the options before junitxml and the session read them.
-
-
-@pytest.hookimpl(tryfirst=True, specname="pytest_configure")
-def pytest_configure_distributed(config: pytest.Config) -> None:
-    from .distributed import PLUGIN_NAME, DistributedRuns
-
-    if not config.pluginmanager.has_plugin(PLUGIN_NAME):
-        config.pluginmanager.register(DistributedRuns(), PLUGIN_NAME)

@@ -1,10 +1,32 @@
-"""Layer selection specs: ``17``, ``0-30``, ``0-5,10,20-25``, ``all``."""
+"""Which layers a run covers: the specs ``17``, ``0-30``, ``0-5,10,20-25``, ``all``; the
+contiguous runs of a selection; and the one spelling of a layer's key (``layer_17``), which
+names its golden, its test id and its row in the reports."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
 _PART = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+_LAYER_KEY = re.compile(r"layer_(\d+)")
+_NUMBER = re.compile(r"\d+")
+
+
+def layer_key(index: int) -> str:
+    """``17`` -> ``layer_17``: the golden's key, the test id, the report's row."""
+    return f"layer_{index}"
+
+
+def parse_layer_key(key: str) -> int | None:
+    """``layer_17`` -> 17; None for any other key (``model_io``, ``layers_0-5``)."""
+    match = _LAYER_KEY.fullmatch(key)
+    return int(match.group(1)) if match else None
+
+
+def case_order(test_id: str) -> tuple[str, list[int]]:
+    """Sort key of a test id such as ``test_layer_parity[layer_10]`` or
+    ``test_chain_parity[layers_0-5]``: the test name, then its layer numbers."""
+    name, _, params = test_id.partition("[")
+    return name, [int(n) for n in _NUMBER.findall(params)]
 
 
 class SelectionError(ValueError):
@@ -62,6 +84,17 @@ def parse_layers(spec: str, num_layers: int) -> list[int]:
     for layer_range in _parse_parts(spec, num_layers, "--layers"):
         selected.update(layer_range.layers())
     return sorted(selected)
+
+
+def contiguous_runs(layers: list[int]) -> list[LayerRange]:
+    """The contiguous runs of sorted ``layers``: ``[0, 1, 2, 5, 6]`` -> ``0-2``, ``5-6``."""
+    runs: list[LayerRange] = []
+    for index in layers:
+        if runs and runs[-1].last == index - 1:
+            runs[-1] = LayerRange(runs[-1].first, index)
+        else:
+            runs.append(LayerRange(index, index))
+    return runs
 
 
 def parse_layer_ranges(spec: str, num_layers: int) -> list[LayerRange]:

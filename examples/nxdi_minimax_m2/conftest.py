@@ -186,9 +186,9 @@ def pytest_layerparity_build_target_layer(layer_idx: int, reference_layer: torch
 
 def _golden_input_shape() -> tuple[int, int]:
     """(batch size, sequence length) of the goldens' input (the stored input ids)."""
-    from pytest_layerparity.plugin import SESSION_KEY
+    from pytest_layerparity.state import SESSION_KEY
 
-    batch_size, seq_len = _CONFIG[0].stash[SESSION_KEY].stored_input_ids().shape
+    batch_size, seq_len = _CONFIG[0].stash[SESSION_KEY].reference.stored_input_ids().shape
     return int(batch_size), int(seq_len)
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .base import Backend, BackendUnavailable
+
+if TYPE_CHECKING:
+    from ..options import Settings
 
 TARGETS = ("cpu", "cuda", "xla", "neuron")
 
@@ -38,27 +41,37 @@ def check_installed(what: str) -> None:
         raise BackendUnavailable(f"{', '.join(missing)} not installed; {INSTALL_HINTS[what]}")
 
 
-def create_backend(name: str, options: Any = None) -> Backend:
-    """A backend by target name. ``options`` carries backend settings (e.g. tp_degree)."""
+def backend_class(name: str) -> type[Backend]:
+    """The backend class of a target name (its module imports no runtime)."""
     if name == "cpu":
         from .cpu import CpuBackend
 
-        return CpuBackend()
+        return CpuBackend
     if name == "cuda":
         from .cuda import CudaBackend
 
-        return CudaBackend()
+        return CudaBackend
     if name == "xla":
-        check_installed("xla")
         from .xla import XlaBackend
 
-        return XlaBackend(compile_cache=getattr(options, "compile_cache", None))
+        return XlaBackend
     if name == "neuron":
-        check_installed("neuron")
         from .neuron import NeuronBackend
 
-        return NeuronBackend(tp_degree=getattr(options, "tp_degree", 1), compile_cache=getattr(options, "compile_cache", None))
+        return NeuronBackend
     raise BackendUnavailable(f"unknown target {name!r}; choose one of {', '.join(TARGETS)}")
 
 
-__all__ = ["Backend", "BackendUnavailable", "TARGETS", "check_installed", "create_backend", "missing_modules"]
+def create_backend(name: str, options: Settings | None = None) -> Backend:
+    """A backend by target name. ``options`` carries backend settings (e.g. tp_degree)."""
+    cls = backend_class(name)
+    if name in ("xla", "neuron"):
+        check_installed(name)
+    if name == "xla":
+        return cls(compile_cache=getattr(options, "compile_cache", None))
+    if name == "neuron":
+        return cls(tp_degree=getattr(options, "tp_degree", 1), compile_cache=getattr(options, "compile_cache", None))
+    return cls()
+
+
+__all__ = ["TARGETS", "Backend", "BackendUnavailable", "backend_class", "check_installed", "create_backend", "missing_modules"]

@@ -32,3 +32,7 @@ class Backend:
 
     def describe(self) -> str:
         return self.name
+
+    def cache_summary(self) -> str | None:
+        """One line on the compile cache's use in this process, or None."""
+        return None

@@ -38,7 +38,7 @@ def apply_env_defaults(environ: MutableMapping[str, str] | None = None, port: in
             environ[key] = value
             applied[key] = value
     if "MASTER_PORT" not in environ:
-        from ..distributed import free_port
+        from ..distributed.env import free_port
 
         environ["MASTER_PORT"] = applied["MASTER_PORT"] = str(port if port is not None else free_port(environ["MASTER_ADDR"]))
     return applied

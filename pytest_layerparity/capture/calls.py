@@ -1,0 +1,45 @@
+"""Record a module's whole call with forward hooks (always removed), encoded as a call spec."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..store.callspec import CallRecord, encode_call, encode_output
+
+
+@contextmanager
+def capture_calls(modules: Mapping[int, torch.nn.Module], sink: Callable[[int, CallRecord], None]) -> Iterator[None]:
+    """Record each module's call while the block runs; ``sink(index, record)`` gets each one.
+
+    Hooks are always removed, also when the forward raises.
+    """
+    handles = []
+    pending: dict[int, CallRecord] = {}
+
+    def pre_hook(index: int):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            record = CallRecord()
+            encode_call(args, kwargs, record)
+            pending[index] = record
+
+        return hook
+
+    def post_hook(index: int):
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            record = pending.pop(index)
+            encode_output(output, record)
+            sink(index, record)
+
+        return hook
+
+    try:
+        for index, module in modules.items():
+            handles.append(module.register_forward_pre_hook(pre_hook(index), with_kwargs=True))
+            handles.append(module.register_forward_hook(post_hook(index), with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

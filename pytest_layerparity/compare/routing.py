@@ -1,0 +1,91 @@
+"""Mixture-of-experts routing, judged: how the target's expert choices agree with the
+golden's, and which flipped tokens were near ties (a decision within the dtype's noise)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def router_names(tensors: dict[str, Any]) -> list[str]:
+    return sorted({key[len("routing."):-len(".indices")] for key in tensors if key.startswith("routing.") and key.endswith(".indices")})
+
+
+@dataclass(frozen=True)
+class RoutingAgreement:
+    """How the target's expert choices agree with the golden's, for one router."""
+
+    router: str
+    tokens: int
+    agreement: float  # share of tokens with the same expert set
+    flipped: int
+    near_tie_flipped: int
+    flipped_tokens: tuple[int, ...]
+    near_tie_tokens: tuple[int, ...]
+
+    def describe(self) -> str:
+        if not self.flipped:
+            return f"routing ({self.router}): all {self.tokens} tokens chose the same experts"
+        other = self.flipped - self.near_tie_flipped
+        text = f"routing ({self.router}): {self.flipped} of {self.tokens} tokens chose other experts"
+        parts = []
+        if self.near_tie_flipped:
+            parts.append(f"routing flipped on {self.near_tie_flipped} near-tie tokens (router margin within the dtype's noise)")
+        if other:
+            parts.append(f"{other} flipped without a near tie (a routing bug?)")
+        return text + ": " + "; ".join(parts)
+
+
+def tie_margin(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Per token: the gap between the k-th and (k+1)-th largest router logit, relative to
+    the largest magnitude of that token's logits."""
+    values = torch.topk(logits.double(), min(top_k + 1, logits.shape[-1]), dim=-1).values
+    if values.shape[-1] <= top_k:
+        return torch.full((logits.shape[0],), float("inf"), dtype=torch.float64)
+    scale = logits.double().abs().amax(dim=-1).clamp_min(1e-30)
+    return (values[:, top_k - 1] - values[:, top_k]) / scale
+
+
+def _pair_margin(ref_logits: torch.Tensor, golden_set: set[int], target_set: set[int]) -> float:
+    """The smallest exact-logit gap between an expert only the golden chose and one only the
+    target chose: how close the decision between them really was."""
+    only_g, only_t = golden_set - target_set, target_set - golden_set
+    return min(abs(float(ref_logits[a]) - float(ref_logits[b])) for a in only_g for b in only_t)
+
+
+def agreement(router: str, golden: dict[str, torch.Tensor], target: dict[str, torch.Tensor], tie_tolerance: float,
+              tie_factor: float = 4.0) -> RoutingAgreement | None:
+    """Agreement of one router. A flipped token is a near tie when the exact (higher
+    precision) choice scores of the experts that swapped differ by no more than
+    ``tie_factor`` times the golden's own rounding error of that token's scores; goldens
+    without the exact scores fall back to the relative logit margin ``tie_tolerance``."""
+    key = f"routing.{router}"
+    if f"{key}.indices" not in target or f"{key}.indices" not in golden:
+        return None
+    g_idx = golden[f"{key}.indices"].sort(dim=-1).values
+    t_idx = target[f"{key}.indices"].sort(dim=-1).values
+    if g_idx.shape != t_idx.shape:
+        return None
+    same = (g_idx == t_idx).all(dim=-1)
+    flipped = [int(i) for i in (~same).nonzero().flatten()]
+    kind = "scores" if f"{key}.scores" in golden and f"ref_routing.{router}.scores" in golden else "logits"
+    g_logits = golden[f"{key}.{kind}"].double()
+    ref_logits = golden.get(f"ref_routing.{router}.{kind}")
+    near = []
+    if ref_logits is not None and ref_logits.shape == g_logits.shape:
+        ref_logits = ref_logits.double()
+        noise = (g_logits - ref_logits).abs().amax(dim=-1)
+        for j in flipped:
+            margin = _pair_margin(ref_logits[j], set(g_idx[j].tolist()), set(t_idx[j].tolist()))
+            if margin <= tie_factor * float(noise[j]):
+                near.append(j)
+    else:
+        margin = tie_margin(g_logits, g_idx.shape[-1])
+        near = [j for j in flipped if float(margin[j]) <= tie_tolerance]
+    tokens = int(same.numel())
+    return RoutingAgreement(
+        router=router, tokens=tokens, agreement=float(same.double().mean()) if tokens else 1.0,
+        flipped=len(flipped), near_tie_flipped=len(near),
+        flipped_tokens=tuple(flipped), near_tie_tokens=tuple(near),
+    )

@@ -1,0 +1,127 @@
+"""Thresholds and the pass/fail verdict of one comparison.
+
+Two policies:
+
+* ``noise`` (the default): fail on NaN/Inf, on a cosine below the limit, or when the target's
+  error against the precision floor (the layer evaluated in higher precision) is more than a
+  few times the golden's own rounding error, tensor-wide (``noise_ratio``) or on any one token
+  (``token_noise_ratio``), or along the layer's own contribution (``contribution_bias``).
+  Needs goldens that carry the precision floor; for goldens without it the ``table`` policy
+  applies.
+* ``table``: the seeds' fixed table (max/mean abs diff, similarity, cosine, Pearson).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..options import Settings
+    from .floor import FloorStats
+    from .metrics import Metrics
+
+# Per golden dtype: (max_noise_ratio, max_token_noise_ratio, min_cosine). Chosen from the
+# measurements in bench/bench_verdicts.py (see README, "Choosing the default verdict"):
+# correct bf16 layers on torch-xla stayed below 1.1 (tensor-wide) and 1.6 (per token).
+NOISE_DEFAULTS = {
+    "bfloat16": (1.5, 3.0, 0.99),
+    "float16": (1.5, 3.0, 0.99),
+    "float32": (1.5, 3.0, 0.9999),
+}
+# The target's error along the layer's own contribution, in units of the noise: correct
+# layers stayed within 4.6, bugs that scale a contribution (a norm epsilon, an expert
+# scale) reach 10 and beyond.
+MAX_CONTRIBUTION_Z = 6.0
+
+
+@dataclass(frozen=True)
+class Check:
+    """One metric against its threshold."""
+
+    name: str
+    value: float
+    op: str  # "<=" (value must not exceed limit), ">=" (must reach limit), "==" for counts
+    limit: float
+    ok: bool
+
+    def describe(self) -> str:
+        verdict = "ok" if self.ok else "FAIL"
+        return f"{self.name:<22} {_fmt(self.value):>14}   {self.op} {_fmt(self.limit):<10} {verdict}"
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "nan"
+    return f"{value:.6g}"
+
+
+def _upper(name: str, value: float, limit: float) -> Check:
+    return Check(name, value, "<=", limit, not math.isnan(value) and value <= limit)
+
+
+def _lower(name: str, value: float, limit: float) -> Check:
+    return Check(name, value, ">=", limit, not math.isnan(value) and value >= limit)
+
+
+def noise_limits(settings: Settings, dtype: str) -> tuple[float, float, float]:
+    """(max_noise_ratio, max_token_noise_ratio, min_cosine) in force for ``dtype``."""
+    ratio, token, cosine = NOISE_DEFAULTS.get(dtype, NOISE_DEFAULTS["bfloat16"])
+    return (
+        settings.max_noise_ratio if settings.max_noise_ratio is not None else ratio,
+        settings.max_token_noise_ratio if settings.max_token_noise_ratio is not None else token,
+        settings.min_cosine if settings.min_cosine is not None else cosine,
+    )
+
+
+def policy_in_force(settings: Settings, has_floor: bool) -> str:
+    return "noise" if settings.verdict == "noise" and has_floor else "table"
+
+
+def contribution_limit(settings: Settings) -> float:
+    return settings.max_contribution_z if settings.max_contribution_z is not None else MAX_CONTRIBUTION_Z
+
+
+def evaluate(metrics: Metrics, settings: Settings, floor: FloorStats | None = None,
+             dtype: str = "bfloat16") -> list[Check]:
+    """Each metric against its threshold under the policy in force."""
+    non_finite = metrics.golden_nan + metrics.golden_inf + metrics.target_nan + metrics.target_inf
+    checks = [Check("nan_inf_count", non_finite, "==", 0, non_finite == 0)]
+    if policy_in_force(settings, floor is not None) == "noise":
+        assert floor is not None
+        max_ratio, max_token, min_cos = noise_limits(settings, dtype)
+        checks += [
+            _lower("cosine_similarity", metrics.cosine_similarity, min_cos),
+            _upper("noise_ratio", floor.noise_ratio, max_ratio),
+            _upper("token_noise_ratio", floor.token_noise_ratio, max_token),
+        ]
+        if floor.contribution_z is not None:
+            checks.append(_upper("contribution_bias", abs(floor.contribution_z), contribution_limit(settings)))
+        return checks
+    return checks + [
+        _upper("max_abs_diff", metrics.max_abs_diff, settings.max_abs_diff),
+        _upper("mean_abs_diff", metrics.mean_abs_diff, settings.max_mean_abs_diff),
+        _lower("similarity_percentage", metrics.similarity_percentage, settings.min_similarity),
+        _lower("cosine_similarity", metrics.cosine_similarity, table_min_cosine(settings)),
+        _lower("pearson_correlation", metrics.pearson_correlation, settings.min_pearson),
+    ]
+
+
+def table_min_cosine(settings: Settings) -> float:
+    return settings.min_cosine if settings.min_cosine is not None else 0.99
+
+
+def describe_rule(settings: Settings, dtype: str) -> str:
+    """The rule in force, in one line (the session header prints it)."""
+    if settings.verdict == "noise":
+        ratio, token, cosine = noise_limits(settings, dtype)
+        return (f"noise policy ({dtype}): fail on NaN/Inf, cosine_similarity < {cosine:g}, "
+                f"noise_ratio > {ratio:g}, token_noise_ratio > {token:g} or contribution_bias > "
+                f"{contribution_limit(settings):g} "
+                "(error against the float32/float64 evaluation, in units of the golden's own error); "
+                "goldens without the precision floor use the table policy")
+    return (f"table policy: fail on NaN/Inf, max_abs_diff > {settings.max_abs_diff:g}, mean_abs_diff > "
+            f"{settings.max_mean_abs_diff:g}, similarity_percentage < {settings.min_similarity:g}, "
+            f"cosine_similarity < {table_min_cosine(settings):g}, pearson_correlation < {settings.min_pearson:g}")

@@ -1,0 +1,49 @@
+"""Compare two stores of per-layer outputs without running a model: the goldens, and a
+target's ``--save-outputs`` (``python -m pytest_layerparity compare``). The same judge as
+the plugin's, on tensors read from the two stores."""
+from __future__ import annotations
+
+import fnmatch
+from typing import TYPE_CHECKING, Any
+
+from .compare.judge import LayerOutcome, judge_golden
+from .options import DTYPES
+from .report.properties import properties
+from .report.text import failure_text
+from .selection import layer_key, parse_layer_key
+from .store.callspec import hidden_input_name, primary_output_name
+from .store.golden import GoldenStore
+
+if TYPE_CHECKING:
+    from .options import Settings
+
+
+def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Settings) -> list[dict[str, Any]]:
+    """One report entry per layer that both stores hold and ``pattern`` matches."""
+    golden, target = GoldenStore(golden_dir), GoldenStore(target_dir)
+    manifest = golden.read_manifest()
+    if manifest is None:
+        raise SystemExit(f"error: {golden_dir} is not a golden store (no manifest.json)")
+    if target.read_manifest() is None:
+        raise SystemExit(f"error: {target_dir} is not a store of outputs (no manifest.json); write one with --save-outputs")
+    layers = sorted(index for key in set(golden.keys()) & set(target.keys())
+                    if fnmatch.fnmatch(key, pattern) and (index := parse_layer_key(key)) is not None)
+    if not layers:
+        raise SystemExit(f"error: no layer matches {pattern!r} in both {golden_dir} and {target_dir}")
+    dtype = manifest.get("dtype") if manifest.get("dtype") in DTYPES else "float32"
+    entries = []
+    for index in layers:
+        key = layer_key(index)
+        g, t = golden.load(key), target.load(key)
+        spec = g.metadata["call"]
+        name = primary_output_name(spec)
+        outcome = judge_golden(index, g.tensors, name, t.tensors[name], t.tensors, settings, dtype,
+                               hidden_in=g.tensors.get(hidden_input_name(spec)))
+        entries.append({"nodeid": f"compare::{key}", "layers": str(index),
+                        "verdict": "pass" if outcome.passed else "fail",
+                        "metrics": dict(properties(outcome)), "message": "" if outcome.passed else _failure(outcome)})
+    return entries
+
+
+def _failure(outcome: LayerOutcome) -> str:
+    return failure_text(outcome, "(offline compare)", "rerun the layer on the target with -k layer_N")

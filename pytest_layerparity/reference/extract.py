@@ -1,0 +1,197 @@
+"""The reference side: run the HuggingFace model once on the golden input, capture every
+selected layer's whole call and output, and write them (with the precision floor) as
+goldens; or re-run it and check that the stored goldens reproduce."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from .. import __version__
+from ..capture.calls import capture_calls
+from ..capture.routing import capture_routing
+from ..compare.floor import FLOOR_KEY
+from ..compare.judge import LayerOutcome, judge
+from ..selection import layer_key
+from ..store.callspec import CallRecord, primary_output_name
+from ..store.golden import GoldenError, GoldenStore
+from ..store.identity import EXTRACTION_KEYS
+from .audit import dtype_audit
+from .floor import FloorEvaluator
+from .inputs import input_description, make_input_ids
+from .model import ModelError, ModelSource, build_skeleton, find_layer_list, layer_count_from_config
+from .placement import choose_device_map, input_device, load_whole_model, placement_summary
+from .plan import resolve_golden_device
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..options import Settings
+    from .streaming import Unit
+
+MODEL_IO_KEY = "model_io"
+
+
+@dataclass
+class ReferenceRun:
+    """What one forward pass of the reference model captured."""
+
+    calls: dict[int, CallRecord] = field(default_factory=dict)
+    model_io: dict[str, torch.Tensor] = field(default_factory=dict)
+    layer_path: str = ""
+
+
+class ReferenceSide:
+    """The reference model of one session: its placement, its one forward pass (cached), and
+    the goldens written from it. ``extract_command(layers)`` is the fix errors suggest."""
+
+    def __init__(self, settings: Settings, model: ModelSource, store: GoldenStore, dtype_name: str,
+                 floor: FloorEvaluator, extract_command: Callable[[str | None], str]) -> None:
+        self.settings = settings
+        self.model = model
+        self.store = store
+        self.dtype_name = dtype_name
+        self.floor = floor
+        self.extract_command = extract_command
+        self.placement: dict[str, Any] | None = None  # accelerate's device map of the whole model
+        self.audit: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}  # streamed unit -> odd tensors
+        self._run: ReferenceRun | None = None
+        self._keep_in_fp32: list[str] | None = None  # modules the model keeps in float32 on purpose
+        self._header_written = False
+        self._model_io_checked = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype_name)
+
+    @cached_property
+    def golden_device(self) -> str:
+        return resolve_golden_device(self.settings.golden_device)
+
+    @cached_property
+    def device_map(self) -> str:
+        """'stream', or an accelerate device map for the whole model."""
+        return choose_device_map(self.settings, self.model, self.dtype_name, self.golden_device)
+
+    def run(self, layers: list[int], input_ids: torch.Tensor | None = None) -> ReferenceRun:
+        """Run the whole reference model once, capturing ``layers``' calls (cached)."""
+        if self._run is not None:
+            return self._run
+        import torch
+
+        streaming = self.device_map == "stream"
+        model = self._load(streaming)
+        layer_path, _ = find_layer_list(model, layer_count_from_config(self.model.config_json), self.model.layer_module)
+        layer_list = model.get_submodule(layer_path)
+        self._keep_in_fp32 = getattr(model, "_keep_in_fp32_modules", None)
+        run = ReferenceRun(layer_path=layer_path)
+        ids = make_input_ids(self.settings, self.model.model_dir, self.model.vocab_size) if input_ids is None else input_ids
+        device = self.golden_device if streaming else input_device(model)
+        embeddings = model.get_input_embeddings()
+        handle = embeddings.register_forward_hook(
+            lambda module, args, output: run.model_io.__setitem__("embeddings", output.detach().to("cpu", copy=True))
+        )
+        routing: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layers}
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(capture_calls({i: layer_list[i] for i in layers}, run.calls.__setitem__))
+                for i in layers:
+                    stack.enter_context(capture_routing(layer_list[i], self.model.top_k, routing[i]))
+                stack.enter_context(torch.no_grad())
+                if streaming:
+                    from .streaming import streamed
+
+                    stack.enter_context(streamed(model, self.model.checkpoint, layer_path, self.torch_dtype,
+                                                 self.golden_device, on_unit=self._audit_unit))
+                output = model(input_ids=ids.to(device), use_cache=False)
+        finally:
+            handle.remove()
+        for i, tensors in routing.items():
+            if i in run.calls:
+                run.calls[i].tensors.update(tensors)
+        logits = getattr(output, "logits", None)
+        if logits is None:
+            logits = output.last_hidden_state
+        run.model_io["input_ids"] = ids.cpu()
+        run.model_io["logits"] = logits.detach().to("cpu", copy=True)
+        self._run = run
+        del model
+        return run
+
+    def _load(self, streaming: bool) -> Any:
+        if streaming:
+            return build_skeleton(self.model.hf_config, self.torch_dtype, self.model.trust_remote_code)
+        model, self.placement = load_whole_model(self.model, self.settings, self.torch_dtype, self.device_map)
+        return model
+
+    def placement_summary(self) -> str:
+        return placement_summary(self.placement, self.device_map, self.golden_device)
+
+    def _audit_unit(self, unit: Unit, module: Any) -> None:
+        """The dtype audit of one streamed unit: refuse a layer that would materialise in
+        float32 under a 16-bit request (the seeds' 1 TB bug), naming the tensors."""
+        report = dtype_audit(module, self.torch_dtype, keep=self._keep_in_fp32)
+        self.audit[unit.path] = report.odd
+        if report.fatal:
+            raise ModelError(f"{unit.path}: {report.message}")
+
+    def header(self) -> dict[str, Any]:
+        """The manifest header of this extraction."""
+        import torch
+        import transformers
+
+        identity = self.model.identity()
+        layer_path = self._run.layer_path if self._run is not None else self.model.layer_list[0]
+        identity.update({"path": str(self.model.model_dir), "name": self.model.model_dir.name, "layer_module": layer_path})
+        return {
+            "created_by": f"pytest-layerparity {__version__}",
+            "model": identity,
+            "dtype": self.dtype_name,
+            "reference_device": self.golden_device.split(":")[0],
+            "inputs": input_description(self.settings),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        }
+
+    def extract_layer(self, index: int, layers: list[int]) -> dict[str, Any]:
+        """Write the golden of layer ``index`` (running the reference once for ``layers``)."""
+        run = self.run(layers)
+        if not self._header_written:
+            self.store.begin(self.header(), compare_keys=EXTRACTION_KEYS)
+            self._header_written = True
+        if not self._model_io_checked:
+            if not self.store.verifies(MODEL_IO_KEY):  # absent or damaged: (re)write it; NaN logits are left out
+                self.store.write(MODEL_IO_KEY, run.model_io, {"kind": "model_io"}, omit_nonfinite=True)
+            self._model_io_checked = True
+        record = run.calls[index]
+        if not self.settings.no_precision_floor:
+            floor, floor_routing = self.floor.evaluate(index, record.spec, record.tensors)
+            record.tensors[FLOOR_KEY] = floor
+            record.tensors.update(floor_routing)
+        floor_dtype = record.tensors[FLOOR_KEY].dtype if FLOOR_KEY in record.tensors else None
+        try:
+            path = self.store.write(layer_key(index), record.tensors, {
+                "kind": "layer", "layer": index, "call": record.spec,
+                "ref_dtype": str(floor_dtype).removeprefix("torch.") if floor_dtype is not None else None,
+            })
+        except ValueError as exc:
+            raise GoldenError(f"layer {index}: the reference output is not usable as a golden: {exc}") from exc
+        out = record.tensors[primary_output_name(record.spec)]
+        return {"shape": list(out.shape), "dtype": str(out.dtype).removeprefix("torch."),
+                "tensors": len(record.tensors), "file": str(path)}
+
+    def stored_input_ids(self) -> torch.Tensor:
+        entry = self.store.load(MODEL_IO_KEY, missing_hint=f"extract first: {self.extract_command(None)}")
+        return entry.tensors["input_ids"]
+
+    def verify_layer(self, index: int, layers: list[int], golden_tensors: dict[str, torch.Tensor],
+                     spec: dict[str, Any]) -> LayerOutcome:
+        """Re-run the reference from the stored input and hold it against the stored golden."""
+        run = self.run(layers, input_ids=self.stored_input_ids())
+        record = run.calls[index]
+        golden = golden_tensors[primary_output_name(spec)]
+        new = record.tensors[primary_output_name(record.spec)]
+        return judge(index, golden, new, self.settings, self.dtype_name, reference=golden_tensors.get(FLOOR_KEY))

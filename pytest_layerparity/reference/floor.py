@@ -1,0 +1,58 @@
+"""The precision floor: a layer evaluated in higher precision (float32 for 16-bit goldens,
+float64 for float32 ones; weights and inputs upcast, on the CPU). Extraction stores it
+with each golden; chained runs evaluate it along the chain. The verdict measures the
+target's error against it in units of the golden's own rounding error."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from ..capture.routing import capture_routing, ref_routing
+from ..store.callspec import decode_call, first_tensor, replace_hidden_input
+from .model import ModelSource, build_skeleton, give_back_memory, load_layer
+
+if TYPE_CHECKING:
+    import torch
+
+
+def floor_dtype(golden_dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit goldens, float64 for float32 ones."""
+    import torch
+
+    return torch.float64 if golden_dtype == torch.float32 else torch.float32
+
+
+class FloorEvaluator:
+    """Evaluates the layers of one model in the floor dtype of ``golden_dtype``."""
+
+    def __init__(self, model: ModelSource, golden_dtype: torch.dtype) -> None:
+        self.model = model
+        self.dtype = floor_dtype(golden_dtype)
+
+    @cached_property
+    def skeleton(self) -> Any:
+        config = copy.deepcopy(self.model.hf_config)
+        if hasattr(config, "_experts_implementation"):
+            config._experts_implementation = "eager"  # grouped kernels have no float64
+        return build_skeleton(config, self.dtype, self.model.trust_remote_code)
+
+    def evaluate(self, index: int, spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Layer ``index`` on the call ``spec``/``tensors`` (hidden states replaced by
+        ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
+        routers' exact logits and scores (``ref_routing.*``)."""
+        import torch
+
+        layer = load_layer(self.skeleton, self.model.checkpoint, self.model.layer_list[0], index, self.dtype).eval()
+        upcast = {k: (v.to(self.dtype) if torch.is_floating_point(v) else v) for k, v in tensors.items()}
+        if hidden is not None:
+            upcast = replace_hidden_input(spec, upcast, hidden)
+        args, kwargs = decode_call(spec, upcast)
+        routing: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), capture_routing(layer, self.model.top_k, routing):
+            out = first_tensor(layer(*args, **kwargs))
+        del layer, args, kwargs, upcast
+        give_back_memory()
+        return out.detach().to("cpu", self.dtype), ref_routing(routing)

@@ -1,0 +1,385 @@
+"""Model-side helpers: read a checkpoint's config, find its decoder-layer list, build a
+weightless skeleton, and load one layer's weights from the safetensors shards.
+
+Nothing here is specific to one architecture: the layer list is found by name among the
+common HF layouts, or by the model's own ``nn.ModuleList`` whose length is the configured
+layer count, or named by the user (``--layer-module``).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+# Common places of the decoder-layer list, tried in order.
+LAYER_LIST_CANDIDATES = (
+    "model.layers",
+    "model.language_model.layers",
+    "language_model.model.layers",
+    "model.decoder.layers",
+    "transformer.h",
+    "transformer.layers",
+    "transformer.blocks",
+    "gpt_neox.layers",
+    "model.transformer.h",
+    "layers",
+    "encoder.layer",
+    "bert.encoder.layer",
+    "h",
+)
+_LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype")
+
+
+class ModelError(Exception):
+    """The model folder cannot be used as given; the message says what to fix."""
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelError(
+            f"{model_dir} has no config.json; --model must be a HuggingFace model folder "
+            "(config.json and safetensors weights)"
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path}: cannot read it as JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelError(f"{path}: not a JSON object")
+    return data
+
+
+def config_sha256(config: dict[str, Any]) -> str:
+    """A hash of the model's architecture config, ignoring fields that change with tooling."""
+    stable = {k: v for k, v in config.items() if k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(stable, sort_keys=True).encode()).hexdigest()
+
+
+def layer_count_from_config(config: dict[str, Any]) -> int | None:
+    for scope in (config, config.get("text_config") or {}):
+        for key in _LAYER_COUNT_KEYS:
+            value = scope.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def hidden_size_from_config(config: dict[str, Any]) -> int | None:
+    for scope in (config, config.get("text_config") or {}):
+        for key in ("hidden_size", "n_embd", "d_model"):
+            value = scope.get(key)
+            if isinstance(value, int):
+                return value
+    return None
+
+
+def torch_dtype(name: str):
+    import torch
+
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ModelError(f"unknown dtype {name!r}")
+    return value
+
+
+def load_hf_config(model_dir: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+
+
+def model_class_for(hf_config: Any, trust_remote_code: bool = False):
+    """The class the checkpoint was saved from (config.architectures), else the causal-LM
+    class of its model type, else the base model: so module names match checkpoint keys."""
+    import transformers
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for name in getattr(hf_config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    if getattr(hf_config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or trust_remote_code:
+        return AutoModelForCausalLM
+    return AutoModel
+
+
+def build_skeleton(hf_config: Any, dtype: Any, trust_remote_code: bool = False):
+    """The model with every parameter on the meta device (no weight memory); real buffers."""
+    from accelerate import init_empty_weights
+
+    cls = model_class_for(hf_config, trust_remote_code)
+    with init_empty_weights(include_buffers=False):
+        if cls.__name__.startswith("Auto"):
+            model = cls.from_config(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
+        else:
+            model = cls._from_config(hf_config, dtype=dtype)
+    return model.eval()
+
+
+def get_submodule(model: Any, path: str):
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def find_layer_list(model: Any, num_layers: int | None, layer_module: str | None = None) -> tuple[str, Any]:
+    """Return ``(dotted path, ModuleList)`` of the decoder layers."""
+    import torch
+
+    if layer_module:
+        found = get_submodule(model, layer_module)
+        if not isinstance(found, (torch.nn.ModuleList, torch.nn.Sequential)):
+            raise ModelError(
+                f"--layer-module {layer_module!r} is not a list of layers in {type(model).__name__}; "
+                f"module lists in this model: {', '.join(module_lists(model)) or 'none'}"
+            )
+        return layer_module, found
+    for path in LAYER_LIST_CANDIDATES:
+        found = get_submodule(model, path)
+        if isinstance(found, torch.nn.ModuleList) and len(found) > 0:
+            return path, found
+    lists = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, torch.nn.ModuleList)]
+    matching = [(name, mod) for name, mod in lists if num_layers is None or len(mod) == num_layers]
+    if len(matching) >= 1:
+        return matching[0]
+    raise ModelError(
+        f"cannot find the decoder-layer list of {type(model).__name__}; name it with "
+        f"--layer-module (module lists in this model: {', '.join(module_lists(model)) or 'none'})"
+    )
+
+
+def module_lists(model: Any) -> list[str]:
+    import torch
+
+    return [f"{name} ({len(mod)})" for name, mod in model.named_modules() if isinstance(mod, torch.nn.ModuleList)]
+
+
+# -- checkpoint access ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The safetensors files of a model folder and which file holds each tensor."""
+
+    root: Path
+    weight_map: dict[str, str]
+
+    @classmethod
+    def open(cls, model_dir: str | Path) -> Checkpoint:
+        root = Path(model_dir)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            data = json.loads(index.read_text(encoding="utf-8"))
+            return cls(root, dict(data["weight_map"]))
+        single = root / "model.safetensors"
+        if single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), "pt") as handle:
+                return cls(root, {key: single.name for key in handle.keys()})
+        raise ModelError(f"{root} has no model.safetensors or model.safetensors.index.json")
+
+    def layer_keys(self, layer_path: str, index: int) -> list[str]:
+        """Checkpoint keys of decoder layer ``index`` of the list at ``layer_path``."""
+        prefix = f"{layer_path}.{index}."
+        keys = [key for key in self.weight_map if key.startswith(prefix)]
+        if keys:
+            return keys
+        list_name = re.escape(layer_path.rsplit(".", 1)[-1])
+        pattern = re.compile(rf"(^|\.){list_name}\.{index}\.")
+        return [key for key in self.weight_map if pattern.search(key)]
+
+    def files_for(self, keys: Iterable[str]) -> list[str]:
+        return sorted({self.weight_map[key] for key in keys})
+
+    def read(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Read just these tensors, opening only the shards that hold them."""
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.weight_map[key], []).append(key)
+        out = {}
+        for name, file_keys in sorted(by_file.items()):
+            with safe_open(str(self.root / name), "pt") as handle:
+                for key in file_keys:
+                    out[key] = handle.get_tensor(key)
+        return out
+
+
+def load_state_into(model: Any, state: dict[str, Any], dtype: Any, device: str = "cpu") -> None:
+    """Load a partial checkpoint state dict into a (meta) model, applying transformers'
+    own checkpoint-to-module conversions (renames, fused experts) where the model has them."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+    except ImportError:  # an older transformers: names map one to one
+        model.load_state_dict({k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
+                               for k, v in state.items()}, strict=False, assign=True)
+        return
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    load_config = LoadStateDictConfig(
+        weight_mapping=get_model_conversion_mapping(model), dtype=dtype, device_map={"": device}
+    )
+    convert_and_load_state_dict_in_model(model, dict(state), load_config)
+
+
+def meta_tensors(module: Any) -> list[str]:
+    names = [n for n, p in module.named_parameters() if p.device.type == "meta"]
+    names += [n for n, b in module.named_buffers() if b.device.type == "meta"]
+    return names
+
+
+def give_back_memory() -> None:
+    """Return freed heap memory to the system (glibc keeps it otherwise, so peak RSS would
+    grow with each layer loaded and freed)."""
+    import ctypes
+    import sys
+
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except OSError:
+            pass
+
+
+def load_layer(skeleton: Any, checkpoint: Checkpoint, layer_path: str, index: int, dtype: Any):
+    """Materialise decoder layer ``index`` of ``skeleton`` on the CPU from the checkpoint,
+    reading only that layer's tensors. Returns the layer module."""
+    layers = skeleton.get_submodule(layer_path)
+    keys = checkpoint.layer_keys(layer_path, index)
+    if not keys:
+        example = next(iter(checkpoint.weight_map), "none")
+        raise ModelError(
+            f"the checkpoint in {checkpoint.root} has no tensors for layer {index} of {layer_path} "
+            f"(a key there: {example!r})"
+        )
+    pristine = copy.deepcopy(layers[index])
+    try:
+        load_state_into(skeleton, checkpoint.read(keys), dtype)
+        layer = layers[index]
+    finally:
+        layers[index] = pristine  # the skeleton stays weightless; the caller owns the layer
+    missing = meta_tensors(layer)
+    if missing:
+        raise ModelError(
+            f"layer {index}: these tensors were not found in the checkpoint: {', '.join(missing[:10])}"
+        )
+    return layer
+
+
+# -- one model folder, as the stages use it -------------------------------------------------
+
+
+def model_dir_of(model: str | None) -> Path:
+    """The model folder of ``--model``, or ModelError saying how to give one."""
+    if not model:
+        raise ModelError(
+            "no model given: pass --model DIR (a HuggingFace model folder) or set layerparity_model in your pytest ini"
+        )
+    return Path(model)
+
+
+class ModelSource:
+    """One model folder: its config, checkpoint, decoder-layer list and per-layer builds.
+
+    ``attn_implementation`` applies to the reference model; ``experts_implementation`` to
+    the layers built for the target (``layer_config``). Skeletons are weightless (meta
+    device) and built once per dtype.
+    """
+
+    def __init__(self, model_dir: Path, *, layer_module: str | None = None, trust_remote_code: bool = False,
+                 attn_implementation: str | None = None, experts_implementation: str | None = None) -> None:
+        self.model_dir = model_dir
+        self.layer_module = layer_module
+        self.trust_remote_code = trust_remote_code
+        self.attn_implementation = attn_implementation
+        self.experts_implementation = experts_implementation
+        self._skeletons: dict[Any, Any] = {}
+
+    @cached_property
+    def config_json(self) -> dict[str, Any]:
+        return read_config_json(self.model_dir)
+
+    @cached_property
+    def hf_config(self) -> Any:
+        config = load_hf_config(self.model_dir, self.trust_remote_code)
+        if self.attn_implementation:
+            config._attn_implementation = self.attn_implementation
+        return config
+
+    @cached_property
+    def layer_config(self) -> Any:
+        """The config the layers under test are built from (the experts implementation the
+        target needs)."""
+        config = copy.deepcopy(self.hf_config)
+        if self.experts_implementation and hasattr(config, "_experts_implementation"):
+            config._experts_implementation = self.experts_implementation
+        return config
+
+    def skeleton(self, dtype: Any) -> Any:
+        """The weightless model in ``dtype``, built from ``layer_config`` (once per dtype)."""
+        if dtype not in self._skeletons:
+            self._skeletons[dtype] = build_skeleton(self.layer_config, dtype, self.trust_remote_code)
+        return self._skeletons[dtype]
+
+    @cached_property
+    def layer_list(self) -> tuple[str, Any]:
+        """(dotted path, ModuleList) of the decoder layers; found on a skeleton already built
+        when there is one (the path does not depend on the dtype)."""
+        import torch
+
+        skeleton = next(iter(self._skeletons.values()), None) or self.skeleton(torch.float32)
+        return find_layer_list(skeleton, layer_count_from_config(self.config_json), self.layer_module)
+
+    @cached_property
+    def num_layers(self) -> int:
+        count = layer_count_from_config(self.config_json)
+        if self.layer_module or count is None:
+            return len(self.layer_list[1])
+        return count
+
+    @cached_property
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint.open(self.model_dir)
+
+    def load_layer(self, index: int, dtype: Any) -> Any:
+        """Decoder layer ``index`` with its weights, on the CPU in ``dtype``, in eval mode."""
+        skeleton = self.skeleton(dtype)
+        return load_layer(skeleton, self.checkpoint, self.layer_list[0], index, dtype).eval()
+
+    @property
+    def top_k(self) -> int | None:
+        """Experts per token of a mixture-of-experts model, else None."""
+        for name in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
+            value = getattr(self.hf_config, name, None)
+            if isinstance(value, int):
+                return value
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        cfg = self.config_json
+        return int(cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size"))
+
+    def identity(self) -> dict[str, Any]:
+        """What ties a golden store to this model (compared on every load)."""
+        return {
+            "config_sha256": config_sha256(self.config_json),
+            "num_layers": self.num_layers,
+            "hidden_size": hidden_size_from_config(self.config_json),
+            "model_type": self.config_json.get("model_type"),
+        }

@@ -1,0 +1,3 @@
+"""Stage 5, what people and CI read: the reported fields (:mod:`.fields`), failure text and
+the session summary (:mod:`.text`), JUnit properties (:mod:`.properties`) and the report
+files (:mod:`.files`)."""

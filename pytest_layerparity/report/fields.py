@@ -1,0 +1,50 @@
+"""The one table of what a test reports: each field's name (the same in failure text, JUnit
+properties, report.json, report.csv and the plots), in order, and where it is shown."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Field:
+    """A reported value. ``column``: its place, title and width in the terminal summary
+    (None: not shown there); ``csv``: a column of report.csv and report.html; ``plot``: a
+    panel of the plot across layers."""
+
+    name: str
+    column: tuple[int, str, int] | None = None
+    csv: bool = False
+    plot: bool = False
+
+
+FIELDS: tuple[Field, ...] = (
+    # the five metrics (compare.metrics.METRIC_NAMES), first and in this order
+    Field("max_abs_diff", (0, "max_abs_diff", 12), csv=True, plot=True),
+    Field("mean_abs_diff", (1, "mean_abs_diff", 13), csv=True, plot=True),
+    Field("similarity_percentage", (4, "similar%", 9), csv=True),
+    Field("cosine_similarity", (2, "cosine", 10), csv=True, plot=True),
+    Field("pearson_correlation", (3, "pearson", 10), csv=True, plot=True),
+    # against the precision floor
+    Field("noise_ratio", (5, "noise_ratio", 11), csv=True, plot=True),
+    Field("token_noise_ratio", (6, "token_ratio", 11), csv=True, plot=True),
+    Field("contribution_bias", csv=True),
+    Field("delta_cosine"),
+    # mixture-of-experts routing
+    Field("routing_agreement", (7, "routing", 8), csv=True),
+    Field("routing_flipped", csv=True),
+    Field("routing_near_tie_flipped", csv=True),
+    # non-finite values and the worst element
+    Field("nan_count", csv=True),
+    Field("inf_count", csv=True),
+    Field("worst_index"),
+    Field("worst_golden"),
+    Field("worst_target"),
+)
+
+FIELD_NAMES = tuple(f.name for f in FIELDS)
+CSV_FIELDS = tuple(f.name for f in FIELDS if f.csv)
+PLOTTED = tuple(f.name for f in FIELDS if f.plot)
+SUMMARY_COLUMNS = tuple((title, f.name, width) for _, title, width, f in
+                        sorted((*f.column, f) for f in FIELDS if f.column))
+# report.csv: the test, its layers and verdict, then the fields
+CSV_COLUMNS = ("nodeid", "layers", "verdict", *CSV_FIELDS)

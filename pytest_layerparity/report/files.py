@@ -1,0 +1,146 @@
+"""The report files of ``--parity-report`` and ``python -m pytest_layerparity compare``:
+report.json, report.csv and report.html (the table and a plot of each metric across layers,
+self-contained)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .fields import CSV_COLUMNS, PLOTTED
+
+
+def write_report_json(folder: str | Path, entries: list[dict[str, Any]]) -> Path:
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    target = path / "report.json"
+    target.write_text(json.dumps({"tests": entries}, indent=2, default=str) + "\n", encoding="utf-8")
+    return target
+
+
+def write_report_csv(folder: str | Path, entries: list[dict[str, Any]]) -> Path:
+    import csv
+
+    path = Path(folder) / "report.csv"
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(CSV_COLUMNS)
+        for entry in entries:
+            metrics = entry.get("metrics") or {}
+            writer.writerow([entry.get(c, metrics.get(c, "")) if c in ("nodeid", "layers", "verdict") else metrics.get(c, "")
+                             for c in CSV_COLUMNS])
+    return path
+
+
+def isolated_layer(entry: dict[str, Any]) -> int | None:
+    """The layer of an entry that covers one layer (its ``layers`` is ``"3"``), else None."""
+    layers = str(entry.get("layers", ""))
+    return int(layers) if layers.isdigit() else None
+
+
+def _per_layer_series(entries: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """metric -> [(layer, value)] from the isolated layer tests."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for entry in entries:
+        layer = isolated_layer(entry)
+        if layer is None:
+            continue
+        for metric in PLOTTED:
+            value = (entry.get("metrics") or {}).get(metric)
+            if isinstance(value, (int, float)):
+                series.setdefault(metric, []).append((layer, float(value)))
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def plot_png(entries: list[dict[str, Any]]) -> bytes | None:
+    """A PNG with one panel per metric across layers, or None without matplotlib or data."""
+    series = _per_layer_series(entries)
+    if not series:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    import io
+
+    names = [m for m in PLOTTED if m in series]
+    fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.2 * len(names)), sharex=True, squeeze=False)
+    failed = {isolated_layer(e) for e in entries if e["verdict"] in ("fail", "error")} - {None}
+    for ax, name in zip(axes[:, 0], names):
+        xs, ys = zip(*series[name])
+        ax.plot(xs, ys, marker="o", color="#3465a4")
+        bad = [(x, y) for x, y in series[name] if x in failed]
+        if bad:
+            ax.scatter(*zip(*bad), color="#cc0000", zorder=3, label="fails")
+            ax.legend(loc="best", fontsize=8)
+        ax.set_ylabel(name, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("decoder layer")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def write_report_html(folder: str | Path, entries: list[dict[str, Any]], title: str = "layerparity report",
+                      header: list[str] | None = None) -> Path:
+    """A self-contained page (the plot is embedded), readable offline."""
+    import base64
+    import html
+
+    rows = []
+    for entry in entries:
+        metrics = entry.get("metrics") or {}
+        cells = "".join(
+            f"<td>{html.escape(_cell(metrics.get(c)))}</td>" for c in CSV_COLUMNS[3:]
+        )
+        cls = {"pass": "pass", "written": "pass"}.get(entry["verdict"], "fail")
+        message = html.escape(entry.get("message") or "")
+        detail = f"<tr class='detail'><td colspan='{len(CSV_COLUMNS)}'><pre>{message}</pre></td></tr>" if message else ""
+        rows.append(f"<tr class='{cls}'><td>{html.escape(entry['nodeid'].split('::')[-1])}</td><td>{html.escape(str(entry['layers']))}</td>"
+                    f"<td>{html.escape(entry['verdict'])}</td>{cells}</tr>{detail}")
+    first = next((e for e in entries if e["verdict"] in ("fail", "error")), None)
+    summary = (f"<p class='bad'>First failing: {html.escape(first['nodeid'].split('::')[-1])} (layers {html.escape(str(first['layers']))})</p>"
+               if first else f"<p class='good'>All {len(entries)} tests pass.</p>")
+    png = plot_png(entries)
+    plot = f"<img alt='metrics across layers' src='data:image/png;base64,{base64.b64encode(png).decode()}'>" if png else ""
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in ("test", "layers", "verdict") + CSV_COLUMNS[3:])
+    lines = "".join(f"<li>{html.escape(line)}</li>" for line in header or [])
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1.5em; color: #222; }}
+table {{ border-collapse: collapse; font-size: 12px; }}
+th, td {{ border: 1px solid #ccc; padding: 3px 6px; text-align: right; }}
+th {{ background: #eee; }} td:first-child {{ text-align: left; }}
+tr.pass td:nth-child(3) {{ color: #2e7d32; font-weight: bold; }}
+tr.fail td:nth-child(3) {{ color: #c62828; font-weight: bold; }}
+tr.detail pre {{ text-align: left; margin: 0; font-size: 11px; white-space: pre-wrap; }}
+.bad {{ color: #c62828; font-weight: bold; }} .good {{ color: #2e7d32; font-weight: bold; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+<ul>{lines}</ul>
+{summary}
+<table><tr>{head}</tr>{''.join(rows)}</table>
+<h2>Metrics across layers</h2>
+{plot}
+</body></html>
+"""
+    path = Path(folder) / "report.html"
+    path.write_text(page, encoding="utf-8")
+    return path
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def write_reports(folder: str | Path, entries: list[dict[str, Any]], header: list[str] | None = None) -> list[Path]:
+    return [write_report_json(folder, entries), write_report_csv(folder, entries),
+            write_report_html(folder, entries, header=header)]

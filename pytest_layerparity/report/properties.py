@@ -1,0 +1,48 @@
+"""A test's reported values as (name, value) pairs: what JUnit XML, xdist and the reports
+carry."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..compare.metrics import METRIC_NAMES
+from .fields import FIELD_NAMES
+
+if TYPE_CHECKING:
+    from ..compare.judge import LayerOutcome
+
+
+def reported_metrics(props: dict[str, Any]) -> dict[str, Any]:
+    """The metrics among a test's (unprefixed) properties, for report entries."""
+    return {k: props[k] for k in FIELD_NAMES if k in props}
+
+
+def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]:
+    """(name, value) pairs for record_property / JUnit XML."""
+    m = outcome.metrics
+    out = [(f"{prefix}{name}", getattr(m, name)) for name in METRIC_NAMES]
+    out += [
+        (f"{prefix}nan_count", m.golden_nan + m.target_nan),
+        (f"{prefix}inf_count", m.golden_inf + m.target_inf),
+        (f"{prefix}has_nan", bool(m.golden_nan or m.target_nan)),
+        (f"{prefix}has_inf", bool(m.golden_inf or m.target_inf)),
+        (f"{prefix}worst_index", list(m.worst_index)),
+        (f"{prefix}worst_golden", m.worst_golden),
+        (f"{prefix}worst_target", m.worst_target),
+    ]
+    noise = outcome.floor
+    if noise is not None:
+        out += [(f"{prefix}noise_ratio", noise.noise_ratio), (f"{prefix}token_noise_ratio", noise.token_noise_ratio)]
+        if noise.contribution_z is not None:
+            out.append((f"{prefix}contribution_bias", abs(noise.contribution_z)))
+        if noise.delta_cosine is not None:
+            out.append((f"{prefix}delta_cosine", noise.delta_cosine))
+    routings = outcome.routing
+    if routings:
+        tokens = sum(r.tokens for r in routings)
+        same = sum(r.tokens - r.flipped for r in routings)
+        out += [
+            (f"{prefix}routing_agreement", same / tokens if tokens else 1.0),
+            (f"{prefix}routing_flipped", sum(r.flipped for r in routings)),
+            (f"{prefix}routing_near_tie_flipped", sum(r.near_tie_flipped for r in routings)),
+        ]
+    return out

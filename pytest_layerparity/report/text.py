@@ -1,0 +1,81 @@
+"""What a person reads: the text of a failing test, and the session summary table."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .fields import SUMMARY_COLUMNS
+
+if TYPE_CHECKING:
+    from ..compare.judge import LayerOutcome
+
+
+def _value(value: float) -> str:
+    return f"{value:.6g}"
+
+
+def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
+    """What a failing layer says: the layer, each metric against its threshold, shape and
+    dtype, the worst element, and the next command to run."""
+    m = outcome.metrics
+    lines = [
+        f"layer {outcome.layer} {where}: output differs from the golden",
+        f"  shape {outcome.shape}, golden {outcome.golden_dtype}, target {outcome.target_dtype}",
+        f"  {'metric':<22} {'value':>14}   threshold",
+    ]
+    lines += [f"  {check.describe()}" for check in outcome.checks]
+    lines.append(
+        f"  worst element: index {tuple(m.worst_index)}: golden {_value(m.worst_golden)}, target {_value(m.worst_target)}"
+    )
+    noise = outcome.floor
+    if noise is not None:
+        lines.append(
+            f"  precision floor: ||golden - ref|| = {noise.golden_error:.4g}, ||target - ref|| = {noise.target_error:.4g}; "
+            f"worst token {noise.worst_token} at {noise.token_noise_ratio:.3g}x its floor"
+            + (f"; cosine of the layer's own contribution (output - input) {noise.delta_cosine:.6f}" if noise.delta_cosine is not None else "")
+        )
+    for routing in outcome.routing:
+        lines.append(f"  {routing.describe()}")
+        if routing.flipped and noise is not None:
+            lines.append("  outputs differ on tokens that routed the same" if not outcome.passed
+                         else "  outputs agree on tokens that routed the same")
+            if routing.near_tie_flipped:
+                lines.append(f"  the verdict leaves the near-tie tokens {list(routing.near_tie_tokens)} out (--strict-routing counts them)")
+    if outcome.excluded_tokens:
+        lines.append(f"  left out of the metrics (near-tie routing flips, --exclude-near-ties): tokens {outcome.excluded_tokens}")
+    tol = outcome.tolerance
+    if tol:
+        needed = [f"atol {tol['atol']:.3g} (with rtol 0)", f"rtol {tol['rtol']:.3g} (with atol 0)"]
+        if noise is not None:
+            needed.append(f"--max-noise-ratio {noise.noise_ratio:.3g} --max-token-noise-ratio {noise.token_noise_ratio:.3g}"
+                          + (f" --max-contribution-bias {abs(noise.contribution_z):.3g}" if noise.contribution_z is not None else ""))
+        lines.append(f"  minimum passing tolerance: {'; '.join(needed)}")
+    if m.has_nan_or_inf:
+        lines.append(
+            f"  non-finite values: golden NaN {m.golden_nan} Inf {m.golden_inf}, target NaN {m.target_nan} Inf {m.target_inf}"
+        )
+    lines.append(f"  drill in: {next_command}")
+    return "\n".join(lines)
+
+
+def summary_lines(entries: list[dict[str, Any]]) -> list[str]:
+    """One row per test: the layers, the verdict and the main metrics; the first failing layer."""
+    if not entries:
+        return []
+    columns = SUMMARY_COLUMNS
+    lines = [f"{'test':<38} {'verdict':<8} " + " ".join(f"{title:>{width}}" for title, _, width in columns)]
+    first_fail = None
+    for entry in entries:
+        metrics = entry.get("metrics") or {}
+        name = entry["nodeid"].split("::")[-1]
+        cells = []
+        for _, key, width in columns:
+            value = metrics.get(key)
+            cells.append(f"{value:>{width}.4g}" if isinstance(value, (int, float)) else f"{'-':>{width}}")
+        lines.append(f"{name:<38} {entry['verdict']:<8} " + " ".join(cells))
+        if entry["verdict"] in ("fail", "error") and first_fail is None:
+            first_fail = entry
+    if first_fail is not None:
+        lines.append(f"first failing: {first_fail['nodeid'].split('::')[-1]} (layers {first_fail['layers']})")
+    return lines
+
+

@@ -1,0 +1,4 @@
+"""Stage 2, the golden store, the contract between the reference and the target machines:
+safetensors files and a manifest (:mod:`.golden`), the call-spec encoding (:mod:`.callspec`),
+what ties a store to its extraction (:mod:`.identity`) and the commands that (re)write it
+(:mod:`.commands`)."""

@@ -1,0 +1,541 @@
+"""The golden store: one safetensors file per entry plus ``manifest.json``.
+
+Guarantees (see README, "What the store guarantees"):
+
+* every file is written to a temporary name (``.<name>.<random>.tmp``, never a name the
+  manifest can list), fsynced and renamed into place; the rename and the manifest update
+  happen together under the store's lock, manifest last, so a killed run or a full disk
+  never leaves a half-written file that is read as a golden, and never loses an entry;
+* every entry carries its sha256 and size in the manifest and is verified before use;
+* tensors are read with safetensors (no unpickling); file names from the manifest cannot
+  escape the store's folder (no ``..``, no absolute paths, no symlinks out, no devices);
+* several processes may write different entries of one store at once.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+import tempfile
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..selection import parse_layer_key
+from .callspec import tensor_names
+from .commands import extract_command
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
+
+
+class GoldenError(Exception):
+    """A golden that must not be used: missing, corrupt, stale or unsafe. The message says why and what to run."""
+
+
+@dataclass(frozen=True)
+class GoldenEntry:
+    """One loaded entry: its tensors and the JSON metadata stored beside them."""
+
+    key: str
+    path: Path
+    tensors: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+def _file_name(key: str) -> str:
+    index = parse_layer_key(key)
+    if index is not None:
+        return f"layer_{index:05d}.safetensors"
+    return f"{key}.safetensors"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is out: a short write is retried, a full disk raises."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _write_temp(path: Path, data: bytes) -> Path:
+    """Write ``data`` to a new temporary file beside ``path`` and fsync it; return its path.
+    On any failure the temporary file is removed and the error raised."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        try:
+            os.fchmod(fd, 0o666 & ~_umask())
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    tmp = _write_temp(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno and exc.strerror:
+        return f"{exc.strerror} [{errno.errorcode.get(exc.errno, exc.errno)}]"
+    return str(exc) or type(exc).__name__
+
+
+def _json_kind(value: Any) -> str:
+    for kind, name in ((bool, "boolean"), (dict, "object"), (list, "list"), (str, "string"), ((int, float), "number")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+class GoldenStore:
+    """A folder of golden references for one model, one dtype and one input. ``model_dir``
+    (when known) goes into the commands its errors suggest."""
+
+    def __init__(self, root: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(root)
+        self.model_dir = model_dir
+        # (header, compare_keys) of this process's extraction, once begin() has run
+        self._extraction: tuple[dict[str, Any], tuple[str, ...]] | None = None
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / MANIFEST_NAME
+
+    def __repr__(self) -> str:
+        return f"GoldenStore({str(self.root)!r})"
+
+    # -- hints ------------------------------------------------------------------------
+
+    def extract_command(self, key: str | None = None) -> str:
+        index = parse_layer_key(key or "")
+        return extract_command(self.root, self.model_dir, None if index is None else str(index))
+
+    def regen_hint(self, key: str | None = None) -> str:
+        """How to replace one entry (extraction rewrites it and keeps the others)."""
+        return f"regenerate it with: {self.extract_command(key)}"
+
+    def rebuild_hint(self) -> str:
+        """How to start over when the manifest itself cannot be used."""
+        return f"move {self.root} away (or delete it) and extract again: {self.extract_command()}"
+
+    # -- manifest -------------------------------------------------------------------
+
+    def read_manifest(self) -> dict[str, Any] | None:
+        """The manifest, or None when the store has none yet. Raises GoldenError when it
+        cannot be used (unreadable, not JSON, not an object, unknown schema, no files table)."""
+        path = self.manifest_path
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise GoldenError(f"{path}: cannot read the manifest ({_reason(exc)}); {self.rebuild_hint()}") from exc
+        try:
+            manifest = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise GoldenError(f"{path}: the manifest is not valid JSON ({exc}); {self.rebuild_hint()}") from exc
+        if not isinstance(manifest, dict):
+            raise GoldenError(
+                f"{path}: the manifest is not a JSON object (it is a {_json_kind(manifest)}); {self.rebuild_hint()}"
+            )
+        version = manifest.get("schema_version")
+        if type(version) is not int or version != SCHEMA_VERSION:
+            raise GoldenError(
+                f"{path}: schema version {version!r} is not one this pytest-layerparity reads "
+                f"(it reads {SCHEMA_VERSION}); {self.rebuild_hint()}"
+            )
+        files = manifest.get("files")
+        if files is None:
+            raise GoldenError(f"{path}: the manifest has no 'files' table; {self.rebuild_hint()}")
+        if not isinstance(files, dict):
+            raise GoldenError(
+                f"{path}: the manifest's 'files' is a {_json_kind(files)}, not an object of entries; "
+                f"{self.rebuild_hint()}"
+            )
+        return manifest
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the store's lock (for writers that update the manifest)."""
+        from filelock import FileLock
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.root / ".manifest.lock")):
+            yield
+
+    def _write_manifest(self, manifest: Mapping[str, Any]) -> None:
+        atomic_write_bytes(self.manifest_path, _manifest_bytes(manifest))
+
+    def _new_manifest(self) -> dict[str, Any]:
+        manifest: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "files": {}}
+        if self._extraction is not None:
+            manifest.update({k: v for k, v in self._extraction[0].items() if k != "files"})
+        return manifest
+
+    def begin(self, header: Mapping[str, Any], *, compare_keys: tuple[str, ...]) -> None:
+        """Create the manifest, or check that an existing one describes the same extraction.
+
+        ``compare_keys`` name the header fields that must match for entries of both runs to
+        live in one store; anything else in the header is refreshed. Later ``write`` calls
+        re-check them under the lock, so a concurrent extraction of something else cannot
+        slip its entries under this header.
+        """
+        try:
+            with self.locked():
+                manifest = self.read_manifest()
+                if manifest is None:
+                    manifest = {"schema_version": SCHEMA_VERSION, "files": {}}
+                else:
+                    differences = describe_differences(manifest, header, compare_keys)
+                    if differences and manifest["files"]:
+                        raise GoldenError(
+                            f"{self.manifest_path}: this store holds goldens of another extraction "
+                            f"({'; '.join(differences)}); use another --golden-dir, or delete {self.root} "
+                            "and extract again"
+                        )
+                manifest.update({key: value for key, value in header.items() if key != "files"})
+                self._write_manifest(manifest)
+        except OSError as exc:
+            raise GoldenError(
+                f"{self.manifest_path}: cannot write the manifest ({_reason(exc)}); the store is unchanged; "
+                f"free space or fix the folder's permissions, then run: {self.extract_command()}"
+            ) from exc
+        self._extraction = (dict(header), tuple(compare_keys))
+
+    def _check_same_extraction(self, manifest: Mapping[str, Any]) -> None:
+        if self._extraction is None:
+            return
+        header, keys = self._extraction
+        differences = describe_differences(manifest, header, keys)
+        if differences:
+            raise GoldenError(
+                f"{self.manifest_path}: another extraction wrote to this store while this one ran "
+                f"({'; '.join(differences)}); use another --golden-dir, or delete {self.root} and extract again"
+            )
+
+    # -- entries --------------------------------------------------------------------
+
+    def write(self, key: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any], *,
+              omit_nonfinite: bool = False) -> Path:
+        """Write one entry atomically and record it in the manifest.
+
+        Raises ValueError (before writing anything) when a tensor holds NaN, or Inf in
+        hidden states; with ``omit_nonfinite`` such tensors are left out instead and listed
+        under ``omitted`` in the entry's metadata. Raises GoldenError when the file or the
+        manifest cannot be written; the store then keeps what it had for ``key``.
+        """
+        from safetensors.torch import save
+
+        metadata = dict(metadata)
+        if omit_nonfinite:
+            tensors, omitted = _split_nonfinite(key, tensors)
+            if omitted:
+                metadata["omitted"] = omitted
+        else:
+            check_finite(key, tensors)
+        name = _file_name(key)
+        path = self.root / name
+        payload = save(
+            {name_: tensor.detach().contiguous().cpu() for name_, tensor in tensors.items()},
+            metadata={"layerparity": json.dumps(metadata, sort_keys=True)},
+        )
+        record = {"file": name, "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = _write_temp(path, payload)
+        except OSError as exc:
+            raise GoldenError(self._write_failure(key, path, exc)) from exc
+        renamed = False
+        try:
+            with self.locked():
+                manifest = self.read_manifest() or self._new_manifest()
+                self._check_same_extraction(manifest)
+                manifest["files"][key] = record
+                manifest_tmp = _write_temp(self.manifest_path, _manifest_bytes(manifest))
+                try:
+                    os.replace(tmp, path)
+                    renamed = True
+                    os.replace(manifest_tmp, self.manifest_path)
+                finally:
+                    manifest_tmp.unlink(missing_ok=True)
+                _fsync_dir(self.root)
+        except OSError as exc:
+            if renamed:
+                raise GoldenError(
+                    f"{self.manifest_path}: wrote {path} but could not record it in the manifest "
+                    f"({_reason(exc)}); the store refuses {key} until it is extracted again: "
+                    f"{self.extract_command(key)}"
+                ) from exc
+            raise GoldenError(self._write_failure(key, path, exc)) from exc
+        finally:
+            if not renamed:
+                tmp.unlink(missing_ok=True)
+        return path
+
+    def _write_failure(self, key: str, path: Path, exc: OSError) -> str:
+        return (
+            f"{path}: cannot write the golden for {key} ({_reason(exc)}); the store is unchanged "
+            f"(the manifest does not list the new file; an earlier {path.name}, if any, is intact); "
+            f"free space or fix the folder's permissions, then run: {self.extract_command(key)}"
+        )
+
+    def keys(self) -> list[str]:
+        manifest = self.read_manifest()
+        return sorted(manifest["files"]) if manifest else []
+
+    def has(self, key: str) -> bool:
+        manifest = self.read_manifest()
+        return bool(manifest) and key in manifest["files"]
+
+    def verifies(self, key: str) -> bool:
+        """Whether ``key`` is listed and loads (sha256, format, finiteness)."""
+        try:
+            self.load(key)
+        except GoldenError:
+            return False
+        return True
+
+    def _entry_path(self, key: str, record: Any) -> tuple[Path, Path]:
+        """(the entry's path as named in messages, its resolved path inside the store)."""
+        if not isinstance(record, dict):
+            raise GoldenError(
+                f"{self.manifest_path}: entry {key!r} is a {_json_kind(record)}, not an object with "
+                f"file, sha256 and bytes; {self.rebuild_hint()}"
+            )
+        name = record.get("file")
+        if not isinstance(name, str) or not _SAFE_NAME.match(name) or "/" in name or "\\" in name:
+            raise GoldenError(
+                f"{self.manifest_path}: entry {key!r} names file {name!r}, which is not a plain "
+                "safetensors file name inside the store; refusing to read it"
+            )
+        path = self.root / name
+        try:
+            resolved = path.resolve()
+            root = self.root.resolve()
+        except (OSError, RuntimeError) as exc:
+            raise GoldenError(f"{path}: cannot resolve the golden's path ({exc}); refusing to read it") from exc
+        if resolved.parent != root:
+            raise GoldenError(
+                f"{self.manifest_path}: entry {key!r} points outside the store ({name!r} leads to {resolved}); "
+                "refusing to read it"
+            )
+        return path, resolved
+
+    def _read_verified(self, key: str, path: Path, resolved: Path, record: Mapping[str, Any]) -> bytes:
+        """The file's bytes, after checking it is a regular file whose size and sha256 are
+        the manifest's (a file of another size is hashed in blocks, never held whole)."""
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        want_sha = record.get("sha256")
+        want_bytes = record.get("bytes")
+        try:
+            fd = os.open(resolved, flags)
+        except OSError as exc:
+            raise GoldenError(f"{path}: cannot read the golden for {key} ({_reason(exc)}); {self.regen_hint(key)}") from exc
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise GoldenError(f"{path}: not a regular file; refusing to read it as the golden for {key}; "
+                              f"{self.regen_hint(key)}")
+        with os.fdopen(fd, "rb") as handle:
+            size_differs = type(want_bytes) is int and info.st_size != want_bytes
+            digest = hashlib.sha256()
+            payload = b""
+            try:
+                if size_differs:
+                    for block in iter(lambda: handle.read(1 << 20), b""):
+                        digest.update(block)
+                else:
+                    payload = handle.read()
+                    digest.update(payload)
+            except OSError as exc:
+                raise GoldenError(f"{path}: cannot read the golden for {key} ({_reason(exc)}); "
+                                  f"{self.regen_hint(key)}") from exc
+        have_sha = digest.hexdigest()
+        if have_sha != want_sha:
+            size_note = f": {info.st_size} bytes, the manifest says {want_bytes}" if size_differs else ""
+            raise GoldenError(
+                f"{path}: sha256 {have_sha[:16]}... does not match the manifest's "
+                f"{str(want_sha)[:16]}... (the file is corrupt or was changed{size_note}); {self.regen_hint(key)}"
+            )
+        if size_differs:
+            raise GoldenError(f"{path}: {info.st_size} bytes, the manifest says {want_bytes}; {self.regen_hint(key)}")
+        return payload
+
+    def load(self, key: str, missing_hint: str | None = None) -> GoldenEntry:
+        """Read and verify one entry. Raises GoldenError naming the file on any problem."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load
+
+        manifest = self.read_manifest()
+        if manifest is None:
+            raise GoldenError(
+                f"no golden store at {self.root} (no {MANIFEST_NAME}); "
+                f"{missing_hint or self.regen_hint()}"
+            )
+        record = manifest["files"].get(key)
+        if record is None:
+            raise GoldenError(f"{self.root}: no golden for {key}; {missing_hint or self.regen_hint(key)}")
+        path, resolved = self._entry_path(key, record)
+        payload = self._read_verified(key, path, resolved, record)
+        try:
+            tensors = load(payload)
+            metadata = _read_metadata(payload)
+        except (SafetensorError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            raise GoldenError(f"{path}: not a readable safetensors file ({exc}); {self.regen_hint(key)}") from exc
+        try:
+            _check_entry(key, tensors, metadata)
+            check_finite(key, tensors)
+        except ValueError as exc:
+            raise GoldenError(f"{path}: {exc}; {self.regen_hint(key)}") from exc
+        return GoldenEntry(key=key, path=path, tensors=tensors, metadata=metadata)
+
+
+def _read_metadata(payload: bytes) -> dict[str, Any]:
+    if len(payload) < 8:
+        raise ValueError("file too short")
+    header_len = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + header_len])
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("the safetensors metadata is not a JSON object")
+    raw = meta.get("layerparity")
+    if not raw:
+        return {}
+    if not isinstance(raw, str):
+        raise ValueError("the layerparity metadata is not a string")
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("the layerparity metadata is not a JSON object")
+    return value
+
+
+def _check_entry(key: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
+    """A layer entry must hold its call spec, be the golden of that layer, and hold every
+    tensor its call refers to (else replaying it would fail deep inside the test)."""
+    index = parse_layer_key(key)
+    if index is None:
+        return
+    call = metadata.get("call")
+    if not isinstance(call, dict):
+        raise ValueError(f"{key}: the file holds no call spec (its 'call' metadata is missing)")
+    layer = metadata.get("layer")
+    if layer is not None and layer != index:
+        raise ValueError(f"{key}: the file holds the golden of layer {layer!r}, not of {key}")
+    missing = sorted(set(tensor_names(call)) - set(tensors))
+    if missing:
+        raise ValueError(f"{key}: its call refers to tensors the file does not hold ({', '.join(missing)})")
+
+
+def check_finite(key: str, tensors: Mapping[str, Any]) -> None:
+    """Refuse NaN anywhere and Inf in hidden states (masks may hold -inf legitimately)."""
+    import torch
+
+    for name, tensor in tensors.items():
+        if not torch.is_floating_point(tensor):
+            continue
+        # The common case in one cheap pass: a float64 sum is finite exactly when every value
+        # is (16- and 32-bit values cannot overflow it).
+        if tensor.dtype != torch.float64 and bool(torch.isfinite(torch.sum(tensor, dtype=torch.float64))):
+            continue
+        nan = torch.isnan(tensor)
+        if bool(nan.any()):
+            index = tuple(int(i) for i in torch.nonzero(nan)[0])
+            raise ValueError(f"{key}: tensor {name!r} holds NaN (first at index {index})")
+        if _is_hidden_state(name):
+            inf = torch.isinf(tensor)
+            if bool(inf.any()):
+                index = tuple(int(i) for i in torch.nonzero(inf)[0])
+                raise ValueError(f"{key}: tensor {name!r} holds Inf (first at index {index})")
+
+
+def _split_nonfinite(key: str, tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(the tensors check_finite accepts, {name: why} for those it refuses)."""
+    kept: dict[str, Any] = {}
+    omitted: dict[str, str] = {}
+    for name, tensor in tensors.items():
+        try:
+            check_finite(key, {name: tensor})
+        except ValueError as exc:
+            omitted[name] = str(exc)
+        else:
+            kept[name] = tensor
+    return kept, omitted
+
+
+def _is_hidden_state(name: str) -> bool:
+    return name.startswith(("output", "args.0", "ref_output")) or name in {"embeddings", "logits"}
+
+
+def describe_differences(manifest: Mapping[str, Any], expected: Mapping[str, Any], keys: tuple[str, ...]) -> list[str]:
+    """Human-readable differences between a manifest and what this run expects."""
+    out = []
+    for key in keys:
+        have, want = _dig(manifest, key), _dig(expected, key)
+        if have != want and not (_is_nan(have) and _is_nan(want)):
+            out.append(f"{key}: store has {have!r}, this run has {want!r}")
+    return out
+
+
+def _dig(mapping: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = mapping
+    for part in dotted.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(part)
+    return value
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)

@@ -1,0 +1,34 @@
+"""The golden extraction tests the plugin adds (``--gpu-golden --extract``)."""
+from __future__ import annotations
+
+import pytest
+
+CASES = "layers"
+
+
+def test_extract_golden(layerparity_case, layerparity_session, layerparity_record):
+    """Run the reference and write this layer's golden (its whole call and its output)."""
+    from ..reference.model import ModelError
+    from ..selection import layer_key
+    from ..store.golden import GoldenError
+
+    session = layerparity_session
+    try:
+        info = session.extract_layer(layerparity_case)
+    except (GoldenError, ModelError) as exc:
+        pytest.fail(str(exc), pytrace=False)
+    except OSError as exc:
+        # the store turns its own write failures into GoldenError; this is anything else
+        # (the model folder, a cache, the lock file) that could not be read or written
+        where = f"{exc.filename}: " if exc.filename else ""
+        pytest.fail(
+            f"layer {layerparity_case}: {where}{exc.strerror or exc}; nothing was recorded for this layer; "
+            f"fix that, then run: {session.commands.extract(str(layerparity_case))}",
+            pytrace=False,
+        )
+    layerparity_record("layers", str(layerparity_case))
+    layerparity_record("placement", session.reference.placement_summary())
+    layerparity_record("verdict", "written")
+    for key, value in info.items():
+        layerparity_record(key, value)
+    assert session.store.has(layer_key(layerparity_case))

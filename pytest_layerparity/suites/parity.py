@@ -1,0 +1,28 @@
+"""The parity tests the plugin adds (``--xla``, ``--neuron``, ``--target``)."""
+from __future__ import annotations
+
+import pytest
+
+from ..report.properties import properties
+from ..report.text import failure_text
+from . import record_outcome
+
+CASES = "layers"
+
+
+def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden, layerparity_record):
+    """The layer, fed its golden input on the target, reproduces its golden output."""
+    session = layerparity_session
+    outcome = session.parity_layer(layerparity_case)
+    record_outcome(layerparity_record, str(layerparity_case), outcome.passed, properties(outcome))
+    if not outcome.passed:
+        rerun = session.commands.rerun(str(layerparity_case), f"layer_{layerparity_case}")
+        text = failure_text(outcome, f"on {session.backend.describe()}", rerun)
+        if session.settings.op_compare:
+            from ..target.op_compare import op_compare, op_compare_dir
+
+            out_dir = op_compare_dir(session.settings, session.rootpath) / f"layer_{layerparity_case}"
+            finding = op_compare(session.target, layerparity_case, out_dir)
+            layerparity_record("first_failing_op", finding.label or "none")
+            text += "\n" + finding.text()
+        pytest.fail(text, pytrace=False)

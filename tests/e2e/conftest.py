@@ -1,0 +1,40 @@
+"""End-to-end tests: the plugin run as a user runs it (pytester), on the embedded default
+model and torch-xla's CPU device."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from support import DEFAULT_GOLDENS, DEFAULT_MODEL
+
+
+@pytest.fixture
+def project(pytester: pytest.Pytester) -> pytest.Pytester:
+    """A pytester folder whose ini points the plugin at the embedded default model and a
+    copy of its committed goldens (so tests may damage them)."""
+    goldens = pytester.path / "goldens"
+    shutil.copytree(DEFAULT_GOLDENS, goldens)
+    pytester.makeini(
+        f"""
+        [pytest]
+        layerparity_model = {DEFAULT_MODEL}
+        layerparity_golden_dir = goldens
+        """
+    )
+    return pytester
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Import what the plugin imports lazily, once, before any in-process pytester run:
+    pytester restores sys.modules after each inner run, and torch refuses to register its
+    operators a second time when a module is imported again."""
+    import torch
+    import torch.distributed._functional_collectives  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    import pytest_layerparity.session  # noqa: F401
+    from pytest_layerparity.reference import extract, model  # noqa: F401
+    from pytest_layerparity.target import runner  # noqa: F401
+
+    AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL))
+    model.build_skeleton(model.load_hf_config(DEFAULT_MODEL), torch.float32)

@@ -1,0 +1,85 @@
+"""`pytest --gpu-golden --extract` and `pytest --gpu-golden` on the embedded default model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from support import DEFAULT_MODEL
+
+
+@pytest.fixture
+def fresh(pytester):
+    pytester.makeini(f"[pytest]\nlayerparity_model = {DEFAULT_MODEL}\nlayerparity_golden_dir = store\n")
+    return pytester
+
+
+def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
+    result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "0-2", "--seq-len", "8", "--batch-size", "2", "-v")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines([
+        "layerparity: reference device cpu (no CUDA visible), dtype float32, placement cpu",
+        "*test_extract_golden?layer_0? PASSED*",
+        "*test_extract_golden?layer_2? PASSED*",
+    ])
+    store = fresh.path / "store"
+    assert sorted(p.name for p in store.glob("*.safetensors")) == [
+        "layer_00000.safetensors", "layer_00001.safetensors", "layer_00002.safetensors", "model_io.safetensors"]
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["schema_version"] == 1
+    assert manifest["dtype"] == "float32" and manifest["reference_device"] == "cpu"
+    assert manifest["inputs"] == {"source": "random", "seed": 0, "batch_size": 2, "seq_len": 8, "prompt": None}
+    assert manifest["model"]["num_layers"] == 6 and manifest["model"]["hidden_size"] == 64
+    assert manifest["model"]["layer_module"] == "model.layers"
+    assert len(manifest["model"]["config_sha256"]) == 64
+    assert {"torch", "transformers"} <= set(manifest["versions"])
+    assert set(manifest["files"]) == {"layer_0", "layer_1", "layer_2", "model_io"}
+    layer = load_file(store / "layer_00001.safetensors")
+    # the whole call: hidden states, rotary cos/sin, position ids, and the output
+    assert layer["args.0"].shape == (2, 8, 64)
+    assert layer["kwargs.position_embeddings.0"].shape[:2] == (1, 8)
+    assert "kwargs.position_ids" in layer
+    assert layer["output"].shape == (2, 8, 64)
+    io = load_file(store / "model_io.safetensors")
+    assert io["input_ids"].shape == (2, 8) and io["logits"].shape == (2, 8, 1024)
+    assert torch.equal(load_file(store / "layer_00000.safetensors")["args.0"], io["embeddings"])
+    # layer 1's input is layer 0's output
+    assert torch.equal(layer["args.0"], load_file(store / "layer_00000.safetensors")["output"])
+
+
+def test_extract_adds_layers_without_losing_others(fresh):
+    fresh.runpytest("--gpu-golden", "--extract", "--layers", "0").assert_outcomes(passed=1)
+    fresh.runpytest("--gpu-golden", "--extract", "--layers", "4-5").assert_outcomes(passed=2)
+    manifest = json.loads((fresh.path / "store" / "manifest.json").read_text())
+    assert set(manifest["files"]) == {"layer_0", "layer_4", "layer_5", "model_io"}
+
+
+def test_extract_into_a_store_of_another_input_is_refused(fresh):
+    fresh.runpytest("--gpu-golden", "--extract", "--layers", "0").assert_outcomes(passed=1)
+    result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "1", "--seq-len", "16")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*this store holds goldens of another extraction (inputs.seq_len: store has 32, this run has 16)*"])
+
+
+def test_reference_reproduces_its_goldens(fresh):
+    fresh.runpytest("--gpu-golden", "--extract", "--layers", "0-1").assert_outcomes(passed=2)
+    result = fresh.runpytest("--gpu-golden", "--layers", "0-1", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_golden_reproducible?layer_0? PASSED*", "*layerparity summary*"])
+
+
+def test_prompt_needs_a_tokenizer(fresh):
+    result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "0", "--prompt", "hello")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--prompt needs the model's tokenizer, and * has none (tokenizer.json, *); drop --prompt to use seeded random token ids"])
+
+
+def test_committed_goldens_are_reproducible():
+    """The committed default goldens are what the default extraction makes here."""
+    from support import DEFAULT_GOLDENS
+
+    manifest = json.loads((DEFAULT_GOLDENS / "manifest.json").read_text())
+    assert set(manifest["files"]) == {f"layer_{i}" for i in range(6)} | {"model_io"}
+    assert manifest["dtype"] == "float32"

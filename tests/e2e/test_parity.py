@@ -1,0 +1,228 @@
+"""`pytest --xla` / `--target cpu` against the committed goldens of the default model."""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+PLANT_EPSILON = """
+import pytest
+
+@pytest.hookimpl
+def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+    if layer_idx == 3:
+        # the bug: a wrong RMSNorm epsilon in one layer of the port
+        reference_layer.input_layernorm.variance_epsilon = 0.5
+    return None  # fall through to the default build
+"""
+
+SWAP_ROTARY = """
+import pytest, torch
+
+class SwappedRotary(torch.nn.Module):
+    '''Wraps a layer and swaps the rotary halves (cos <-> sin) it is given.'''
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+    def forward(self, hidden_states, position_embeddings=None, **kwargs):
+        cos, sin = position_embeddings
+        return self.layer(hidden_states, position_embeddings=(sin, cos), **kwargs)
+
+@pytest.hookimpl
+def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+    layer = reference_layer.to(device)
+    return SwappedRotary(layer) if layer_idx == 1 else layer
+"""
+
+
+def test_xla_parity_passes_every_layer_of_the_default_model(project):
+    result = project.runpytest("--xla", "-v", "--junitxml=out.xml")
+    result.assert_outcomes(passed=6)
+    result.stdout.fnmatch_lines([
+        "layerparity: target xla, dtype float32",
+        "layerparity: verdict: noise policy (float32): fail on NaN/Inf, cosine_similarity < 0.9999, noise_ratio > 1.5, token_noise_ratio > 3 or contribution_bias > 6 *",
+        *[f"*test_layer_parity?layer_{i}? PASSED*" for i in range(6)],
+        "*layerparity summary*",
+    ])
+    tree = ET.parse(project.path / "out.xml")
+    cases = tree.findall(".//testcase")
+    assert len(cases) == 6
+    for case in cases:
+        props = {p.get("name"): p.get("value") for p in case.findall("./properties/property")}
+        for name in ("max_abs_diff", "mean_abs_diff", "similarity_percentage", "cosine_similarity",
+                     "pearson_correlation", "has_nan", "has_inf", "layers", "verdict", "noise_ratio",
+                     "token_noise_ratio", "contribution_bias", "routing_agreement"):
+            assert name in props, (case.get("name"), name)
+        assert props["verdict"] == "pass"
+        assert float(props["max_abs_diff"]) < 1e-3
+        assert float(props["noise_ratio"]) < 1.5
+        assert float(props["routing_agreement"]) == 1.0
+
+
+def test_planted_bug_fails_exactly_that_layer_on_xla(project):
+    project.makeconftest(PLANT_EPSILON)
+    result = project.runpytest("--xla", "--layers", "2-4")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines([
+        "*_ test_layer_parity?layer_3? _*",
+        "layer 3 on xla:0*: output differs from the golden",
+        "  shape (1, 32, 64), golden float32, target float32",
+        "  noise_ratio * <= 1.5 * FAIL",
+        "  token_noise_ratio * <= 3 * FAIL",
+        "  worst element: index (0, *, *): golden *, target *",
+        "  precision floor: ||golden - ref|| = *, ||target - ref|| = *; worst token * at *x its floor*",
+        "  routing (mlp.gate): all 32 tokens chose the same experts",
+        "  minimum passing tolerance: atol * (with rtol 0); rtol * (with atol 0); --max-noise-ratio *",
+        "  drill in: pytest --xla --model=* --golden-dir=* --layers 3 -k layer_3 --op-compare -vv",
+        "FAILED layerparity::test_layer_parity[[]layer_3[]] - *",
+    ])
+
+
+def test_swapped_rotary_halves_fail_that_layer(project):
+    project.makeconftest(SWAP_ROTARY)
+    result = project.runpytest("--target", "cpu")
+    result.assert_outcomes(passed=5, failed=1)
+    result.stdout.fnmatch_lines(["FAILED layerparity::test_layer_parity[[]layer_1[]]*"])
+
+
+def test_k_selects_one_layer_and_lf_reruns_failures(project):
+    result = project.runpytest("--target", "cpu", "-k", "layer_2", "-v")
+    result.assert_outcomes(passed=1, deselected=5)
+    result.stdout.fnmatch_lines(["*test_layer_parity?layer_2? PASSED*"])
+    project.makeconftest(PLANT_EPSILON)
+    project.runpytest("--target", "cpu").assert_outcomes(passed=5, failed=1)
+    result = project.runpytest("--target", "cpu", "--lf")
+    result.assert_outcomes(failed=1, deselected=5)
+
+
+def test_goldens_load_lazily(project):
+    """A test reads only its own layer's golden: the others may be corrupt."""
+    for i in (0, 1, 3, 4, 5):
+        path = project.path / "goldens" / f"layer_{i:05d}.safetensors"
+        path.write_bytes(b"garbage")
+    result = project.runpytest("--target", "cpu", "-k", "layer_2")
+    result.assert_outcomes(passed=1, deselected=5)
+
+
+def test_corrupt_golden_errors_naming_the_file(project):
+    path = project.path / "goldens" / "layer_00004.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    result = project.runpytest("--target", "cpu")
+    result.assert_outcomes(passed=5, errors=1)
+    result.stdout.fnmatch_lines([f"*{path}: sha256 * does not match the manifest's *regenerate it with: pytest --gpu-golden --extract --model=* --golden-dir=*"])
+
+
+def test_missing_golden_errors_with_the_extraction_command(project):
+    manifest_path = project.path / "goldens" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["files"]["layer_5"]
+    manifest_path.write_text(json.dumps(manifest))
+    result = project.runpytest("--target", "cpu", "--layers", "5")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*no golden for layer_5; extract it with: pytest --gpu-golden --extract --model=* --golden-dir=* --layers 5*"])
+
+
+def test_store_of_another_model_is_refused_before_any_layer_runs(project):
+    manifest_path = project.path / "goldens" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model"]["hidden_size"] = 4096
+    manifest_path.write_text(json.dumps(manifest))
+    result = project.runpytest("--target", "cpu")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*refusing the golden store: *manifest.json: the goldens were made from another model or setting than * (model.hidden_size: store has 4096, this run has 64); extract them again for this model: pytest --gpu-golden --extract*"])
+
+
+def test_layer_ranges_run_end_to_end_and_name_the_first_bad_layer(project):
+    project.makeconftest(PLANT_EPSILON)
+    result = project.runpytest("--target", "cpu", "--layers", "0", "--layer-ranges", "0-1,2-5")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines([
+        "*range 2-5: * of 4 layers leave tolerance; the first is layer 3",
+        "FAILED layerparity::test_layer_range_parity[[]layers_2-5[]]*",
+    ])
+
+
+def test_parity_report_json(project):
+    project.makeconftest(PLANT_EPSILON)
+    result = project.runpytest("--target", "cpu", "--layers", "2-3", "--parity-report", "rep")
+    result.assert_outcomes(passed=1, failed=1)
+    report = json.loads((project.path / "rep" / "report.json").read_text())
+    by_id = {t["nodeid"]: t for t in report["tests"]}
+    assert set(by_id) == {"layerparity::test_layer_parity[layer_2]", "layerparity::test_layer_parity[layer_3]"}
+    bad = by_id["layerparity::test_layer_parity[layer_3]"]
+    assert bad["verdict"] == "fail" and bad["layers"] == "3"
+    assert set(bad["metrics"]) >= {"max_abs_diff", "mean_abs_diff", "similarity_percentage", "cosine_similarity", "pearson_correlation"}
+    assert by_id["layerparity::test_layer_parity[layer_2]"]["verdict"] == "pass"
+    result.stdout.fnmatch_lines(["first failing: test_layer_parity[[]layer_3[]] (layers 3)"])
+
+
+@pytest.mark.parametrize("workers", [None, "2"])
+def test_parity_with_and_without_xdist(project, workers):
+    project.makeconftest(PLANT_EPSILON)
+    args = ["--target", "cpu", "--parity-report", "rep"]
+    if workers:
+        args += ["-n", workers]
+    else:
+        args += ["-p", "no:xdist"]
+    result = project.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=5, failed=1)
+    report = json.loads((project.path / "rep" / "report.json").read_text())
+    assert len(report["tests"]) == 6
+
+
+WRONG_XLA_RSQRT = """
+import warnings
+import torch
+import torch_xla  # registers the real XLA kernels first; ours then replaces rsqrt's
+
+_lib = torch.library.Library("aten", "IMPL")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    # the bug: a wrong rsqrt kernel on the device (5% too large), as a broken backend kernel would be
+    _lib.impl("rsqrt", lambda x: torch.ops.aten.pow.Tensor_Scalar(x, -0.5) * 1.05, "XLA")
+"""
+
+
+def test_op_compare_names_the_first_wrong_op_and_how_to_replay_it(project):
+    project.makeconftest(WRONG_XLA_RSQRT)
+    result = project.runpytest_subprocess("--xla", "--layers", "1", "--op-compare", "--op-compare-dir=ops")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "  op-compare (the layer re-run op by op against the CPU):",
+        "    first op that fails: MiniMaxM2DecoderLayer/MiniMaxM2RMSNorm/torch.ops.aten.rsqrt(forward): * elements off *",
+        "    replay: python -c *compare_for_single_op(*torch.ops.aten.rsqrt_inputs.safetensors*",
+    ])
+    dump = next((project.path / "ops" / "layer_1").glob("torch.ops.aten.rsqrt_inputs.safetensors"))
+    from pytest_layerparity.ops import compare_for_single_op
+
+    correct, args, kwargs, out = compare_for_single_op(str(dump), "torch.ops.aten.rsqrt", atol=1e-4, rtol=1e-4)
+    assert correct  # without the wrong kernel (this process), the op itself is fine: the kernel was the bug
+
+
+def test_own_tests_can_use_the_op_fixtures(pytester):
+    pytester.makepyfile(
+        """
+        import torch
+
+        def test_nan(nan_inf_tracker):
+            lin = torch.nn.Linear(4, 4)
+            with nan_inf_tracker() as tracker:
+                torch.log(lin(torch.ones(2, 4)) - 100.0)
+            assert tracker.first_failure is not None
+            assert tracker.first_failure.op_name == "torch.ops.aten.log"
+
+        def test_compare(compare_with_cpu):
+            with compare_with_cpu(atol=1e-5, rtol=1e-5) as tool:
+                torch.ones(3) * 2
+            assert tool.failures == []
+        """
+    )
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+def test_batched_experts_on_xla_pass_every_layer(project):
+    result = project.runpytest("--xla", "--experts-implementation", "batched_mm")
+    result.assert_outcomes(passed=6)
