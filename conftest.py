@@ -4,6 +4,7 @@ With a layerparity mode on (``pytest --xla``, ``pytest --gpu-golden --extract``)
 paths given, this repository runs the plugin's tests on the embedded default model and not
 its own suite (``testpaths``).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,5 +14,8 @@ _MODES = ("layerparity_gpu_golden", "layerparity_xla", "layerparity_neuron", "la
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
-    if any(config.getoption(name, None) for name in _MODES) and config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+    if (
+        any(config.getoption(name, None) for name in _MODES)
+        and config.args_source == pytest.Config.ArgsSource.TESTPATHS
+    ):
         config.args[:] = []

@@ -19,6 +19,7 @@ goldens) in fresh processes:
 Per-layer time is the test's call phase: building the layer from the checkpoint, running it
 on the device, comparing. Prints one table per question.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "fixtures" / "minimax_m2_tiny"
 GOLDENS = ROOT / "fixtures" / "goldens" / "minimax_m2_tiny"
 
-TIMING_CONFTEST = '''
+TIMING_CONFTEST = """
 import json, os, time
 import pytest
 
@@ -63,7 +64,8 @@ def pytest_configure(config):
 def pytest_sessionfinish(session):
     import torch_xla.debug.metrics as met
 
-    counters = {k: int(met.counter_value(k) or 0) for k in ("PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure", "CachedCompile")}
+    names = ("PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure", "CachedCompile")
+    counters = {k: int(met.counter_value(k) or 0) for k in names}
     with open(os.environ["BENCH_OUT"], "w") as f:
         json.dump({"rows": ROWS, "counters": counters}, f)
 
@@ -78,14 +80,14 @@ if os.environ.get("BENCH_EXPERTS"):
                 config._experts_implementation = os.environ["BENCH_EXPERTS"]
                 module.config = config
         return None
-'''
+"""
 
 
 def run_session(work: Path, name: str, args: list[str], env_extra: dict[str, str] | None = None) -> dict:
     out = work / f"{name}.json"
     env = dict(os.environ, PJRT_DEVICE=os.environ.get("PJRT_DEVICE", "CPU"), BENCH_OUT=str(out), **(env_extra or {}))
     command = [sys.executable, "-m", "pytest", "--xla", "-p", "no:cacheprovider", "-q", *args]
-    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True)
+    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0 or not out.exists():
         sys.stderr.write(done.stdout[-4000:] + done.stderr[-4000:])
         raise SystemExit(f"session {name} failed (exit {done.returncode})")
@@ -103,13 +105,18 @@ def within_session(name: str, result: dict) -> None:
     print(f"\n{name}: within the session")
     print(f"  {'layer':<10} {'seconds':>8} {'compiles':>9} {'compile s':>10}")
     for row in rows:
-        print(f"  {row['test'].split('[')[-1].rstrip(']'):<10} {row['seconds']:8.3f} {row['compiles']:9d} {row['compile_seconds']:10.3f}")
+        print(
+            f"  {row['test'].split('[')[-1].rstrip(']'):<10} {row['seconds']:8.3f} {row['compiles']:9d} "
+            f"{row['compile_seconds']:10.3f}"
+        )
     if len(rows) > 1:
         rest = rows[1:]
         mean = sum(r["seconds"] for r in rest) / len(rest)
         compiles = sum(r["compiles"] for r in rest) / len(rest)
-        print(f"  first layer {rows[0]['seconds']:.3f} s ({rows[0]['compiles']} compiles); later layers {mean:.3f} s "
-              f"({compiles:.1f} compiles) on average: ratio later/first {mean / rows[0]['seconds']:.3f}")
+        print(
+            f"  first layer {rows[0]['seconds']:.3f} s ({rows[0]['compiles']} compiles); later layers {mean:.3f} s "
+            f"({compiles:.1f} compiles) on average: ratio later/first {mean / rows[0]['seconds']:.3f}"
+        )
 
 
 def main() -> None:
@@ -132,14 +139,20 @@ def main() -> None:
 
         import torch_xla
 
-        print(f"torch-xla {torch_xla.__version__}, PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'CPU')}, model {MODEL.name}, "
-              f"{os.cpu_count()} CPUs; experts: eager (the plugin's choice on lazy devices)")
+        print(
+            f"torch-xla {torch_xla.__version__}, PJRT_DEVICE={os.environ.get('PJRT_DEVICE', 'CPU')}, model "
+            f"{MODEL.name}, "
+            f"{os.cpu_count()} CPUs; experts: eager (the plugin's choice on lazy devices)"
+        )
         print(f"\nacross sessions, --compile-cache={cache} ({stored} graphs stored by the first session)")
         print(f"  {'layer':<10} {'1st s':>8} {'2nd s':>8} {'2nd/1st':>8} {'1st compiles':>13} {'2nd compiles':>13}")
         a, b = layer_rows(first), layer_rows(second)
         for layer in a:
-            print(f"  {layer:<10} {a[layer]['seconds']:8.3f} {b[layer]['seconds']:8.3f} {b[layer]['seconds'] / a[layer]['seconds']:8.3f} "
-                  f"{a[layer]['compiles']:13d} {b[layer]['compiles']:13d}")
+            print(
+                f"  {layer:<10} {a[layer]['seconds']:8.3f} {b[layer]['seconds']:8.3f} "
+                f"{b[layer]['seconds'] / a[layer]['seconds']:8.3f} "
+                f"{a[layer]['compiles']:13d} {b[layer]['compiles']:13d}"
+            )
         total_a = sum(r["seconds"] for r in a.values())
         total_b = sum(r["seconds"] for r in b.values())
         print(f"  {'all':<10} {total_a:8.3f} {total_b:8.3f} {total_b / total_a:8.3f}")

@@ -5,6 +5,7 @@ floor and writing cost.
 
 Model loading is timed separately and left out of every ratio. One process, CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,13 +17,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "fixtures"))
 
-import torch  # noqa: E402
+import torch
 
-from pytest_layerparity.options import make_settings  # noqa: E402
-from pytest_layerparity.session import LayerParitySession  # noqa: E402
+from pytest_layerparity.options import make_settings
+from pytest_layerparity.session import LayerParitySession
 
-WIDTH = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=8, head_dim=64,
-             vocab_size=8000)
+WIDTH = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 8000,
+}
 
 
 settings = make_settings
@@ -45,9 +52,19 @@ def plain_forward(model_dir: Path, dtype: torch.dtype, ids: torch.Tensor, repeat
 
 def extraction(model_dir: Path, store: Path, seq_len: int, floor: bool) -> tuple[float, float]:
     """(seconds for the whole extraction without model loading, loading seconds)."""
-    session = LayerParitySession(settings(gpu_golden=True, extract=True, model=str(model_dir), golden_dir=str(store),
-                                          dtype="bfloat16", seq_len=seq_len, device_map="cpu",
-                                          no_precision_floor=not floor), ROOT)
+    session = LayerParitySession(
+        settings(
+            gpu_golden=True,
+            extract=True,
+            model=str(model_dir),
+            golden_dir=str(store),
+            dtype="bfloat16",
+            seq_len=seq_len,
+            device_map="cpu",
+            no_precision_floor=not floor,
+        ),
+        ROOT,
+    )
     loading = []
     reference = session.reference
     original = reference._load
@@ -82,15 +99,24 @@ def main() -> None:
     fp32_first, fp32 = plain_forward(model, torch.float32, ids, args.repeats)
     bare, _ = extraction(model, work / "no-floor", args.seq_len, floor=False)
     full, load = extraction(model, work / "floor", args.seq_len, floor=True)
-    print(f"model: llama, {args.layers} layers, hidden {WIDTH['hidden_size']}, {size:.2f} GB bf16; seq {args.seq_len}; "
-          f"{torch.get_num_threads()} threads")
+    print(
+        f"model: llama, {args.layers} layers, hidden {WIDTH['hidden_size']}, {size:.2f} GB bf16; seq {args.seq_len}; "
+        f"{torch.get_num_threads()} threads"
+    )
     print(f"{'what':<58} {'seconds':>8} {'ratio':>7}")
-    print(f"{'plain forward, bf16: first after loading / best of %d' % args.repeats:<58} {bf16_first:>8.2f} {bf16:>6.2f}")
-    print(f"{'plain forward, float32: first after loading / best of %d' % args.repeats:<58} {fp32_first:>8.2f} {fp32:>6.2f}")
-    print(f"{'extraction, no precision floor (forward+capture+writes)':<58} {bare:>8.2f} "
-          f"{bare / bf16_first:>6.2f}x of the first bf16 forward, {bare / bf16:.2f}x of the best")
-    print(f"{'extraction with the float32 precision floor':<58} {full:>8.2f} "
-          f"{full / (bf16_first + fp32_first):>6.2f}x of the first bf16 + float32 forwards, {full / (bf16 + fp32):.2f}x of the best")
+    print(f"{f'plain forward, bf16: first after loading / best of {args.repeats}':<58} {bf16_first:>8.2f} {bf16:>6.2f}")
+    print(
+        f"{f'plain forward, float32: first after loading / best of {args.repeats}':<58} {fp32_first:>8.2f} {fp32:>6.2f}"
+    )
+    print(
+        f"{'extraction, no precision floor (forward+capture+writes)':<58} {bare:>8.2f} "
+        f"{bare / bf16_first:>6.2f}x of the first bf16 forward, {bare / bf16:.2f}x of the best"
+    )
+    print(
+        f"{'extraction with the float32 precision floor':<58} {full:>8.2f} "
+        f"{full / (bf16_first + fp32_first):>6.2f}x of the first bf16 + float32 forwards, {full / (bf16 + fp32):.2f}x "
+        "of the best"
+    )
     print(f"{'(model loading, left out of the ratios)':<58} {load:>8.2f}")
 
 

@@ -12,6 +12,7 @@ the counter behind ru_maxrss, reset just before the call through /proc/self/clea
 minus the RSS before the call.
 This is a script, not a test.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,12 +87,13 @@ def run_table(sizes_m: list[int], dtype_name: str, repeats: int) -> None:
         g, t = make_pair(n, dtype_name)
         nbytes = g.numel() * g.element_size() + t.numel() * t.element_size()
         reps = repeats if n <= 32 * MI else max(2, repeats // 2)
-        t_ours = best_time(lambda: compare_tensors(g, t), reps)
-        t_naive = best_time(lambda: naive_float32(g, t), reps)
+        t_ours = best_time(lambda g=g, t=t: compare_tensors(g, t), reps)
+        t_naive = best_time(lambda g=g, t=t: naive_float32(g, t), reps)
         cos_ours = compare_tensors(g, g).cosine_similarity
         cos_naive = naive_float32(g, g)["cosine_similarity"]
         print(
-            f"{size:>8}M {nbytes / MI:>7.0f} | {nbytes / t_ours / 1e9:>10.2f} GB/s {nbytes / t_naive / 1e9:>9.2f} GB/s | "
+            f"{size:>8}M {nbytes / MI:>7.0f} | {nbytes / t_ours / 1e9:>10.2f} GB/s {nbytes / t_naive / 1e9:>9.2f} "
+            "GB/s | "
             f"{cos_ours:>18.15f} {cos_naive:>18.15f}",
             flush=True,
         )
@@ -164,16 +166,21 @@ def main() -> None:
 
     import torch
 
-    print(f"machine: platform.processor()={platform.processor()!r}, cpu={cpu_model()!r}, "
-          f"{os.cpu_count()} logical CPUs, {platform.platform()}")
+    print(
+        f"machine: platform.processor()={platform.processor()!r}, cpu={cpu_model()!r}, "
+        f"{os.cpu_count()} logical CPUs, {platform.platform()}"
+    )
     print(f"torch {torch.__version__}, torch.get_num_threads() = {torch.get_num_threads()}")
     print(f"inputs: {args.dtype} pairs, GB/s = bytes of both inputs / best wall time\n")
     run_table([int(s) for s in args.sizes.split(",") if s], args.dtype, args.repeats)
 
     if not args.no_memory:
         n = 32 * MI
-        print(f"\npeak extra memory at {n // MI}M {args.dtype} pairs "
-              f"(peak RSS minus RSS before, fresh process, inputs {2 * n * (4 if args.dtype == 'fp32' else 2) / MI:.0f} MiB):")
+        print(
+            f"\npeak extra memory at {n // MI}M {args.dtype} pairs "
+            f"(peak RSS minus RSS before, fresh process, inputs {2 * n * (4 if args.dtype == 'fp32' else 2) / MI:.0f} "
+            "MiB):"
+        )
         for which in ("ours", "naive"):
             label = "compare_tensors" if which == "ours" else "float32 naive"
             delta, reset = peak_extra_mib(which, n, args.dtype)

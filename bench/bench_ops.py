@@ -32,11 +32,10 @@ import time
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from pytest_layerparity.ops import (CompareWithCPU, NanInfTracker, ModuleInfo,  # noqa: E402
-                                    open_module_tracker)
+from pytest_layerparity.ops import CompareWithCPU, ModuleInfo, NanInfTracker, open_module_tracker
 
 
 class _PassThrough(TorchDispatchMode):
@@ -48,8 +47,14 @@ def build_layer(dtype, batch, seq=64, hidden=256, attn="sdpa", device="cpu"):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_attention_heads=8,
-                      num_key_value_heads=4, num_hidden_layers=1, max_position_embeddings=2 * seq)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_hidden_layers=1,
+        max_position_embeddings=2 * seq,
+    )
     cfg._attn_implementation = attn
     torch.manual_seed(0)
     layer = LlamaDecoderLayer(cfg, 0).eval().to(dtype)
@@ -61,8 +66,12 @@ def build_layer(dtype, batch, seq=64, hidden=256, attn="sdpa", device="cpu"):
         mask = torch.full((seq, seq), torch.finfo(dtype).min, dtype=dtype).triu(1)[None, None]
         mask = mask.expand(batch, 1, seq, seq)
     layer = layer.to(device)
-    args = dict(hidden_states=x.to(device), attention_mask=None if mask is None else mask.to(device),
-                position_ids=pos.to(device), position_embeddings=(cos.to(device), sin.to(device)))
+    args = {
+        "hidden_states": x.to(device),
+        "attention_mask": None if mask is None else mask.to(device),
+        "position_ids": pos.to(device),
+        "position_embeddings": (cos.to(device), sin.to(device)),
+    }
     return layer, args
 
 
@@ -101,7 +110,7 @@ def bench_cpu(dtype, batch, repeats, attn, inner=5):
     plain = times["plain"]
     # ratio per repeat (each variant against the plain run of the same repeat,
     # which cancels slow drifts of the machine's load), then the median
-    ratios = {k: statistics.median(t / p for t, p in zip(v, plain)) for k, v in times.items()}
+    ratios = {k: statistics.median(t / p for t, p in zip(v, plain, strict=False)) for k, v in times.items()}
     return statistics.median(plain), min(plain), ratios, n_ops
 
 
@@ -123,8 +132,11 @@ def bench_xla(dtype, batch):
         torch_xla.sync()
         out.cpu()
 
-    for name, mk in [("plain (lazy, one graph)", None), ("NanInfTracker (deferred)", NanInfTracker),
-                     ("CompareWithCPU", CompareWithCPU)]:
+    for name, mk in [
+        ("plain (lazy, one graph)", None),
+        ("NanInfTracker (deferred)", NanInfTracker),
+        ("CompareWithCPU", CompareWithCPU),
+    ]:
         runs = []
         for _ in range(2):  # first run compiles, second hits the graph cache
             t0 = time.perf_counter()
@@ -150,28 +162,38 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (1 keeps timings stable on a shared machine)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1 keeps timings stable on a shared machine)"
+    )
     p.add_argument("--xla", action="store_true", help="also time one layer on the torch-xla device")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"cpus {os.cpu_count()}, attention {a.attn}, repeats {a.repeats}")
-    print(f"{'dtype':9} {'batch':>5} {'ops':>4} {'plain ms':>9} {'(best)':>7} {'floor':>7} "
-          f"{'NanInf':>7} {'Compare':>8}")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+        f"cpus {os.cpu_count()}, attention {a.attn}, repeats {a.repeats}"
+    )
+    print(
+        f"{'dtype':9} {'batch':>5} {'ops':>4} {'plain ms':>9} {'(best)':>7} {'floor':>7} {'NanInf':>7} {'Compare':>8}"
+    )
     for batch in a.batch:
         for dtype in (torch.float32, torch.bfloat16):
             med, best, r, n_ops = bench_cpu(dtype, batch, a.repeats, a.attn)
-            print(f"{str(dtype).replace('torch.', ''):9} {batch:>5} {n_ops:>4} {med * 1e3:>9.2f} "
-                  f"{best * 1e3:>7.2f} {r['dispatch-mode floor']:>6.2f}x {r['NanInfTracker']:>6.2f}x "
-                  f"{r['CompareWithCPU']:>7.2f}x")
-    print("(plain ms: median (and best) time of one forward; ratios: tracked / plain time, the median\n"
-          " over the repeats of the ratio within each repeat; 'floor' = an empty TorchDispatchMode;\n"
-          " 'ops' = aten ops per forward)")
+            print(
+                f"{str(dtype).replace('torch.', ''):9} {batch:>5} {n_ops:>4} {med * 1e3:>9.2f} "
+                f"{best * 1e3:>7.2f} {r['dispatch-mode floor']:>6.2f}x {r['NanInfTracker']:>6.2f}x "
+                f"{r['CompareWithCPU']:>7.2f}x"
+            )
+    print(
+        "(plain ms: median (and best) time of one forward; ratios: tracked / plain time, the median\n"
+        " over the repeats of the ratio within each repeat; 'floor' = an empty TorchDispatchMode;\n"
+        " 'ops' = aten ops per forward)"
+    )
     if a.xla:
         res = bench_xla(torch.float32, 1)
-        print("\ntorch-xla (PJRT_DEVICE=CPU), fp32, batch 1, eager attention, one forward "
-              "[first run (compiles), second run]:")
+        print(
+            "\ntorch-xla (PJRT_DEVICE=CPU), fp32, batch 1, eager attention, one forward "
+            "[first run (compiles), second run]:"
+        )
         for k, v in res.items():
             if isinstance(v, list):
                 print(f"  {k:28} " + ", ".join(f"{t * 1e3:9.1f} ms" for t in v))

@@ -9,6 +9,7 @@ uses, on the target. Rules: the seeds' fixed table, torch.testing.assert_close's
 defaults, the published R <= 1.2 rule (tensor-wide noise ratio), cosine > 0.99 alone, and
 this plugin's default verdict (noise policy).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,18 +23,18 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "fixtures"))
 
-import torch  # noqa: E402
+import torch
 
-from pytest_layerparity.compare.floor import FLOOR_KEY, floor_stats  # noqa: E402
-from pytest_layerparity.options import make_settings  # noqa: E402
-from pytest_layerparity.session import LayerParitySession  # noqa: E402
-from pytest_layerparity.store.callspec import primary_output_name  # noqa: E402
-
+from pytest_layerparity.compare.floor import FLOOR_KEY, floor_stats
+from pytest_layerparity.options import make_settings
+from pytest_layerparity.session import LayerParitySession
+from pytest_layerparity.store.callspec import primary_output_name
 
 settings = make_settings
 
 
 # -- bugs, planted through the target-build hook ---------------------------------------------
+
 
 def wrong_norm_eps(layer, config):
     norm = layer.input_layernorm
@@ -60,8 +61,8 @@ def head_dropped(layer, config):
 
     def drop(module, args):
         x = args[0].clone()
-        x[..., head_dim * 1: head_dim * 2] = 0
-        return (x,) + tuple(args[1:])
+        x[..., head_dim * 1 : head_dim * 2] = 0
+        return (x, *tuple(args[1:]))
 
     layer.self_attn.o_proj.register_forward_pre_hook(drop)
     return layer
@@ -103,14 +104,25 @@ BUGS = {
 
 # -- rules --------------------------------------------------------------------------------------
 
+
 def judge(outcome, golden, target, reference) -> dict[str, bool]:
     m = outcome.metrics
-    table = (m.max_abs_diff <= 0.01 and m.mean_abs_diff <= 0.001 and m.similarity_percentage >= 95
-             and m.cosine_similarity >= 0.99 and m.pearson_correlation >= 0.99)
+    table = (
+        m.max_abs_diff <= 0.01
+        and m.mean_abs_diff <= 0.001
+        and m.similarity_percentage >= 95
+        and m.cosine_similarity >= 0.99
+        and m.pearson_correlation >= 0.99
+    )
     close = bool(torch.isclose(target.float(), golden.float(), rtol=1.6e-2, atol=1e-5).all())
     r_rule = floor_stats(golden, target, reference).noise_ratio <= 1.2
-    return {"seeds' table": table, "assert_close": close, "R <= 1.2": r_rule,
-            "cosine > 0.99": m.cosine_similarity > 0.99, "default verdict": outcome.passed}
+    return {
+        "seeds' table": table,
+        "assert_close": close,
+        "R <= 1.2": r_rule,
+        "cosine > 0.99": m.cosine_similarity > 0.99,
+        "default verdict": outcome.passed,
+    }
 
 
 def run_layer(session, index):
@@ -131,16 +143,25 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="verdicts-"))
     rules = ["seeds' table", "assert_close", "R <= 1.2", "cosine > 0.99", "default verdict"]
-    false_fail = {r: 0 for r in rules}
-    caught = {r: 0 for r in rules}
+    false_fail = dict.fromkeys(rules, 0)
+    caught = dict.fromkeys(rules, 0)
     correct_total = bug_total = 0
     bug_rows = []
     started = time.time()
     for kind in ARCHITECTURES:
         model = make(kind, work / kind, num_layers=args.layers)
         store = work / f"{kind}-golden"
-        extract = LayerParitySession(settings(gpu_golden=True, extract=True, model=str(model), golden_dir=str(store),
-                                              dtype="bfloat16", seq_len=args.seq_len), ROOT)
+        extract = LayerParitySession(
+            settings(
+                gpu_golden=True,
+                extract=True,
+                model=str(model),
+                golden_dir=str(store),
+                dtype="bfloat16",
+                seq_len=args.seq_len,
+            ),
+            ROOT,
+        )
         for i in range(args.layers):
             extract.extract_layer(i)
         correct = LayerParitySession(settings(target=args.target, model=str(model), golden_dir=str(store)), ROOT)
@@ -150,8 +171,14 @@ def main() -> None:
             correct_total += 1
             for rule in rules:
                 false_fail[rule] += not verdicts[rule]
-            print(f"{kind:<11} layer {i} correct   noise_ratio {outcome.noise.noise_ratio:7.3f} token {outcome.noise.token_noise_ratio:7.3f} "
-                  f"max_abs {outcome.metrics.max_abs_diff:.4f} z {outcome.noise.contribution_z:7.2f} zg {outcome.noise.golden_contribution_z:7.2f} " + " ".join(f"{r}={'pass' if v else 'FAIL'}" for r, v in verdicts.items()), flush=True)
+            print(
+                f"{kind:<11} layer {i} correct   noise_ratio {outcome.noise.noise_ratio:7.3f} token "
+                f"{outcome.noise.token_noise_ratio:7.3f} "
+                f"max_abs {outcome.metrics.max_abs_diff:.4f} z {outcome.noise.contribution_z:7.2f} zg "
+                f"{outcome.noise.golden_contribution_z:7.2f} "
+                + " ".join(f"{r}={'pass' if v else 'FAIL'}" for r, v in verdicts.items()),
+                flush=True,
+            )
         correct.teardown()
         for bug, (plant, kinds) in BUGS.items():
             if kinds and kind not in kinds:
@@ -163,24 +190,35 @@ def main() -> None:
                     reference_layer = plant(reference_layer, model_config)
                 return reference_layer.to(device)
 
-            broken = LayerParitySession(settings(target=args.target, model=str(model), golden_dir=str(store)), ROOT, hook)
+            broken = LayerParitySession(
+                settings(target=args.target, model=str(model), golden_dir=str(store)), ROOT, hook
+            )
             outcome, g, t, r = run_layer(broken, layer_of_bug)
             verdicts = judge(outcome, g, t, r)
             bug_total += 1
             for rule in rules:
                 caught[rule] += not verdicts[rule]
             bug_rows.append((kind, bug, verdicts))
-            print(f"{kind:<11} layer {layer_of_bug} {bug:<36} noise_ratio {outcome.noise.noise_ratio:9.3f} token {outcome.noise.token_noise_ratio:9.3f} z {outcome.noise.contribution_z:8.2f} zg {outcome.noise.golden_contribution_z:7.2f} "
-                  + " ".join(f"{r}={'pass' if v else 'FAIL'}" for r, v in verdicts.items()), flush=True)
+            print(
+                f"{kind:<11} layer {layer_of_bug} {bug:<36} noise_ratio {outcome.noise.noise_ratio:9.3f} token "
+                f"{outcome.noise.token_noise_ratio:9.3f} z {outcome.noise.contribution_z:8.2f} zg "
+                f"{outcome.noise.golden_contribution_z:7.2f} "
+                + " ".join(f"{r}={'pass' if v else 'FAIL'}" for r, v in verdicts.items()),
+                flush=True,
+            )
             broken.teardown()
-    print(f"\n{correct_total} correct layers and {bug_total} planted bugs, bf16, target {args.target}, "
-          f"{args.layers} layers per model, {time.time() - started:.0f} s")
+    print(
+        f"\n{correct_total} correct layers and {bug_total} planted bugs, bf16, target {args.target}, "
+        f"{args.layers} layers per model, {time.time() - started:.0f} s"
+    )
     print(f"{'rule':<18} {'false failures':>16} {'bugs caught':>12}")
     for rule in rules:
         print(f"{rule:<18} {false_fail[rule]:>10} of {correct_total:<3} {caught[rule]:>6} of {bug_total}")
     print("\nper bug (caught = FAIL):")
     for kind, bug, verdicts in bug_rows:
-        print(f"  {kind:<11} {bug:<36} " + " ".join(f"{r}={'caught' if not v else 'missed'}" for r, v in verdicts.items()))
+        print(
+            f"  {kind:<11} {bug:<36} " + " ".join(f"{r}={'caught' if not v else 'missed'}" for r, v in verdicts.items())
+        )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """``python -m pytest_layerparity compare GOLDEN_DIR TARGET_DIR``: compare two stores of
 per-layer outputs (goldens, and a target's ``--save-outputs``) without running a model."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("golden_dir")
     cmp_.add_argument("target_dir")
     cmp_.add_argument("--layer-pattern", default="layer_*", help="Which layers (fnmatch on layer_N). Default: layer_*.")
-    cmp_.add_argument("--report", default=None, metavar="DIR", help="Write report.json, report.csv and report.html here.")
+    cmp_.add_argument(
+        "--report", default=None, metavar="DIR", help="Write report.json, report.csv and report.html here."
+    )
     cmp_.add_argument("--verdict", choices=("noise", "table"), default="noise")
     cmp_.add_argument("--max-noise-ratio", type=float, default=None)
     args = parser.parse_args(argv)

@@ -1,4 +1,5 @@
 """Hooks a project implements in its conftest.py."""
+
 from __future__ import annotations
 
 from typing import Any

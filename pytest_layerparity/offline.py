@@ -1,6 +1,7 @@
 """Compare two stores of per-layer outputs without running a model: the goldens, and a
 target's ``--save-outputs`` (``python -m pytest_layerparity compare``). The same judge as
 the plugin's, on tensors read from the two stores."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -25,9 +26,14 @@ def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Set
     if manifest is None:
         raise SystemExit(f"error: {golden_dir} is not a golden store (no manifest.json)")
     if target.read_manifest() is None:
-        raise SystemExit(f"error: {target_dir} is not a store of outputs (no manifest.json); write one with --save-outputs")
-    layers = sorted(index for key in set(golden.keys()) & set(target.keys())
-                    if fnmatch.fnmatch(key, pattern) and (index := parse_layer_key(key)) is not None)
+        raise SystemExit(
+            f"error: {target_dir} is not a store of outputs (no manifest.json); write one with --save-outputs"
+        )
+    layers = sorted(
+        index
+        for key in set(golden.keys()) & set(target.keys())
+        if fnmatch.fnmatch(key, pattern) and (index := parse_layer_key(key)) is not None
+    )
     if not layers:
         raise SystemExit(f"error: no layer matches {pattern!r} in both {golden_dir} and {target_dir}")
     dtype = manifest.get("dtype") if manifest.get("dtype") in DTYPES else "float32"
@@ -37,11 +43,25 @@ def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Set
         g, t = golden.load(key), target.load(key)
         spec = g.metadata["call"]
         name = primary_output_name(spec)
-        outcome = judge_golden(index, g.tensors, name, t.tensors[name], t.tensors, settings, dtype,
-                               hidden_in=g.tensors.get(hidden_input_name(spec)))
-        entries.append({"nodeid": f"compare::{key}", "layers": str(index),
-                        "verdict": "pass" if outcome.passed else "fail",
-                        "metrics": dict(properties(outcome)), "message": "" if outcome.passed else _failure(outcome)})
+        outcome = judge_golden(
+            index,
+            g.tensors,
+            name,
+            t.tensors[name],
+            t.tensors,
+            settings,
+            dtype,
+            hidden_in=g.tensors.get(hidden_input_name(spec)),
+        )
+        entries.append(
+            {
+                "nodeid": f"compare::{key}",
+                "layers": str(index),
+                "verdict": "pass" if outcome.passed else "fail",
+                "metrics": dict(properties(outcome)),
+                "message": "" if outcome.passed else _failure(outcome),
+            }
+        )
     return entries
 
 

@@ -4,6 +4,7 @@ the small pure functions that parse each value and raise with the fix.
 Everything that reads an option reads it here (:func:`read_settings`), the plugin and the
 distributed runs alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,18 +20,30 @@ import pytest
 DTYPES = ("bfloat16", "float16", "float32")
 GOLDEN_DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 DEVICE_MAP_CHOICES = ("stream", "auto", "balanced", "balanced_low_0", "sequential", "cpu")
-MAX_MEMORY_FORMS = ("40GB (every GPU), 0:60GB,1:60GB,2:40GB (per GPU), cpu:100GB (host), "
-                    "units B/KB/MB/GB/TB or KiB/MiB/GiB/TiB")
+MAX_MEMORY_FORMS = (
+    "40GB (every GPU), 0:60GB,1:60GB,2:40GB (per GPU), cpu:100GB (host), units B/KB/MB/GB/TB or KiB/MiB/GiB/TiB"
+)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)\s*$", re.IGNORECASE)
-_SIZE_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE_UNITS = {
+    "B": 1,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def positive_int(text: str) -> int:
     try:
         value = int(text)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give a positive integer such as 32") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number; give a positive integer such as 32"
+        ) from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer (1 or more)")
     return value
@@ -144,9 +157,7 @@ def device_map_choice(text: str) -> str:
     value = text.strip()
     if value in DEVICE_MAP_CHOICES or re.fullmatch(r"cuda:\d+", value):
         return value
-    raise argparse.ArgumentTypeError(
-        f"{text!r} is not a device map; choose {', '.join(DEVICE_MAP_CHOICES)} or cuda:N"
-    )
+    raise argparse.ArgumentTypeError(f"{text!r} is not a device map; choose {', '.join(DEVICE_MAP_CHOICES)} or cuda:N")
 
 
 @dataclass(frozen=True)
@@ -169,53 +180,407 @@ class Option:
 
 
 OPTIONS = (
-    Option("gpu_golden", "--gpu-golden", "Run the reference model (CUDA when visible, else CPU). With --extract, write goldens; without, check the stored goldens reproduce.", action="store_true", default=False),
-    Option("extract", "--extract", "With --gpu-golden: write golden references for the selected layers.", action="store_true", default=False),
-    Option("golden_device", "--golden-device", f"Device of the reference run: {GOLDEN_DEVICES_HELP}. Default: auto.", type=golden_device, default="auto", ini=True, metavar="DEVICE"),
-    Option("xla", "--xla", "Run each layer on the torch-xla device (same as --target xla).", action="store_true", default=False),
-    Option("neuron", "--neuron", "Run each layer on AWS Neuron through torch-neuronx (same as --target neuron).", action="store_true", default=False),
-    Option("target", "--target", "Device to test the port on. Default: none (no parity tests).", choices=("cpu", "cuda", "xla", "neuron"), default=None),
-    Option("model", "--model", "HuggingFace model folder (config.json + safetensors). Default: ini layerparity_model.", default=None, ini=True, metavar="DIR"),
-    Option("golden_dir", "--golden-dir", "Golden store folder. Default: ini layerparity_golden_dir, else layerparity-goldens/<model folder name>.", default=None, ini=True, metavar="DIR"),
-    Option("layers", "--layers", "Layers to test: 17, 0-30, 0-5,10,20-25 or all. Default: all.", default="all", ini=True, metavar="SPEC"),
-    Option("layer_ranges", "--layer-ranges", "Also test ranges run end to end from the golden input of their first layer, e.g. 0-5,6-11. Default: none.", default=None, metavar="SPEC"),
-    Option("layer_module", "--layer-module", "Dotted path of the layer list when it is not found automatically (e.g. encoder.layer). Default: found automatically.", default=None, ini=True, metavar="PATH"),
-    Option("seq_len", "--seq-len", "Tokens per sequence of the golden input. Default: 32.", type=positive_int, default=32, ini=True, metavar="N"),
-    Option("batch_size", "--batch-size", "Sequences in the golden input. Default: 1.", type=positive_int, default=1, ini=True, metavar="N"),
-    Option("seed", "--seed", "Seed of the golden input token ids. Default: 0.", type=non_negative_int, default=0, ini=True, metavar="N"),
-    Option("prompt", "--prompt", "Use this text through the model's tokenizer as the golden input instead of random token ids. Default: none.", default=None, metavar="TEXT"),
-    Option("dtype", "--dtype", f"Dtype of the reference run and the port: {', '.join(DTYPES)}. Default: float32 (the stored golden's dtype when testing).", type=dtype_name, default=None, ini=True),
-    Option("max_abs_diff", "--max-abs-diff", "Fail when max_abs_diff is above this. Default: 0.01.", type=tolerance, default=0.01, ini=True, metavar="X"),
-    Option("max_mean_abs_diff", "--max-mean-abs-diff", "Fail when mean_abs_diff is above this. Default: 0.001.", type=tolerance, default=0.001, ini=True, metavar="X"),
-    Option("min_similarity", "--min-similarity", "Fail when similarity_percentage (share of elements with |target - golden| <= 0.01 + 0.01 * |golden|) is below this. Default: 95.", type=percentage, default=95.0, ini=True, metavar="PCT"),
-    Option("min_cosine", "--min-cosine", "Fail when cosine_similarity is below this. Default: 0.99 (noise policy, float32 goldens: 0.9999).", type=correlation, default=None, ini=True, metavar="X"),
-    Option("min_pearson", "--min-pearson", "Fail when pearson_correlation is below this. Default: 0.99.", type=correlation, default=0.99, ini=True, metavar="X"),
-    Option("verdict", "--verdict", "Verdict policy: noise (error in units of the golden's own rounding error, against the stored float32 evaluation) or table (the fixed thresholds above). Default: noise.", choices=("noise", "table"), default="noise", ini=True),
-    Option("max_noise_ratio", "--max-noise-ratio", "Noise policy: fail when ||target - ref|| / ||golden - ref|| is above this. Default: 1.5.", type=tolerance, default=None, ini=True, metavar="X"),
-    Option("max_token_noise_ratio", "--max-token-noise-ratio", "Noise policy: fail when any token's noise ratio is above this. Default: 3.", type=tolerance, default=None, ini=True, metavar="X"),
-    Option("max_contribution_z", "--max-contribution-bias", "Noise policy: fail when the target's error along the layer's own contribution (output - input) is more than this many noise units. Default: 6.", type=tolerance, default=None, ini=True, metavar="Z"),
-    Option("exclude_near_ties", "--exclude-near-ties", "Leave tokens whose MoE routing flipped on a near tie out of the output metrics.", action="store_true", default=False),
-    Option("strict_routing", "--strict-routing", "Count tokens whose MoE routing flipped on a near tie in the verdict too (by default the noise policy leaves them out and reports them).", action="store_true", default=False),
-    Option("router_tie_tolerance", "--router-tie-tolerance", "A router margin (gap between the k-th and k+1-th logit over the largest) below this many units of the dtype's epsilon is a near tie. Default: 8.", type=tolerance, default=8.0, ini=True, metavar="N"),
-    Option("no_precision_floor", "--no-precision-floor", "Extraction: skip the higher-precision evaluation of each layer (the noise policy then falls back to the table policy for these goldens).", action="store_true", default=False),
-    Option("device_map", "--device-map", "Placement of the reference model: stream (one layer at a time from the shards), auto, balanced, balanced_low_0, sequential, cpu or cuda:N (whole model through accelerate). Default: whole model on the golden device when it fits, else stream.", type=device_map_choice, default=None, ini=True, metavar="MAP"),
-    Option("max_memory", "--max-memory", "Memory budget per device for whole-model placement: 40GB, 0:60GB,1:60GB,2:40GB or cpu:100GB. Default: what is free.", type=max_memory_spec, default=None, ini=True, metavar="SPEC"),
-    Option("offload_folder", "--offload-folder", "Folder for weights accelerate offloads to disk in whole-model placement. Default: none.", default=None, ini=True, metavar="DIR"),
-    Option("plan", "--plan", "Print the memory plan (weights by dtype, largest layer, activations, KV cache, devices, which placement fits) from config.json and the safetensors headers, and exit.", action="store_true", default=False),
-    Option("parity_report", "--parity-report", "Write report.json, report.csv and report.html (table and metric plots across layers) into this folder. Default: none.", default=None, metavar="DIR"),
-    Option("save_outputs", "--save-outputs", "Keep the target's per-layer outputs in this folder, in the golden format (for python -m pytest_layerparity compare). Default: none.", default=None, metavar="DIR"),
-    Option("chain", "--chain", "Also run the selected layers as chains on the target (each contiguous run, fed the target's own output), comparing every layer: the accumulated drift.", action="store_true", default=False),
-    Option("bisect", "--bisect", "Also bisect each contiguous run of selected layers to the first layer whose chained output leaves tolerance, in O(log n) chained range runs.", action="store_true", default=False),
-    Option("op_compare", "--op-compare", "Re-run each failing layer op by op under CompareWithCPU (target device against the CPU) with the module tracker, and report the first op that fails, its module path and the command that replays its dump.", action="store_true", default=False),
-    Option("op_compare_dir", "--op-compare-dir", "Where --op-compare writes the failing op's dump. Default: layerparity-opcompare/.", default=None, ini=True, metavar="DIR"),
-    Option("op_atol", "--op-atol", "--op-compare: absolute tolerance of one op against the CPU. Default: per dtype (bf16 1e-2, fp16 1e-3, fp32 1e-4).", type=tolerance, default=None, ini=True, metavar="X"),
-    Option("op_rtol", "--op-rtol", "--op-compare: relative tolerance of one op against the CPU. Default: per dtype (bf16 1.6e-2, fp16 1e-3, fp32 1e-4).", type=tolerance, default=None, ini=True, metavar="X"),
-    Option("tp_degree", "--tp-degree", "Tensor-parallel degree for --neuron (neuronx-distributed parallel_state). Default: 1.", type=positive_int, default=1, ini=True, metavar="N"),
-    Option("experts_implementation", "--experts-implementation", "MoE experts implementation of the layers built for the target (transformers': eager, batched_mm, grouped_mm). Default: eager on torch-xla and Neuron (grouped_mm does not run there), the model's elsewhere.", default=None, ini=True, metavar="NAME"),
-    Option("attn_implementation", "--attn-implementation", "Attention implementation of the reference model (eager, sdpa, ...). Default: the model's.", default=None, ini=True, metavar="NAME"),
-    Option("trust_remote_code", "--trust-remote-code", "Allow the model folder's own modeling code (transformers trust_remote_code).", action="store_true", default=False),
-    Option("cores_per_worker", "--cores-per-worker", "With -n N and --neuron: NeuronCores each xdist worker gets (NEURON_RT_VISIBLE_CORES, taken in order from the visible cores); 0 leaves the workers unpinned. Default: 1.", type=non_negative_int, default=1, ini=True, metavar="N"),
-    Option("compile_cache", "--compile-cache", "Keep compiled graphs in this folder between sessions: torch-xla's persistent cache with --xla, Neuron's compile cache (NEURON_COMPILE_CACHE_URL) with --neuron. Default: none.", default=None, ini=True, metavar="DIR"),
+    Option(
+        "gpu_golden",
+        "--gpu-golden",
+        "Run the reference model (CUDA when visible, else CPU). With --extract, write goldens; without, check the "
+        "stored goldens reproduce.",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "extract",
+        "--extract",
+        "With --gpu-golden: write golden references for the selected layers.",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "golden_device",
+        "--golden-device",
+        f"Device of the reference run: {GOLDEN_DEVICES_HELP}. Default: auto.",
+        type=golden_device,
+        default="auto",
+        ini=True,
+        metavar="DEVICE",
+    ),
+    Option(
+        "xla",
+        "--xla",
+        "Run each layer on the torch-xla device (same as --target xla).",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "neuron",
+        "--neuron",
+        "Run each layer on AWS Neuron through torch-neuronx (same as --target neuron).",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "target",
+        "--target",
+        "Device to test the port on. Default: none (no parity tests).",
+        choices=("cpu", "cuda", "xla", "neuron"),
+        default=None,
+    ),
+    Option(
+        "model",
+        "--model",
+        "HuggingFace model folder (config.json + safetensors). Default: ini layerparity_model.",
+        default=None,
+        ini=True,
+        metavar="DIR",
+    ),
+    Option(
+        "golden_dir",
+        "--golden-dir",
+        "Golden store folder. Default: ini layerparity_golden_dir, else layerparity-goldens/<model folder name>.",
+        default=None,
+        ini=True,
+        metavar="DIR",
+    ),
+    Option(
+        "layers",
+        "--layers",
+        "Layers to test: 17, 0-30, 0-5,10,20-25 or all. Default: all.",
+        default="all",
+        ini=True,
+        metavar="SPEC",
+    ),
+    Option(
+        "layer_ranges",
+        "--layer-ranges",
+        "Also test ranges run end to end from the golden input of their first layer, e.g. 0-5,6-11. Default: none.",
+        default=None,
+        metavar="SPEC",
+    ),
+    Option(
+        "layer_module",
+        "--layer-module",
+        "Dotted path of the layer list when it is not found automatically (e.g. encoder.layer). Default: found "
+        "automatically.",
+        default=None,
+        ini=True,
+        metavar="PATH",
+    ),
+    Option(
+        "seq_len",
+        "--seq-len",
+        "Tokens per sequence of the golden input. Default: 32.",
+        type=positive_int,
+        default=32,
+        ini=True,
+        metavar="N",
+    ),
+    Option(
+        "batch_size",
+        "--batch-size",
+        "Sequences in the golden input. Default: 1.",
+        type=positive_int,
+        default=1,
+        ini=True,
+        metavar="N",
+    ),
+    Option(
+        "seed",
+        "--seed",
+        "Seed of the golden input token ids. Default: 0.",
+        type=non_negative_int,
+        default=0,
+        ini=True,
+        metavar="N",
+    ),
+    Option(
+        "prompt",
+        "--prompt",
+        "Use this text through the model's tokenizer as the golden input instead of random token ids. Default: none.",
+        default=None,
+        metavar="TEXT",
+    ),
+    Option(
+        "dtype",
+        "--dtype",
+        f"Dtype of the reference run and the port: {', '.join(DTYPES)}. Default: float32 (the stored golden's dtype "
+        "when testing).",
+        type=dtype_name,
+        default=None,
+        ini=True,
+    ),
+    Option(
+        "max_abs_diff",
+        "--max-abs-diff",
+        "Fail when max_abs_diff is above this. Default: 0.01.",
+        type=tolerance,
+        default=0.01,
+        ini=True,
+        metavar="X",
+    ),
+    Option(
+        "max_mean_abs_diff",
+        "--max-mean-abs-diff",
+        "Fail when mean_abs_diff is above this. Default: 0.001.",
+        type=tolerance,
+        default=0.001,
+        ini=True,
+        metavar="X",
+    ),
+    Option(
+        "min_similarity",
+        "--min-similarity",
+        "Fail when similarity_percentage (share of elements with |target - golden| <= 0.01 + 0.01 * |golden|) is "
+        "below this. Default: 95.",
+        type=percentage,
+        default=95.0,
+        ini=True,
+        metavar="PCT",
+    ),
+    Option(
+        "min_cosine",
+        "--min-cosine",
+        "Fail when cosine_similarity is below this. Default: 0.99 (noise policy, float32 goldens: 0.9999).",
+        type=correlation,
+        default=None,
+        ini=True,
+        metavar="X",
+    ),
+    Option(
+        "min_pearson",
+        "--min-pearson",
+        "Fail when pearson_correlation is below this. Default: 0.99.",
+        type=correlation,
+        default=0.99,
+        ini=True,
+        metavar="X",
+    ),
+    Option(
+        "verdict",
+        "--verdict",
+        "Verdict policy: noise (error in units of the golden's own rounding error, against the stored float32 "
+        "evaluation) or table (the fixed thresholds above). Default: noise.",
+        choices=("noise", "table"),
+        default="noise",
+        ini=True,
+    ),
+    Option(
+        "max_noise_ratio",
+        "--max-noise-ratio",
+        "Noise policy: fail when ||target - ref|| / ||golden - ref|| is above this. Default: 1.5.",
+        type=tolerance,
+        default=None,
+        ini=True,
+        metavar="X",
+    ),
+    Option(
+        "max_token_noise_ratio",
+        "--max-token-noise-ratio",
+        "Noise policy: fail when any token's noise ratio is above this. Default: 3.",
+        type=tolerance,
+        default=None,
+        ini=True,
+        metavar="X",
+    ),
+    Option(
+        "max_contribution_z",
+        "--max-contribution-bias",
+        "Noise policy: fail when the target's error along the layer's own contribution (output - input) is more than "
+        "this many noise units. Default: 6.",
+        type=tolerance,
+        default=None,
+        ini=True,
+        metavar="Z",
+    ),
+    Option(
+        "exclude_near_ties",
+        "--exclude-near-ties",
+        "Leave tokens whose MoE routing flipped on a near tie out of the output metrics.",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "strict_routing",
+        "--strict-routing",
+        "Count tokens whose MoE routing flipped on a near tie in the verdict too (by default the noise policy leaves "
+        "them out and reports them).",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "router_tie_tolerance",
+        "--router-tie-tolerance",
+        "A router margin (gap between the k-th and k+1-th logit over the largest) below this many units of the "
+        "dtype's epsilon is a near tie. Default: 8.",
+        type=tolerance,
+        default=8.0,
+        ini=True,
+        metavar="N",
+    ),
+    Option(
+        "no_precision_floor",
+        "--no-precision-floor",
+        "Extraction: skip the higher-precision evaluation of each layer (the noise policy then falls back to the "
+        "table policy for these goldens).",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "device_map",
+        "--device-map",
+        "Placement of the reference model: stream (one layer at a time from the shards), auto, balanced, "
+        "balanced_low_0, sequential, cpu or cuda:N (whole model through accelerate). Default: whole model on the "
+        "golden device when it fits, else stream.",
+        type=device_map_choice,
+        default=None,
+        ini=True,
+        metavar="MAP",
+    ),
+    Option(
+        "max_memory",
+        "--max-memory",
+        "Memory budget per device for whole-model placement: 40GB, 0:60GB,1:60GB,2:40GB or cpu:100GB. Default: what "
+        "is free.",
+        type=max_memory_spec,
+        default=None,
+        ini=True,
+        metavar="SPEC",
+    ),
+    Option(
+        "offload_folder",
+        "--offload-folder",
+        "Folder for weights accelerate offloads to disk in whole-model placement. Default: none.",
+        default=None,
+        ini=True,
+        metavar="DIR",
+    ),
+    Option(
+        "plan",
+        "--plan",
+        "Print the memory plan (weights by dtype, largest layer, activations, KV cache, devices, which placement "
+        "fits) from config.json and the safetensors headers, and exit.",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "parity_report",
+        "--parity-report",
+        "Write report.json, report.csv and report.html (table and metric plots across layers) into this folder. "
+        "Default: none.",
+        default=None,
+        metavar="DIR",
+    ),
+    Option(
+        "save_outputs",
+        "--save-outputs",
+        "Keep the target's per-layer outputs in this folder, in the golden format (for python -m pytest_layerparity "
+        "compare). Default: none.",
+        default=None,
+        metavar="DIR",
+    ),
+    Option(
+        "chain",
+        "--chain",
+        "Also run the selected layers as chains on the target (each contiguous run, fed the target's own output), "
+        "comparing every layer: the accumulated drift.",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "bisect",
+        "--bisect",
+        "Also bisect each contiguous run of selected layers to the first layer whose chained output leaves "
+        "tolerance, in O(log n) chained range runs.",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "op_compare",
+        "--op-compare",
+        "Re-run each failing layer op by op under CompareWithCPU (target device against the CPU) with the module "
+        "tracker, and report the first op that fails, its module path and the command that replays its dump.",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "op_compare_dir",
+        "--op-compare-dir",
+        "Where --op-compare writes the failing op's dump. Default: layerparity-opcompare/.",
+        default=None,
+        ini=True,
+        metavar="DIR",
+    ),
+    Option(
+        "op_atol",
+        "--op-atol",
+        "--op-compare: absolute tolerance of one op against the CPU. Default: per dtype (bf16 1e-2, fp16 1e-3, fp32 "
+        "1e-4).",
+        type=tolerance,
+        default=None,
+        ini=True,
+        metavar="X",
+    ),
+    Option(
+        "op_rtol",
+        "--op-rtol",
+        "--op-compare: relative tolerance of one op against the CPU. Default: per dtype (bf16 1.6e-2, fp16 1e-3, "
+        "fp32 1e-4).",
+        type=tolerance,
+        default=None,
+        ini=True,
+        metavar="X",
+    ),
+    Option(
+        "tp_degree",
+        "--tp-degree",
+        "Tensor-parallel degree for --neuron (neuronx-distributed parallel_state). Default: 1.",
+        type=positive_int,
+        default=1,
+        ini=True,
+        metavar="N",
+    ),
+    Option(
+        "experts_implementation",
+        "--experts-implementation",
+        "MoE experts implementation of the layers built for the target (transformers': eager, batched_mm, "
+        "grouped_mm). Default: eager on torch-xla and Neuron (grouped_mm does not run there), the model's elsewhere.",
+        default=None,
+        ini=True,
+        metavar="NAME",
+    ),
+    Option(
+        "attn_implementation",
+        "--attn-implementation",
+        "Attention implementation of the reference model (eager, sdpa, ...). Default: the model's.",
+        default=None,
+        ini=True,
+        metavar="NAME",
+    ),
+    Option(
+        "trust_remote_code",
+        "--trust-remote-code",
+        "Allow the model folder's own modeling code (transformers trust_remote_code).",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "cores_per_worker",
+        "--cores-per-worker",
+        "With -n N and --neuron: NeuronCores each xdist worker gets (NEURON_RT_VISIBLE_CORES, taken in order from "
+        "the visible cores); 0 leaves the workers unpinned. Default: 1.",
+        type=non_negative_int,
+        default=1,
+        ini=True,
+        metavar="N",
+    ),
+    Option(
+        "compile_cache",
+        "--compile-cache",
+        "Keep compiled graphs in this folder between sessions: torch-xla's persistent cache with --xla, Neuron's "
+        "compile cache (NEURON_COMPILE_CACHE_URL) with --neuron. Default: none.",
+        default=None,
+        ini=True,
+        metavar="DIR",
+    ),
 )
 
 
@@ -333,8 +698,15 @@ def read_settings(config: pytest.Config) -> Settings:
     return Settings(**{k: v for k, v in values.items() if k in names})
 
 
-PATH_OPTIONS = ("model", "golden_dir", "parity_report", "save_outputs", "offload_folder", "op_compare_dir",
-                "compile_cache")
+PATH_OPTIONS = (
+    "model",
+    "golden_dir",
+    "parity_report",
+    "save_outputs",
+    "offload_folder",
+    "op_compare_dir",
+    "compile_cache",
+)
 
 
 def is_url(location: str) -> bool:
@@ -385,7 +757,15 @@ def _parse_ini(opt: Option, raw: Any) -> Any:
 
 def check_combinations(settings: Settings) -> None:
     """Raise UsageError for options that contradict each other, saying what to type instead."""
-    chosen = [flag for flag, on in (("--xla", settings.xla), ("--neuron", settings.neuron), (f"--target {settings.target}", settings.target)) if on]
+    chosen = [
+        flag
+        for flag, on in (
+            ("--xla", settings.xla),
+            ("--neuron", settings.neuron),
+            (f"--target {settings.target}", settings.target),
+        )
+        if on
+    ]
     if len(chosen) > 1:
         raise pytest.UsageError(
             f"{' and '.join(chosen)} name different targets; choose one: --xla, --neuron or --target NAME"
@@ -397,6 +777,10 @@ def check_combinations(settings: Settings) -> None:
             f"--gpu-golden runs the reference and --{settings.target_name} the port; run them as two sessions: "
             f"pytest --gpu-golden --extract, then pytest --{settings.target_name}"
         )
-    for flag, on in (("--layer-ranges", settings.layer_ranges), ("--chain", settings.chain), ("--bisect", settings.bisect)):
+    for flag, on in (
+        ("--layer-ranges", settings.layer_ranges),
+        ("--chain", settings.chain),
+        ("--bisect", settings.bisect),
+    ):
         if on and settings.mode != "parity":
             raise pytest.UsageError(f"{flag} runs layers on a target: add --xla, --neuron or --target NAME")

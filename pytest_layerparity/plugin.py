@@ -1,5 +1,6 @@
 """pytest glue: options, the tests the plugin adds, fixtures and reports. Nothing heavy is
 imported here; torch and transformers load only when a layerparity mode is switched on."""
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,13 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     settings = resolve_paths(read_settings(config), config)
     try:
         session = LayerParitySession(settings, Path(config.rootpath))
-        lines = plan_lines(session.model, session.dtype_name, settings.batch_size, settings.seq_len,
-                           resolve_golden_device(settings.golden_device))
+        lines = plan_lines(
+            session.model,
+            session.dtype_name,
+            settings.batch_size,
+            settings.seq_len,
+            resolve_golden_device(settings.golden_device),
+        )
     except (ModelError, OSError, ValueError) as exc:
         raise pytest.UsageError(f"--plan: {exc}") from None
     for line in lines:
@@ -130,7 +136,9 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
+def pytest_make_collect_report(
+    collector: pytest.Collector,
+) -> Generator[None, pytest.CollectReport, pytest.CollectReport]:
     report = yield
     if isinstance(collector, pytest.Session):
         session = collector.config.stash.get(SESSION_KEY, None)
@@ -155,9 +163,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     session = metafunc.config.stash[SESSION_KEY]
     kind = getattr(metafunc.module, "CASES", None)
     if kind not in CASE_KINDS:
-        raise pytest.UsageError(f"{metafunc.module.__name__}: CASES must be one of {', '.join(CASE_KINDS)}, not {kind!r}")
+        raise pytest.UsageError(
+            f"{metafunc.module.__name__}: CASES must be one of {', '.join(CASE_KINDS)}, not {kind!r}"
+        )
     if kind == "layers":
-        metafunc.parametrize("layerparity_case", session.selected_layers, ids=[layer_key(i) for i in session.selected_layers])
+        metafunc.parametrize(
+            "layerparity_case", session.selected_layers, ids=[layer_key(i) for i in session.selected_layers]
+        )
         return
     cases = session.layer_ranges if kind == "ranges" else session.chains
     metafunc.parametrize("layerparity_case", cases, ids=[r.id for r in cases])
@@ -253,18 +265,22 @@ class LayerParityReporter:
             from .report.properties import reported_metrics
 
             props = dict(report.user_properties)
-            verdict = props.get("verdict") or ("error" if report.when == "setup" else ("pass" if report.passed else "fail"))
+            verdict = props.get("verdict") or (
+                "error" if report.when == "setup" else ("pass" if report.passed else "fail")
+            )
             if report.failed and verdict == "pass":
                 verdict = "fail"
-            self.entries.append({
-                "nodeid": report.nodeid,
-                "layers": props.get("layers", report.nodeid.rsplit("[", 1)[-1].rstrip("]").split("_", 1)[-1]),
-                "verdict": verdict,
-                "metrics": reported_metrics(props),
-                "message": report.longreprtext if report.failed else "",
-                "properties": {k: v for k, v in props.items() if "." in k},
-                "placement": props.get("placement"),
-            })
+            self.entries.append(
+                {
+                    "nodeid": report.nodeid,
+                    "layers": props.get("layers", report.nodeid.rsplit("[", 1)[-1].rstrip("]").split("_", 1)[-1]),
+                    "verdict": verdict,
+                    "metrics": reported_metrics(props),
+                    "message": report.longreprtext if report.failed else "",
+                    "properties": {k: v for k, v in props.items() if "." in k},
+                    "placement": props.get("placement"),
+                }
+            )
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         from .distributed.env import rank_info

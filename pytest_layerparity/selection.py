@@ -1,6 +1,7 @@
 """Which layers a run covers: the specs ``17``, ``0-30``, ``0-5,10,20-25``, ``all``; the
 contiguous runs of a selection; and the one spelling of a layer's key (``layer_17``), which
 names its golden, its test id and its row in the reports."""
+
 from __future__ import annotations
 
 import re
@@ -67,9 +68,7 @@ def _parse_parts(spec: str, num_layers: int, what: str) -> list[LayerRange]:
         first = int(match.group(1))
         last = int(match.group(2)) if match.group(2) is not None else first
         if last < first:
-            raise SelectionError(
-                f"{what} {spec!r}: range {first}-{last} is reversed; write {last}-{first}"
-            )
+            raise SelectionError(f"{what} {spec!r}: range {first}-{last} is reversed; write {last}-{first}")
         if last >= num_layers:
             raise SelectionError(f"{what} {spec!r}: layer {last} is out of range; {_valid_range_text(num_layers)}")
         ranges.append(LayerRange(first, last))

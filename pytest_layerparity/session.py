@@ -5,6 +5,7 @@ Plain Python (no pytest), so it can be driven by the plugin or by a script
 (``LayerParitySession(make_settings(...), Path.cwd())``). The methods below the wiring are
 the fixture API that ``layerparity_session`` documents.
 """
+
 from __future__ import annotations
 
 from functools import cached_property
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from .backends.base import Backend
     from .compare.judge import LayerOutcome
     from .reference.extract import ReferenceSide
+    from .reference.floor import FloorEvaluator
     from .target.runner import BuildHook, TargetRun, TargetSide
 
 DEFAULT_DTYPE = "float32"
@@ -47,9 +49,13 @@ class LayerParitySession:
 
             lazy = backend_class(s.target_name or "cpu").lazy
             experts = s.experts_implementation or ("eager" if lazy else None)
-        return ModelSource(model_dir_of(s.model), layer_module=s.layer_module, trust_remote_code=s.trust_remote_code,
-                           attn_implementation=s.attn_implementation if s.mode != "parity" else None,
-                           experts_implementation=experts)
+        return ModelSource(
+            model_dir_of(s.model),
+            layer_module=s.layer_module,
+            trust_remote_code=s.trust_remote_code,
+            attn_implementation=s.attn_implementation if s.mode != "parity" else None,
+            experts_implementation=experts,
+        )
 
     @cached_property
     def selected_layers(self) -> list[int]:
@@ -69,7 +75,11 @@ class LayerParitySession:
     @cached_property
     def store(self) -> GoldenStore:
         model_dir = model_dir_of(self.settings.model)
-        path = Path(self.settings.golden_dir) if self.settings.golden_dir else self.rootpath / "layerparity-goldens" / model_dir.name
+        path = (
+            Path(self.settings.golden_dir)
+            if self.settings.golden_dir
+            else self.rootpath / "layerparity-goldens" / model_dir.name
+        )
         return GoldenStore(path, model_dir=model_dir)
 
     @cached_property
@@ -89,8 +99,14 @@ class LayerParitySession:
 
     def check_store_matches_model(self) -> None:
         """Refuse a store made from another model, shape or dtype, saying what differs."""
-        check_store_matches(self.store.read_manifest(), self.store.manifest_path, self.model.model_dir,
-                            self.model.identity(), self.settings.dtype, self.commands.extract())
+        check_store_matches(
+            self.store.read_manifest(),
+            self.store.manifest_path,
+            self.model.model_dir,
+            self.model.identity(),
+            self.settings.dtype,
+            self.commands.extract(),
+        )
 
     @property
     def backend(self) -> Backend:
@@ -121,11 +137,19 @@ class LayerParitySession:
     def target(self) -> TargetSide:
         from .target.runner import TargetSide
 
-        return TargetSide(self.settings, self.model, self.dtype_name, self.backend, self.load_golden, self._floor,
-                          self._build_target_layer, self.store.read_manifest())
+        return TargetSide(
+            self.settings,
+            self.model,
+            self.dtype_name,
+            self.backend,
+            self.load_golden,
+            self._floor,
+            self._build_target_layer,
+            self.store.read_manifest(),
+        )
 
     @cached_property
-    def _floor(self) -> Any:
+    def _floor(self) -> FloorEvaluator:
         import torch
 
         from .reference.floor import FloorEvaluator
@@ -137,15 +161,22 @@ class LayerParitySession:
 
         s = self.settings
         cfg = self.model.config_json
-        lines = [f"layerparity: model {self.model.model_dir} ({cfg.get('model_type', '?')}, {self.model.num_layers} layers)",
-                 f"layerparity: golden store {self.store.root}"]
+        lines = [
+            f"layerparity: model {self.model.model_dir} ({cfg.get('model_type', '?')}, {self.model.num_layers} layers)",
+            f"layerparity: golden store {self.store.root}",
+        ]
         if s.mode in ("extract", "verify"):
             ref = self.reference
-            why = "" if s.golden_device != "auto" else (
-                " (CUDA visible)" if ref.golden_device.startswith("cuda") else " (no CUDA visible)")
+            why = (
+                ""
+                if s.golden_device != "auto"
+                else (" (CUDA visible)" if ref.golden_device.startswith("cuda") else " (no CUDA visible)")
+            )
             streaming = " (one layer at a time)" if ref.device_map == "stream" else ""
-            lines.append(f"layerparity: reference device {ref.golden_device}{why}, dtype {self.dtype_name}, "
-                         f"placement {ref.device_map}{streaming}")
+            lines.append(
+                f"layerparity: reference device {ref.golden_device}{why}, dtype {self.dtype_name}, "
+                f"placement {ref.device_map}{streaming}"
+            )
         else:
             lines.append(f"layerparity: target {s.target_name}, dtype {self.dtype_name}")
         lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
@@ -156,14 +187,15 @@ class LayerParitySession:
     def load_golden(self, index: int) -> GoldenEntry:
         return self.store.load(layer_key(index), missing_hint=f"extract it with: {self.commands.extract(str(index))}")
 
-    def build_target(self, index: int) -> Any:
+    def build_target(self, index: int) -> torch.nn.Module:
         return self.target.build(index)
 
-    def run_layer(self, module: Any, entry: GoldenEntry, hidden: torch.Tensor | None = None) -> TargetRun:
+    def run_layer(self, module: torch.nn.Module, entry: GoldenEntry, hidden: torch.Tensor | None = None) -> TargetRun:
         return self.target.run(module, entry, hidden)
 
-    def compare_entry(self, index: int, entry: GoldenEntry, run: TargetRun,
-                      hidden_in: torch.Tensor | None = None) -> LayerOutcome:
+    def compare_entry(
+        self, index: int, entry: GoldenEntry, run: TargetRun, hidden_in: torch.Tensor | None = None
+    ) -> LayerOutcome:
         return self.target.judge(index, entry, run, hidden_in)
 
     def parity_layer(self, index: int) -> LayerOutcome:

@@ -1,5 +1,6 @@
 """Where the plugin keeps its session: pytest's typed stash, under one key that the plugin
 and its helpers share (a module of its own, so that nothing imports the plugin for it)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -7,6 +8,6 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from .session import LayerParitySession
+    pass
 
 SESSION_KEY = pytest.StashKey["LayerParitySession"]()

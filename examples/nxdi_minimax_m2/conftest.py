@@ -32,6 +32,7 @@ For each layer, the hook:
 
 Nothing NxDI is imported until a layer is built, so the module imports without the Neuron SDK.
 """
+
 from __future__ import annotations
 
 import copy
@@ -101,17 +102,20 @@ def nxdi_layer_state_dict(modeling: Any, reference_layer: torch.nn.Module, nxdi_
     converted by NxDI's own converter (run on this one layer, as layer 0 of a one-layer config,
     so that the converter's per-layer loops see only it)."""
     checkpoint = hf_layer_to_checkpoint_names(
-        {k: v.detach().clone() for k, v in reference_layer.state_dict().items()}, 0)
+        {k: v.detach().clone() for k, v in reference_layer.state_dict().items()}, 0
+    )
     one_layer = copy.copy(nxdi_config)
     one_layer.num_hidden_layers = 1
     converted = modeling.convert_minimax_m2_hf_to_neuron_state_dict(checkpoint, one_layer)
-    return {k[len("layers.0."):]: v for k, v in converted.items() if k.startswith("layers.0.")}
+    return {k[len("layers.0.") :]: v for k, v in converted.items() if k.startswith("layers.0.")}
 
 
 # -- config -------------------------------------------------------------------------------------
 
 
-def nxdi_config(modeling: Any, model_config: Any, *, tp_degree: int, batch_size: int, seq_len: int, dtype: torch.dtype) -> Any:
+def nxdi_config(
+    modeling: Any, model_config: Any, *, tp_degree: int, batch_size: int, seq_len: int, dtype: torch.dtype
+) -> Any:
     """``MiniMaxM2InferenceConfig`` for context encoding of one (batch_size, seq_len) call."""
     from neuronx_distributed_inference.models.config import MoENeuronConfig
     from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
@@ -140,8 +144,14 @@ class HFCallToNxDI(torch.nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings: Any = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **_: Any) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
         batch, seq, _ = hidden_states.shape
         device = hidden_states.device
         if attention_mask is None or attention_mask.dim() != 4:
@@ -161,7 +171,9 @@ class HFCallToNxDI(torch.nn.Module):
 
 
 @pytest.hookimpl
-def pytest_layerparity_build_target_layer(layer_idx: int, reference_layer: torch.nn.Module, model_config: Any, device: Any) -> Any:
+def pytest_layerparity_build_target_layer(
+    layer_idx: int, reference_layer: torch.nn.Module, model_config: Any, device: Any
+) -> Any:
     from neuronx_distributed.parallel_layers import parallel_state
     from neuronx_distributed.trace.trace import get_sharded_checkpoint
 

@@ -1,5 +1,6 @@
 """Target and reference devices. Each backend imports its runtime lazily, so that
 ``pytest --help`` and runs that don't use a backend never import it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -74,4 +75,12 @@ def create_backend(name: str, options: Settings | None = None) -> Backend:
     return cls()
 
 
-__all__ = ["TARGETS", "Backend", "BackendUnavailable", "backend_class", "check_installed", "create_backend", "missing_modules"]
+__all__ = [
+    "TARGETS",
+    "Backend",
+    "BackendUnavailable",
+    "backend_class",
+    "check_installed",
+    "create_backend",
+    "missing_modules",
+]

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class BackendUnavailable(Exception):
@@ -22,7 +25,7 @@ class Backend:
         """Release what setup() took."""
 
     @property
-    def device(self) -> Any:
+    def device(self) -> torch.device:
         import torch
 
         return torch.device("cpu")

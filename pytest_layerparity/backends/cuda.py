@@ -1,6 +1,9 @@
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from .base import Backend, BackendUnavailable
 
@@ -15,7 +18,7 @@ class CudaBackend(Backend):
             raise BackendUnavailable("--target cuda: no CUDA device is visible (torch.cuda.is_available() is False)")
 
     @property
-    def device(self) -> Any:
+    def device(self) -> torch.device:
         import torch
 
         return torch.device("cuda", torch.cuda.current_device())

@@ -15,12 +15,17 @@ per session, the way neuronx-distributed's own ``trace()`` does on torch 2.x:
 ``teardown()`` undoes what ``setup()`` did and nothing else: ``destroy_model_parallel()``,
 ``torch.distributed.destroy_process_group()``, and the variables it set.
 """
+
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from .base import Backend, BackendUnavailable
 
@@ -40,7 +45,9 @@ def apply_env_defaults(environ: MutableMapping[str, str] | None = None, port: in
     if "MASTER_PORT" not in environ:
         from ..distributed.env import free_port
 
-        environ["MASTER_PORT"] = applied["MASTER_PORT"] = str(port if port is not None else free_port(environ["MASTER_ADDR"]))
+        environ["MASTER_PORT"] = applied["MASTER_PORT"] = str(
+            port if port is not None else free_port(environ["MASTER_ADDR"])
+        )
     return applied
 
 
@@ -119,7 +126,7 @@ class NeuronBackend(Backend):
 
             parallel_state = import_parallel_state()
             if not dist.is_initialized():
-                import torch_xla.distributed.xla_backend  # noqa: F401  registers the "xla" backend
+                import torch_xla.distributed.xla_backend
 
                 # As neuronx_distributed.trace.trace does on torch 2.x (init_method="pjrt://" was for torch 2.0).
                 dist.init_process_group("xla")
@@ -148,7 +155,7 @@ class NeuronBackend(Backend):
         self._device = None
 
     @property
-    def device(self) -> Any:
+    def device(self) -> torch.device:
         if self._device is None:
             self.setup()
         return self._device
@@ -161,8 +168,11 @@ class NeuronBackend(Backend):
     def describe(self) -> str:
         pg = "set up here" if self._we_initialised_pg else "already set up"
         mp = "set up here" if self._we_initialised_mp else "already set up"
-        text = (f"neuron {self._device} (RANK {os.environ.get('RANK')} of WORLD_SIZE {os.environ.get('WORLD_SIZE')}, "
-                f"tensor parallel {self.tensor_parallel_size}; process group {self.process_group_backend} {pg}, parallel_state {mp}")
+        text = (
+            f"neuron {self._device} (RANK {os.environ.get('RANK')} of WORLD_SIZE {os.environ.get('WORLD_SIZE')}, "
+            f"tensor parallel {self.tensor_parallel_size}; process group {self.process_group_backend} {pg}, "
+            f"parallel_state {mp}"
+        )
         if self.compile_cache:
             text += f"; compile cache {self.compile_cache}"
         return text + ")"

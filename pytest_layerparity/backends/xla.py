@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from .base import Backend, BackendUnavailable
 
@@ -55,7 +58,7 @@ class XlaBackend(Backend):
         self._device = torch_xla.device()
 
     @property
-    def device(self) -> Any:
+    def device(self) -> torch.device:
         if self._device is None:
             self.setup()
         return self._device
@@ -70,12 +73,16 @@ class XlaBackend(Backend):
         if not self.compile_cache:
             return None
         counts = cache_counters()
-        line = (f"compile cache {self.compile_cache}: {counts['PersistentCacheHit']} graphs loaded, "
-                f"{counts['PersistentCacheMiss']} compiled and stored")
+        line = (
+            f"compile cache {self.compile_cache}: {counts['PersistentCacheHit']} graphs loaded, "
+            f"{counts['PersistentCacheMiss']} compiled and stored"
+        )
         failures = counts["PersistentCacheDeserializeFailure"]
         if failures:
-            line += (f", {failures} found but not loadable (this PJRT client cannot deserialize executables, "
-                     "e.g. torch-xla 2.9 on CPU: they were compiled again)")
+            line += (
+                f", {failures} found but not loadable (this PJRT client cannot deserialize executables, "
+                "e.g. torch-xla 2.9 on CPU: they were compiled again)"
+            )
         return line
 
     def describe(self) -> str:

@@ -1,4 +1,5 @@
 """Record a module's whole call with forward hooks (always removed), encoded as a call spec."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping

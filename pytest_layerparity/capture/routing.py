@@ -6,6 +6,7 @@ router or gate whose output holds a 2-D integer tensor (tokens x top-k, the chos
 and a 2-D float tensor (tokens x experts, the logits), as transformers' ``*TopKRouter``
 modules do; a bare linear ``gate`` returning logits is read with top-k taken from the config.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

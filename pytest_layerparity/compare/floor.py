@@ -9,6 +9,7 @@ dimension) the same ratio, with the golden error floored at its median so that a
 golden happened to round well does not make a ratio from nothing, shows bugs that touch only
 some tokens and that a tensor-wide norm averages away.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
 
 
-def floor_stats(golden: torch.Tensor, target: torch.Tensor, reference: torch.Tensor,
-                hidden_in: torch.Tensor | None = None, keep_tokens: torch.Tensor | None = None) -> FloorStats:
+def floor_stats(
+    golden: torch.Tensor,
+    target: torch.Tensor,
+    reference: torch.Tensor,
+    hidden_in: torch.Tensor | None = None,
+    keep_tokens: torch.Tensor | None = None,
+) -> FloorStats:
     """The statistics against the floor ``reference``, over tokens (optionally only the
     ``keep_tokens`` boolean mask)."""
     g, t, r = _rows(golden), _rows(target), _rows(reference)

@@ -7,6 +7,7 @@ routers' decisions, and returns a :class:`LayerOutcome` with every metric, every
 the minimum passing tolerance. The plugin, ``python -m pytest_layerparity compare`` and your
 own scripts call the same function.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -54,9 +55,17 @@ def tie_tolerance(settings: Settings, dtype: str) -> float:
     return settings.router_tie_tolerance * float(torch.finfo(getattr(torch, dtype)).eps)
 
 
-def judge(layer: int, golden: torch.Tensor, target: torch.Tensor, settings: Settings, dtype: str, *,
-          reference: torch.Tensor | None = None, hidden_in: torch.Tensor | None = None,
-          routing: Sequence[RoutingAgreement] = ()) -> LayerOutcome:
+def judge(
+    layer: int,
+    golden: torch.Tensor,
+    target: torch.Tensor,
+    settings: Settings,
+    dtype: str,
+    *,
+    reference: torch.Tensor | None = None,
+    hidden_in: torch.Tensor | None = None,
+    routing: Sequence[RoutingAgreement] = (),
+) -> LayerOutcome:
     """Hold ``target`` against ``golden`` (and against the precision floor ``reference``,
     the layer's input ``hidden_in`` and the routers' agreement, when given)."""
     target_cpu = target.detach().to("cpu")
@@ -82,27 +91,55 @@ def judge(layer: int, golden: torch.Tensor, target: torch.Tensor, settings: Sett
     if reference is not None and tuple(reference.shape) == tuple(golden.shape):
         floor = floor_stats(golden, target_cpu, reference, hidden_in, keep)
     return LayerOutcome(
-        layer=layer, metrics=metrics, checks=evaluate(metrics, settings, floor=floor, dtype=dtype),
-        shape=tuple(golden.shape), golden_dtype=dtype_name(golden), target_dtype=dtype_name(target_cpu),
-        floor=floor, routing=routing, excluded_tokens=excluded, tolerance=min_passing_tolerance(g_cmp, t_cmp),
+        layer=layer,
+        metrics=metrics,
+        checks=evaluate(metrics, settings, floor=floor, dtype=dtype),
+        shape=tuple(golden.shape),
+        golden_dtype=dtype_name(golden),
+        target_dtype=dtype_name(target_cpu),
+        floor=floor,
+        routing=routing,
+        excluded_tokens=excluded,
+        tolerance=min_passing_tolerance(g_cmp, t_cmp),
     )
 
 
-def routing_agreements(golden_tensors: Mapping[str, torch.Tensor], target_routing: Mapping[str, torch.Tensor],
-                       settings: Settings, dtype: str) -> list[RoutingAgreement]:
+def routing_agreements(
+    golden_tensors: Mapping[str, torch.Tensor],
+    target_routing: Mapping[str, torch.Tensor],
+    settings: Settings,
+    dtype: str,
+) -> list[RoutingAgreement]:
     """The agreement of every router the golden recorded and the target ran."""
     tolerance = tie_tolerance(settings, dtype)
-    found = (agreement(name, dict(golden_tensors), dict(target_routing), tolerance)
-             for name in router_names(dict(golden_tensors)))
+    found = (
+        agreement(name, dict(golden_tensors), dict(target_routing), tolerance)
+        for name in router_names(dict(golden_tensors))
+    )
     return [r for r in found if r is not None]
 
 
-def judge_golden(layer: int, golden_tensors: Mapping[str, torch.Tensor], output_name: str,
-                 target: torch.Tensor, target_routing: Mapping[str, torch.Tensor], settings: Settings, dtype: str,
-                 *, hidden_in: torch.Tensor | None = None) -> LayerOutcome:
+def judge_golden(
+    layer: int,
+    golden_tensors: Mapping[str, torch.Tensor],
+    output_name: str,
+    target: torch.Tensor,
+    target_routing: Mapping[str, torch.Tensor],
+    settings: Settings,
+    dtype: str,
+    *,
+    hidden_in: torch.Tensor | None = None,
+) -> LayerOutcome:
     """:func:`judge` on a golden's tensors: its output ``output_name``, its precision floor
     and recorded routing when it has them; ``hidden_in`` is the layer's input (the golden's
     own unless a chain gives another)."""
-    return judge(layer, golden_tensors[output_name], target, settings, dtype,
-                 reference=golden_tensors.get(FLOOR_KEY), hidden_in=hidden_in,
-                 routing=routing_agreements(golden_tensors, target_routing, settings, dtype))
+    return judge(
+        layer,
+        golden_tensors[output_name],
+        target,
+        settings,
+        dtype,
+        reference=golden_tensors.get(FLOOR_KEY),
+        hidden_in=hidden_in,
+        routing=routing_agreements(golden_tensors, target_routing, settings, dtype),
+    )

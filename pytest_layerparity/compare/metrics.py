@@ -29,6 +29,7 @@ sums of both of its tensors are finite (any NaN or Inf makes a float64 sum non-f
 the NaN/Inf bookkeeping costs nothing on clean data: only the chunks whose sums are not
 finite are revisited with masks.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,8 +43,8 @@ __all__ = [
     "METRIC_NAMES",
     "Metrics",
     "compare_tensors",
-    "noise_ratio",
     "min_passing_tolerance",
+    "noise_ratio",
 ]
 
 METRIC_NAMES: tuple[str, ...] = (
@@ -121,8 +122,7 @@ def _as_tensor(x: Any, name: str) -> torch.Tensor:
 def _check_shapes(golden: torch.Tensor, other: torch.Tensor, name: str) -> None:
     if tuple(golden.shape) != tuple(other.shape):
         raise ValueError(
-            f"shape mismatch: golden has shape {tuple(golden.shape)}, "
-            f"{name} has shape {tuple(other.shape)}"
+            f"shape mismatch: golden has shape {tuple(golden.shape)}, {name} has shape {tuple(other.shape)}"
         )
 
 
@@ -207,7 +207,7 @@ class _Chunks:
         pair[0].copy_(self.flat[0][s:e])
         pair[1].copy_(self.flat[1][s:e])
         rest = []
-        for f, buf in zip(self.flat[2:], self.extra):
+        for f, buf in zip(self.flat[2:], self.extra, strict=False):
             v = buf[: e - s]
             v.copy_(f[s:e])
             rest.append(v)
@@ -381,7 +381,7 @@ def _compare_chunks(ch: _Chunks, with_reference: bool, atol, rtol, shape, numel)
         c = torch.stack(
             [torch.isnan(g).sum(), torch.isinf(g).sum(), torch.isnan(t).sum(), torch.isinf(t).sum()]
         ).tolist()
-        counts = [x + y for x, y in zip(counts, c)]
+        counts = [x + y for x, y in zip(counts, c, strict=False)]
         fg, ft = torch.isfinite(g), torch.isfinite(t)
         if first_mismatch is None:
             mism = torch.nonzero(fg ^ ft)
@@ -522,14 +522,13 @@ def noise_ratio(golden, target, reference, eps: float = 1e-12) -> float:
     _check_shapes(golden, reference, "reference")
     if golden.numel() == 0:
         return 0.0
-    with torch.no_grad():
-        with _Chunks([golden, target, reference], None, nscratch=2) as ch:
-            rows = []
-            for i in range(ch.nchunks):
-                pair, (r,) = ch.load(i)
-                a, b = ch.scratch_for(r.numel())
-                rows.append(_noise_sums(pair[0], pair[1], r, a, b))
-            host = _to_host(rows)
+    with torch.no_grad(), _Chunks([golden, target, reference], None, nscratch=2) as ch:
+        rows = []
+        for i in range(ch.nchunks):
+            pair, (r,) = ch.load(i)
+            a, b = ch.scratch_for(r.numel())
+            rows.append(_noise_sums(pair[0], pair[1], r, a, b))
+        host = _to_host(rows)
     return _ratio(math.fsum(x[0] for x in host), math.fsum(x[1] for x in host), float(eps))
 
 
@@ -549,17 +548,16 @@ def min_passing_tolerance(golden, target) -> dict:
     if golden.numel() == 0:
         return {"atol": 0.0, "rtol": 0.0}
     maxima = []
-    with torch.no_grad():
-        with _Chunks([golden, target], None, nscratch=0) as ch:
-            zero = torch.zeros((), dtype=torch.float64, device=ch.device)
-            for i in range(ch.nchunks):
-                pair, _ = ch.load(i)
-                g, t = pair[0], pair[1]
-                eq = g == t
-                d = torch.where(eq, zero, (t - g).abs())  # NaN/Inf where no tolerance can pass
-                ratio = torch.where(eq, zero, d / g.abs())  # g == 0 != t -> inf
-                maxima.append(torch.stack([d.amax(), ratio.amax()]))
-            host = torch.stack(maxima).cpu().tolist()
+    with torch.no_grad(), _Chunks([golden, target], None, nscratch=0) as ch:
+        zero = torch.zeros((), dtype=torch.float64, device=ch.device)
+        for i in range(ch.nchunks):
+            pair, _ = ch.load(i)
+            g, t = pair[0], pair[1]
+            eq = g == t
+            d = torch.where(eq, zero, (t - g).abs())  # NaN/Inf where no tolerance can pass
+            ratio = torch.where(eq, zero, d / g.abs())  # g == 0 != t -> inf
+            maxima.append(torch.stack([d.amax(), ratio.amax()]))
+        host = torch.stack(maxima).cpu().tolist()
     if not all(math.isfinite(x[0]) for x in host):
         return {"atol": inf, "rtol": inf}
     return {"atol": max(x[0] for x in host), "rtol": max(x[1] for x in host)}

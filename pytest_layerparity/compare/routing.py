@@ -1,5 +1,6 @@
 """Mixture-of-experts routing, judged: how the target's expert choices agree with the
 golden's, and which flipped tokens were near ties (a decision within the dtype's noise)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +10,13 @@ import torch
 
 
 def router_names(tensors: dict[str, Any]) -> list[str]:
-    return sorted({key[len("routing."):-len(".indices")] for key in tensors if key.startswith("routing.") and key.endswith(".indices")})
+    return sorted(
+        {
+            key[len("routing.") : -len(".indices")]
+            for key in tensors
+            if key.startswith("routing.") and key.endswith(".indices")
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,9 @@ class RoutingAgreement:
         text = f"routing ({self.router}): {self.flipped} of {self.tokens} tokens chose other experts"
         parts = []
         if self.near_tie_flipped:
-            parts.append(f"routing flipped on {self.near_tie_flipped} near-tie tokens (router margin within the dtype's noise)")
+            parts.append(
+                f"routing flipped on {self.near_tie_flipped} near-tie tokens (router margin within the dtype's noise)"
+            )
         if other:
             parts.append(f"{other} flipped without a near tie (a routing bug?)")
         return text + ": " + "; ".join(parts)
@@ -54,8 +63,13 @@ def _pair_margin(ref_logits: torch.Tensor, golden_set: set[int], target_set: set
     return min(abs(float(ref_logits[a]) - float(ref_logits[b])) for a in only_g for b in only_t)
 
 
-def agreement(router: str, golden: dict[str, torch.Tensor], target: dict[str, torch.Tensor], tie_tolerance: float,
-              tie_factor: float = 4.0) -> RoutingAgreement | None:
+def agreement(
+    router: str,
+    golden: dict[str, torch.Tensor],
+    target: dict[str, torch.Tensor],
+    tie_tolerance: float,
+    tie_factor: float = 4.0,
+) -> RoutingAgreement | None:
     """Agreement of one router. A flipped token is a near tie when the exact (higher
     precision) choice scores of the experts that swapped differ by no more than
     ``tie_factor`` times the golden's own rounding error of that token's scores; goldens
@@ -85,7 +99,11 @@ def agreement(router: str, golden: dict[str, torch.Tensor], target: dict[str, to
         near = [j for j in flipped if float(margin[j]) <= tie_tolerance]
     tokens = int(same.numel())
     return RoutingAgreement(
-        router=router, tokens=tokens, agreement=float(same.double().mean()) if tokens else 1.0,
-        flipped=len(flipped), near_tie_flipped=len(near),
-        flipped_tokens=tuple(flipped), near_tie_tokens=tuple(near),
+        router=router,
+        tokens=tokens,
+        agreement=float(same.double().mean()) if tokens else 1.0,
+        flipped=len(flipped),
+        near_tie_flipped=len(near),
+        flipped_tokens=tuple(flipped),
+        near_tie_tokens=tuple(near),
     )

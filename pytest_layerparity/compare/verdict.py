@@ -10,6 +10,7 @@ Two policies:
   applies.
 * ``table``: the seeds' fixed table (max/mean abs diff, similarity, cosine, Pearson).
 """
+
 from __future__ import annotations
 
 import math
@@ -84,8 +85,9 @@ def contribution_limit(settings: Settings) -> float:
     return settings.max_contribution_z if settings.max_contribution_z is not None else MAX_CONTRIBUTION_Z
 
 
-def evaluate(metrics: Metrics, settings: Settings, floor: FloorStats | None = None,
-             dtype: str = "bfloat16") -> list[Check]:
+def evaluate(
+    metrics: Metrics, settings: Settings, floor: FloorStats | None = None, dtype: str = "bfloat16"
+) -> list[Check]:
     """Each metric against its threshold under the policy in force."""
     non_finite = metrics.golden_nan + metrics.golden_inf + metrics.target_nan + metrics.target_inf
     checks = [Check("nan_inf_count", non_finite, "==", 0, non_finite == 0)]
@@ -100,7 +102,8 @@ def evaluate(metrics: Metrics, settings: Settings, floor: FloorStats | None = No
         if floor.contribution_z is not None:
             checks.append(_upper("contribution_bias", abs(floor.contribution_z), contribution_limit(settings)))
         return checks
-    return checks + [
+    return [
+        *checks,
         _upper("max_abs_diff", metrics.max_abs_diff, settings.max_abs_diff),
         _upper("mean_abs_diff", metrics.mean_abs_diff, settings.max_mean_abs_diff),
         _lower("similarity_percentage", metrics.similarity_percentage, settings.min_similarity),
@@ -117,11 +120,15 @@ def describe_rule(settings: Settings, dtype: str) -> str:
     """The rule in force, in one line (the session header prints it)."""
     if settings.verdict == "noise":
         ratio, token, cosine = noise_limits(settings, dtype)
-        return (f"noise policy ({dtype}): fail on NaN/Inf, cosine_similarity < {cosine:g}, "
-                f"noise_ratio > {ratio:g}, token_noise_ratio > {token:g} or contribution_bias > "
-                f"{contribution_limit(settings):g} "
-                "(error against the float32/float64 evaluation, in units of the golden's own error); "
-                "goldens without the precision floor use the table policy")
-    return (f"table policy: fail on NaN/Inf, max_abs_diff > {settings.max_abs_diff:g}, mean_abs_diff > "
-            f"{settings.max_mean_abs_diff:g}, similarity_percentage < {settings.min_similarity:g}, "
-            f"cosine_similarity < {table_min_cosine(settings):g}, pearson_correlation < {settings.min_pearson:g}")
+        return (
+            f"noise policy ({dtype}): fail on NaN/Inf, cosine_similarity < {cosine:g}, "
+            f"noise_ratio > {ratio:g}, token_noise_ratio > {token:g} or contribution_bias > "
+            f"{contribution_limit(settings):g} "
+            "(error against the float32/float64 evaluation, in units of the golden's own error); "
+            "goldens without the precision floor use the table policy"
+        )
+    return (
+        f"table policy: fail on NaN/Inf, max_abs_diff > {settings.max_abs_diff:g}, mean_abs_diff > "
+        f"{settings.max_mean_abs_diff:g}, similarity_percentage < {settings.min_similarity:g}, "
+        f"cosine_similarity < {table_min_cosine(settings):g}, pearson_correlation < {settings.min_pearson:g}"
+    )

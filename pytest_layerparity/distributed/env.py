@@ -13,6 +13,7 @@ environment, tested on their own; :mod:`.runs` applies them in a pytest run.
   The controller decides and hands each worker its variables (``workerinput``), which the worker
   sets before anything starts a runtime.
 """
+
 from __future__ import annotations
 
 import os
@@ -74,8 +75,8 @@ def parse_core_list(text: str) -> list[int]:
     """Read a NEURON_RT_VISIBLE_CORES value: ``0-3``, ``5``, ``0-1,4-5`` (the forms the Neuron
     runtime and torch-xla accept)."""
     cores: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
+    for raw in text.split(","):
+        part = raw.strip()
         bounds = part.split("-")
         if not part or len(bounds) > 2 or not all(b.strip().isdigit() for b in bounds):
             raise ValueError(f"{NEURON_CORES}={text!r}: cannot read {part!r}; use forms like 0-3, 5 or 0-1,4-5")
@@ -105,9 +106,12 @@ def worker_neuron_cores(index: int, cores_per_worker: int, visible: list[int] | 
     start = index * cores_per_worker
     if visible is None:
         return format_core_list(list(range(start, start + cores_per_worker)))
-    mine = visible[start:start + cores_per_worker]
+    mine = visible[start : start + cores_per_worker]
     if len(mine) < cores_per_worker:
-        raise ValueError(f"worker {index} needs cores {start}-{start + cores_per_worker - 1} of {NEURON_CORES}, which has {len(visible)}")
+        raise ValueError(
+            f"worker {index} needs cores {start}-{start + cores_per_worker - 1} of {NEURON_CORES}, which has "
+            f"{len(visible)}"
+        )
     return format_core_list(mine)
 
 
@@ -165,7 +169,9 @@ def worker_environment(
     if neuron:
         if cores_per_worker:
             visible = environ.get(NEURON_CORES)
-            env[NEURON_CORES] = worker_neuron_cores(index, cores_per_worker, parse_core_list(visible) if visible else None)
+            env[NEURON_CORES] = worker_neuron_cores(
+                index, cores_per_worker, parse_core_list(visible) if visible else None
+            )
         env.update({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": None, "NEURON_RT_ROOT_COMM_ID": None})
     if cuda_devices is not None:
         device = worker_cuda_device(index, cuda_devices)
@@ -190,7 +196,11 @@ def check_tp_degree(tp_degree: int, ranks: RankInfo) -> None:
         raise ValueError(
             f"--tp-degree {tp_degree} needs {tp_degree} processes, one per NeuronCore, and this run has "
             f"WORLD_SIZE={world} (neuronx-distributed would quietly use tensor_model_parallel_size={world}); "
-            f"launch the ranks with: torchrun --nproc_per_node={tp_degree} -m pytest --neuron --tp-degree {tp_degree} ..."
+            f"launch the ranks with: torchrun --nproc_per_node={tp_degree} -m pytest --neuron --tp-degree {tp_degree} "
+            "..."
         )
     if world % tp_degree:
-        raise ValueError(f"WORLD_SIZE={world} is not a multiple of --tp-degree {tp_degree}; use --nproc_per_node={tp_degree} (or a multiple)")
+        raise ValueError(
+            f"WORLD_SIZE={world} is not a multiple of --tp-degree {tp_degree}; use --nproc_per_node={tp_degree} (or a "
+            "multiple)"
+        )

@@ -2,6 +2,7 @@
 others run quietly) and xdist workers (each handed its own devices and ports by the
 controller). The decisions themselves are the pure functions of :mod:`.env`; the options
 come from :func:`pytest_layerparity.options.read_settings` like everywhere else."""
+
 from __future__ import annotations
 
 import os
@@ -72,7 +73,8 @@ class DistributedRuns:
 
     def pytest_configure(self, config: pytest.Config) -> None:
         if not self.active:
-            return  # no layerparity mode: other test suites run under torchrun or xdist as they would without the plugin
+            # no layerparity mode: other test suites run under torchrun or xdist as they would without the plugin
+            return
         workerinput = getattr(config, "workerinput", None)
         if workerinput is not None:
             env = dict(workerinput.get(WORKERINPUT_KEY) or {})
@@ -111,8 +113,9 @@ class DistributedRuns:
         if self.neuron:
             visible = os.environ.get(NEURON_CORES)
             try:
-                check_neuron_core_plan(workers, self.settings.cores_per_worker,
-                                       parse_core_list(visible) if visible else None)
+                check_neuron_core_plan(
+                    workers, self.settings.cores_per_worker, parse_core_list(visible) if visible else None
+                )
             except ValueError as exc:
                 raise pytest.UsageError(f"--neuron: {exc}") from None
         if self.cuda:
@@ -129,7 +132,10 @@ class DistributedRuns:
         """xdist controller: hand worker gwN the variables it sets for itself."""
         index = xdist_worker_index(node.workerinput["workerid"])
         node.workerinput[WORKERINPUT_KEY] = worker_environment(
-            index, neuron=self.neuron, cores_per_worker=self.settings.cores_per_worker, cuda_devices=self.cuda_pool,
+            index,
+            neuron=self.neuron,
+            cores_per_worker=self.settings.cores_per_worker,
+            cuda_devices=self.cuda_pool,
         )
 
     def pytest_report_header(self, config: pytest.Config) -> list[str] | None:
@@ -144,8 +150,13 @@ class DistributedRuns:
             )
         cache = self.settings.compile_cache
         if cache:
-            kind = ("NEURON_COMPILE_CACHE_URL" if self.neuron else "torch-xla persistent cache" if self.xla
-                    else "unused: only --xla and --neuron compile graphs")
+            kind = (
+                "NEURON_COMPILE_CACHE_URL"
+                if self.neuron
+                else "torch-xla persistent cache"
+                if self.xla
+                else "unused: only --xla and --neuron compile graphs"
+            )
             lines.append(f"layerparity: compile cache {cache} ({kind})")
         return lines or None
 
@@ -157,6 +168,8 @@ class DistributedRuns:
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if self.quiet and (self.failed or exitstatus not in (0, 5)):
-            line = (f"layerparity: torchrun rank {self.ranks.rank} of {self.ranks.world_size}: {self.failed} failed, "
-                    f"{self.passed} passed (exit status {int(exitstatus)}); rank 0's output lists the same tests\n")
+            line = (
+                f"layerparity: torchrun rank {self.ranks.rank} of {self.ranks.world_size}: {self.failed} failed, "
+                f"{self.passed} passed (exit status {int(exitstatus)}); rank 0's output lists the same tests\n"
+            )
             os.write(sys.__stderr__.fileno() if sys.__stderr__ else 2, line.encode())

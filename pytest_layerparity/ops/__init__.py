@@ -79,8 +79,7 @@ op is skipped.
 """
 
 from ._dump import DUMP_FORMAT, DumpFormatError, load_op_dump, save_op_dump
-from ._modes import (CompareError, CompareWithCPU, NanInfError, NanInfTracker, OpCheckError,
-                     OpFailure, get_rank)
+from ._modes import CompareError, CompareWithCPU, NanInfError, NanInfTracker, OpCheckError, OpFailure, get_rank
 from ._names import DEFAULT_WHITE_LIST, op_display_name, resolve_op
 from ._single import compare_for_single_op, nan_inf_track_for_single_op
 from ._tracker import ModuleInfo, ModuleTrackerHandle, open_module_tracker

@@ -8,8 +8,9 @@ torch_xla is imported lazily, only when a tensor's device type is ``xla``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import torch
 
@@ -67,7 +68,7 @@ def sync_xla_if_needed(tensors: Iterable[torch.Tensor]) -> None:
     """
     for t in tensors:
         if t.device.type == "xla":
-            import torch_xla  # noqa: PLC0415 - only when an xla tensor exists
+            import torch_xla
 
             torch_xla.sync()
             return
@@ -134,10 +135,7 @@ def cpu_inputs(args: tuple, kwargs: dict, written: tuple[frozenset, frozenset]):
 
     def conv(x: Any, write: bool) -> Any:
         if isinstance(x, torch.Tensor):
-            if x.device.type == "cpu":
-                c = x.detach().clone() if write else x.detach()
-            else:
-                c = x.detach().to("cpu")
+            c = (x.detach().clone() if write else x.detach()) if x.device.type == "cpu" else x.detach().to("cpu")
             devices[id(c)] = str(x.device)
             return c
         if isinstance(x, torch.device) and x.type != "cpu":
@@ -156,15 +154,16 @@ def has_low_precision(obj: Any) -> bool:
         if isinstance(x, dict):
             if has_low_precision(list(x.values())):
                 return True
-        elif isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION:
-            return True
-        elif isinstance(x, torch.dtype) and x in LOW_PRECISION:
+        elif (isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION) or (
+            isinstance(x, torch.dtype) and x in LOW_PRECISION
+        ):
             return True
     return False
 
 
 def upcast_low_precision(obj: Any) -> Any:
     """Half/BF16 tensors (and dtype arguments) -> float32; the rest unchanged."""
+
     def conv(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION:
             return x.to(torch.float32)
@@ -183,7 +182,7 @@ def run_on_cpu(func: Callable, args: tuple, kwargs: dict):
     with torch.no_grad():
         try:
             return func(*args, **kwargs), args, kwargs, None
-        except Exception as e1:  # noqa: BLE001 - any kernel error
+        except Exception as e1:
             if not has_low_precision((args, kwargs)):
                 raise
             a32 = upcast_low_precision(args)
@@ -201,8 +200,8 @@ class Mismatch:
     lines: list[str] = field(default_factory=list)
     num_bad: int = 0
     numel: int = 0
-    max_abs_diff: Optional[float] = None
-    first_bad_index: Optional[tuple] = None
+    max_abs_diff: float | None = None
+    first_bad_index: tuple | None = None
     device_value: Any = None
     cpu_value: Any = None
 
@@ -224,15 +223,20 @@ def _item(t: torch.Tensor) -> Any:
     return v
 
 
-def compare_tensor(dev: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
-                   dev_label: str, where: str) -> Optional[Mismatch]:
+def compare_tensor(
+    dev: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float, dev_label: str, where: str
+) -> Mismatch | None:
     """``dev`` is the device result already copied to the CPU, ``ref`` the CPU
     result.  Floating/complex values: |dev - ref| <= atol + rtol * |ref|, NaNs
     equal NaNs, infinities must match; integer/bool values: exact."""
     if dev.shape != ref.shape:
-        return Mismatch(where, "shape", [
-            f"Tensor shapes differ: {dev.shape}({dev_label}) vs {ref.shape}(cpu)"],
-            device_value=dev, cpu_value=ref)
+        return Mismatch(
+            where,
+            "shape",
+            [f"Tensor shapes differ: {dev.shape}({dev_label}) vs {ref.shape}(cpu)"],
+            device_value=dev,
+            cpu_value=ref,
+        )
     floating = dev.is_floating_point() or dev.is_complex() or ref.is_floating_point() or ref.is_complex()
     if floating:
         ct = _compare_dtype(dev.dtype, ref.dtype)
@@ -266,50 +270,85 @@ def compare_tensor(dev: torch.Tensor, ref: torch.Tensor, atol: float, rtol: floa
         dv = _item(dev[idx]) if idx else _item(dev)
         cv = _item(ref[idx]) if idx else _item(ref)
         lines.append(f"Element at index {_fmt_index(idx)} is not close: {dv}({dev_label}) vs {cv}(cpu)")
-    return Mismatch(where, "values", lines, num_bad=total, numel=dev.numel(), max_abs_diff=max_abs,
-                    first_bad_index=idxs[0] if idxs else None, device_value=dev, cpu_value=ref)
+    return Mismatch(
+        where,
+        "values",
+        lines,
+        num_bad=total,
+        numel=dev.numel(),
+        max_abs_diff=max_abs,
+        first_bad_index=idxs[0] if idxs else None,
+        device_value=dev,
+        cpu_value=ref,
+    )
 
 
-def compare_values(dev_items: list[tuple[str, Any, Any]], cpu_items: list[tuple[str, Any]],
-                   atol: float, rtol: float, dev_label: str) -> list[Mismatch]:
+def compare_values(
+    dev_items: list[tuple[str, Any, Any]], cpu_items: list[tuple[str, Any]], atol: float, rtol: float, dev_label: str
+) -> list[Mismatch]:
     """Compare flattened leaves: ``dev_items`` are (where, value_on_cpu,
     original_value) and ``cpu_items`` (where, value)."""
     res: list[Mismatch] = []
     if len(dev_items) != len(cpu_items):
-        res.append(Mismatch("output", "structure", [
-            f"Output structures differ: {len(dev_items)} leaves({dev_label}) vs {len(cpu_items)} leaves(cpu)"]))
+        res.append(
+            Mismatch(
+                "output",
+                "structure",
+                [f"Output structures differ: {len(dev_items)} leaves({dev_label}) vs {len(cpu_items)} leaves(cpu)"],
+            )
+        )
         return res
-    for (where, d, orig), (_, c) in zip(dev_items, cpu_items):
+    for (where, d, orig), (_, c) in zip(dev_items, cpu_items, strict=False):
         if isinstance(d, torch.Tensor) and isinstance(c, torch.Tensor):
             m = compare_tensor(d, c, atol, rtol, dev_label, where)
             if m is not None:
                 m.device_value = orig
                 res.append(m)
         elif isinstance(d, torch.Tensor) or isinstance(c, torch.Tensor):
-            res.append(Mismatch(where, "type", [f"{where}: {type(d).__name__}({dev_label}) vs {type(c).__name__}(cpu)"]))
+            res.append(
+                Mismatch(where, "type", [f"{where}: {type(d).__name__}({dev_label}) vs {type(c).__name__}(cpu)"])
+            )
         elif isinstance(d, float) or isinstance(c, float):
             try:
                 ok = (math.isnan(d) and math.isnan(c)) or d == c or abs(d - c) <= atol + rtol * abs(c)
             except TypeError:
                 ok = False
             if not ok:
-                res.append(Mismatch(where, "values", [f"{where}: {d}({dev_label}) vs {c}(cpu)"],
-                                    num_bad=1, numel=1, max_abs_diff=_safe_absdiff(d, c), first_bad_index=()))
+                res.append(
+                    Mismatch(
+                        where,
+                        "values",
+                        [f"{where}: {d}({dev_label}) vs {c}(cpu)"],
+                        num_bad=1,
+                        numel=1,
+                        max_abs_diff=_safe_absdiff(d, c),
+                        first_bad_index=(),
+                    )
+                )
         else:
             try:
                 ok = bool(d == c)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 ok = False
             if not ok:
-                res.append(Mismatch(where, "values", [f"{where}: {d!r}({dev_label}) vs {c!r}(cpu)"],
-                                    num_bad=1, numel=1, max_abs_diff=_safe_absdiff(d, c), first_bad_index=()))
+                res.append(
+                    Mismatch(
+                        where,
+                        "values",
+                        [f"{where}: {d!r}({dev_label}) vs {c!r}(cpu)"],
+                        num_bad=1,
+                        numel=1,
+                        max_abs_diff=_safe_absdiff(d, c),
+                        first_bad_index=(),
+                    )
+                )
     return res
 
 
-def _safe_absdiff(a: Any, b: Any) -> Optional[float]:
+def _safe_absdiff(a: Any, b: Any) -> float | None:
     try:
         return float(abs(a - b))
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
@@ -326,8 +365,7 @@ def describe_tensor(t: torch.Tensor, count_nan: bool = False) -> str:
         n, i = nan_inf_counts(t)
         if n or i:
             head, extra = "[WARNING] ", f" nan_num={n}, inf_num={i},"
-    return (f"{head}Tensor <shape={t.shape}, dtype={t.dtype}, device={t.device}, "
-            f"size={t.numel()},{extra} >")
+    return f"{head}Tensor <shape={t.shape}, dtype={t.dtype}, device={t.device}, size={t.numel()},{extra} >"
 
 
 def describe_value(x: Any, count_nan: bool = False) -> str:
@@ -346,12 +384,23 @@ def format_inputs(args: tuple, kwargs: dict) -> list[str]:
     return lines
 
 
-def format_failure_block(label: str, tool: str, args: tuple, kwargs: dict, out: Any,
-                         mismatches: list[Mismatch], notes: Iterable[str] = ()) -> str:
-    lines = [*notes, "", SEPARATOR, f"[ERROR] {label} fails to pass {tool} test",
-             "....... input .........", *format_inputs(args, kwargs), "", "",
-             "...... output ........", describe_value(out, count_nan=True), "",
-             "...... compare with cpu ......."]
+def format_failure_block(
+    label: str, tool: str, args: tuple, kwargs: dict, out: Any, mismatches: list[Mismatch], notes: Iterable[str] = ()
+) -> str:
+    lines = [
+        *notes,
+        "",
+        SEPARATOR,
+        f"[ERROR] {label} fails to pass {tool} test",
+        "....... input .........",
+        *format_inputs(args, kwargs),
+        "",
+        "",
+        "...... output ........",
+        describe_value(out, count_nan=True),
+        "",
+        "...... compare with cpu .......",
+    ]
     for m in mismatches:
         lines += m.lines
         if m.reason == "values" and isinstance(m.device_value, torch.Tensor):
@@ -366,5 +415,5 @@ def format_failure_block(label: str, tool: str, args: tuple, kwargs: dict, out: 
 def _tensor_str(t: torch.Tensor) -> str:
     try:
         return str(t)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return f"<cannot print tensor: {e}>"

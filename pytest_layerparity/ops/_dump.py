@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -58,8 +58,10 @@ class DumpFormatError(ValueError):
 
 def dump_paths(output_dir: str, op_name: str) -> tuple[str, str]:
     """``<output_dir>/<op_name>_inputs.safetensors`` and ``..._outputs.safetensors``."""
-    return (os.path.join(output_dir, f"{op_name}_inputs{DUMP_EXT}"),
-            os.path.join(output_dir, f"{op_name}_outputs{DUMP_EXT}"))
+    return (
+        os.path.join(output_dir, f"{op_name}_inputs{DUMP_EXT}"),
+        os.path.join(output_dir, f"{op_name}_outputs{DUMP_EXT}"),
+    )
 
 
 def _enc_float(v: float) -> Any:
@@ -75,7 +77,7 @@ def _dec_float(v: Any) -> float:
 
 
 class _Encoder:
-    def __init__(self, devices: Optional[dict[int, str]] = None):
+    def __init__(self, devices: dict[int, str] | None = None):
         self.tensors: dict[str, torch.Tensor] = {}
         self._seen: dict[int, str] = {}
         self._devices = devices or {}
@@ -118,25 +120,32 @@ class _Encoder:
             if data.is_complex():
                 data = torch.view_as_real(data.resolve_conj())
             self.tensors[key] = data.contiguous().clone()
-        return {"t": "tensor", "key": key, "dtype": str(t.dtype),
-                "device": self._devices.get(id(t), str(t.device)),
-                "shape": list(t.shape), "stride": list(t.stride()) if t.layout == torch.strided else None,
-                "complex": t.is_complex(), "requires_grad": bool(t.requires_grad)}
+        return {
+            "t": "tensor",
+            "key": key,
+            "dtype": str(t.dtype),
+            "device": self._devices.get(id(t), str(t.device)),
+            "shape": list(t.shape),
+            "stride": list(t.stride()) if t.layout == torch.strided else None,
+            "complex": t.is_complex(),
+            "requires_grad": bool(t.requires_grad),
+        }
 
 
-def save_op_dump(path: str, values: dict[str, Any], info: dict[str, Any],
-                 devices: Optional[dict[int, str]] = None) -> str:
+def save_op_dump(path: str, values: dict[str, Any], info: dict[str, Any], devices: dict[int, str] | None = None) -> str:
     """Write ``values`` (name -> nested args) to ``path`` (see module doc).
 
     ``devices`` maps ``id(tensor)`` to the device the tensor originally lived
     on, for tensors passed as CPU copies."""
-    from safetensors.torch import save_file  # noqa: PLC0415
+    from safetensors.torch import save_file
 
     enc = _Encoder(devices)
     structure = {name: enc.enc(v) for name, v in values.items()}
-    meta = {"format": DUMP_FORMAT,
-            "info": json.dumps({**info, "torch_version": torch.__version__}),
-            "structure": json.dumps(structure)}
+    meta = {
+        "format": DUMP_FORMAT,
+        "info": json.dumps({**info, "torch_version": torch.__version__}),
+        "structure": json.dumps(structure),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     save_file(enc.tensors, path, metadata=meta)
     return path
@@ -145,7 +154,7 @@ def save_op_dump(path: str, values: dict[str, Any], info: dict[str, Any],
 def _resolve_path(path: str) -> str:
     if os.path.exists(path):
         return path
-    root, ext = os.path.splitext(path)
+    root, _ext = os.path.splitext(path)
     for cand in (path + DUMP_EXT, root + DUMP_EXT):
         if os.path.exists(cand):
             return cand
@@ -163,20 +172,22 @@ def load_op_dump(path: str, with_devices: bool = False):
     Tensors come back on the CPU; their original devices are in the values'
     encoding and in ``info['device']``.
     """
-    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors import safe_open
 
     real = _resolve_path(path)
     try:
         with safe_open(real, framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # noqa: BLE001 - SafetensorError and friends
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118  safe_open is not iterable
+    except Exception as e:
         raise DumpFormatError(
             f"{real} is not a pytest_layerparity.ops dump (a safetensors file): {e}. "
-            "Refusing to load it; pickle files are never loaded.") from None
+            "Refusing to load it; pickle files are never loaded."
+        ) from None
     if meta.get("format") != DUMP_FORMAT:
-        raise DumpFormatError(f"{real} is a safetensors file but not a {DUMP_FORMAT} dump "
-                              f"(format={meta.get('format')!r})")
+        raise DumpFormatError(
+            f"{real} is a safetensors file but not a {DUMP_FORMAT} dump (format={meta.get('format')!r})"
+        )
     try:
         info = json.loads(meta["info"])
         structure = json.loads(meta["structure"])
@@ -222,8 +233,10 @@ def load_op_dump(path: str, with_devices: bool = False):
         if t == "dict":
             return {k: dec(v) for k, v in node["items"]}
         if t == "unsupported":
-            raise DumpFormatError(f"{real}: a value of type {node.get('type')} ({node.get('repr')}) "
-                                  "could not be saved, the op cannot be replayed")
+            raise DumpFormatError(
+                f"{real}: a value of type {node.get('type')} ({node.get('repr')}) "
+                "could not be saved, the op cannot be replayed"
+            )
         raise DumpFormatError(f"{real}: unknown value kind {t!r}")
 
     values = {name: dec(node) for name, node in structure.items()}

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
-
-import contextlib
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -40,11 +40,11 @@ def _no_other_modes():
 def get_rank() -> int:
     """torch.distributed rank if initialised, else env ``RANK``, else 0."""
     try:
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             return int(dist.get_rank())
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     try:
         return int(os.environ.get("RANK", "0"))
@@ -57,31 +57,32 @@ class OpFailure:
     """One op that failed a check.  ``label`` is the log's
     ``<module path>/torch.ops.<ns>.<op>(<phase>)``."""
 
-    tool: str                      # 'CompareWithCPU' | 'NanInfTracker'
-    op_name: str                   # 'torch.ops.aten.addmm'
-    overload: str                  # 'aten::addmm.default'
-    module_path: str               # 'DecoderLayer/Attention/Linear' ('' when untracked)
-    module_qualname: str           # 'attn.q_proj' (dotted path of the innermost module)
-    phase: str                     # 'forward' | 'backward'
+    tool: str  # 'CompareWithCPU' | 'NanInfTracker'
+    op_name: str  # 'torch.ops.aten.addmm'
+    overload: str  # 'aten::addmm.default'
+    module_path: str  # 'DecoderLayer/Attention/Linear' ('' when untracked)
+    module_qualname: str  # 'attn.q_proj' (dotted path of the innermost module)
+    phase: str  # 'forward' | 'backward'
     step: int
-    op_index: int                  # 1-based index among the ops the tool saw in this step
-    device: str                    # 'xla:0', 'cuda:0', 'cpu'
-    output: str = "output"         # which value failed: 'output', 'output 1', 'mutated input 0'
-    max_abs_diff: Optional[float] = None
-    num_bad: int = 0               # mismatching (or non-finite) elements
+    op_index: int  # 1-based index among the ops the tool saw in this step
+    device: str  # 'xla:0', 'cuda:0', 'cpu'
+    output: str = "output"  # which value failed: 'output', 'output 1', 'mutated input 0'
+    max_abs_diff: float | None = None
+    num_bad: int = 0  # mismatching (or non-finite) elements
     numel: int = 0
-    first_bad_index: Optional[tuple] = None
-    nan_count: Optional[int] = None
-    inf_count: Optional[int] = None
-    cpu_upcast: bool = False       # CPU reference computed in float32
-    message: str = ""              # the logged block
-    dump_path: Optional[str] = None
-    dump_outputs_path: Optional[str] = None
+    first_bad_index: tuple | None = None
+    nan_count: int | None = None
+    inf_count: int | None = None
+    cpu_upcast: bool = False  # CPU reference computed in float32
+    message: str = ""  # the logged block
+    dump_path: str | None = None
+    dump_outputs_path: str | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.module_path}/{self.op_name}({self.phase})" if self.module_path \
-            else f"{self.op_name}({self.phase})"
+        return (
+            f"{self.module_path}/{self.op_name}({self.phase})" if self.module_path else f"{self.op_name}({self.phase})"
+        )
 
 
 class OpCheckError(RuntimeError):
@@ -105,10 +106,22 @@ class _OpTool(TorchDispatchMode):
     log_stem = "?"
     _nan_inf_defaults = False
 
-    def __init__(self, *, enabled: bool, target_list: Any, white_list: Any, target_op: Any,
-                 dump_error_data: bool, output_dir: Optional[str], should_log_to_file: bool,
-                 enable_ranks: Optional[Iterable[int]], start_step: int, end_step: int,
-                 verbose: bool, max_records: int):
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        target_list: Any,
+        white_list: Any,
+        target_op: Any,
+        dump_error_data: bool,
+        output_dir: str | None,
+        should_log_to_file: bool,
+        enable_ranks: Iterable[int] | None,
+        start_step: int,
+        end_step: int,
+        verbose: bool,
+        max_records: int,
+    ):
         super().__init__()
         self.enabled = bool(enabled)
         targets = list(target_list or []) + list(target_op or [])
@@ -128,14 +141,14 @@ class _OpTool(TorchDispatchMode):
         self.verbose = bool(verbose)
         self.max_records = int(max_records)
         self.failures: list[OpFailure] = []
-        self.skipped: list[str] = []   # labels of ops that could not be checked (and why)
-        self.stats = {"checked": 0, "passed": 0, "failed": 0, "white_listed": 0,
-                      "not_target": 0, "skipped": 0}
-        self.log_path = os.path.join(self.output_dir, f"{self.log_stem}_rank{self.rank}.log") \
-            if self.should_log_to_file else None
+        self.skipped: list[str] = []  # labels of ops that could not be checked (and why)
+        self.stats = {"checked": 0, "passed": 0, "failed": 0, "white_listed": 0, "not_target": 0, "skipped": 0}
+        self.log_path = (
+            os.path.join(self.output_dir, f"{self.log_stem}_rank{self.rank}.log") if self.should_log_to_file else None
+        )
         self._file = None
         self._file_opened_once = False
-        self._tmp_handler: Optional[logging.Handler] = None
+        self._tmp_handler: logging.Handler | None = None
         self._old_level = logging.NOTSET
         self._entered = False
         self._active = False
@@ -149,11 +162,10 @@ class _OpTool(TorchDispatchMode):
     @property
     def active(self) -> bool:
         """Whether ops are checked right now (enabled, this rank, inside the step window)."""
-        return (self.enabled and self.rank_enabled and self._entered
-                and self.start_step <= self.step_cnt < self.end_step)
+        return self.enabled and self.rank_enabled and self._entered and self.start_step <= self.step_cnt < self.end_step
 
     @property
-    def first_failure(self) -> Optional[OpFailure]:
+    def first_failure(self) -> OpFailure | None:
         return self.failures[0] if self.failures else None
 
     def _refresh(self) -> None:
@@ -235,9 +247,7 @@ class _OpTool(TorchDispatchMode):
     def _decide(self, func: Any) -> tuple:
         if self._target and func not in self._target:
             d = _NOT_TARGET
-        elif func in self._user_white:
-            d = _WHITE
-        elif not self._target and is_default_white_listed(func, self._nan_inf_defaults):
+        elif func in self._user_white or (not self._target and is_default_white_listed(func, self._nan_inf_defaults)):
             d = _WHITE
         else:
             d = _CHECK
@@ -272,7 +282,8 @@ class _OpTool(TorchDispatchMode):
             path, _, phase = self._where()
             label = self._label(self._op_name(func), path, phase)
             what = {_WHITE: "is in white_list, pass", _NOT_TARGET: "is not in target_list, pass"}.get(
-                d, "cannot be checked (not a plain strided tensor), pass")
+                d, "cannot be checked (not a plain strided tensor), pass"
+            )
             self._emit(logging.INFO, f"{label} {what}")
 
     def _record(self, rec: OpFailure) -> None:
@@ -286,9 +297,16 @@ class _OpTool(TorchDispatchMode):
             self.skipped.append(f"{label}: {why}")
 
     def _dump(self, func: Any, rec: OpFailure, inputs: dict, devices: dict, outputs: dict) -> None:
-        info = {"op": op_overload_name(func), "op_name": rec.op_name, "tool": self.tool_name,
-                "device": rec.device, "module_path": rec.module_path,
-                "module_qualname": rec.module_qualname, "phase": rec.phase, "step": rec.step}
+        info = {
+            "op": op_overload_name(func),
+            "op_name": rec.op_name,
+            "tool": self.tool_name,
+            "device": rec.device,
+            "module_path": rec.module_path,
+            "module_qualname": rec.module_qualname,
+            "phase": rec.phase,
+            "step": rec.step,
+        }
         if hasattr(self, "atol"):
             info.update(atol=self.atol, rtol=self.rtol)
         in_path, out_path = dump_paths(self.output_dir, rec.op_name)
@@ -334,17 +352,38 @@ class CompareWithCPU(_OpTool):
     tool_name = "CompareWithCPU"
     log_stem = "compare_with_cpu"
 
-    def __init__(self, enabled: bool = True, atol: float = 0.001, rtol: float = 0.001,
-                 verbose: bool = False, target_list: Any = None, white_list: Any = None,
-                 dump_error_data: bool = False, output_dir: Optional[str] = None,
-                 should_log_to_file: bool = False, enable_ranks: Optional[Iterable[int]] = None,
-                 start_step: int = 0, end_step: int = sys.maxsize, target_op: Any = None,
-                 *, max_records: int = 1000):
-        super().__init__(enabled=enabled, target_list=target_list, white_list=white_list,
-                         target_op=target_op, dump_error_data=dump_error_data,
-                         output_dir=output_dir, should_log_to_file=should_log_to_file,
-                         enable_ranks=enable_ranks, start_step=start_step, end_step=end_step,
-                         verbose=verbose, max_records=max_records)
+    def __init__(
+        self,
+        enabled: bool = True,
+        atol: float = 0.001,
+        rtol: float = 0.001,
+        verbose: bool = False,
+        target_list: Any = None,
+        white_list: Any = None,
+        dump_error_data: bool = False,
+        output_dir: str | None = None,
+        should_log_to_file: bool = False,
+        enable_ranks: Iterable[int] | None = None,
+        start_step: int = 0,
+        end_step: int = sys.maxsize,
+        target_op: Any = None,
+        *,
+        max_records: int = 1000,
+    ):
+        super().__init__(
+            enabled=enabled,
+            target_list=target_list,
+            white_list=white_list,
+            target_op=target_op,
+            dump_error_data=dump_error_data,
+            output_dir=output_dir,
+            should_log_to_file=should_log_to_file,
+            enable_ranks=enable_ranks,
+            start_step=start_step,
+            end_step=end_step,
+            verbose=verbose,
+            max_records=max_records,
+        )
         self.atol = float(atol)
         self.rtol = float(rtol)
 
@@ -374,27 +413,55 @@ class CompareWithCPU(_OpTool):
                 args_cpu, kwargs_cpu, devices = C.cpu_inputs(args, kwargs, written)
             pristine = None
             if self.dump_error_data and (written[0] or written[1]):
-                pristine = C.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x,
-                                      (args_cpu, kwargs_cpu))
-                for a, b in zip(C.tree_tensors((args_cpu, kwargs_cpu)), C.tree_tensors(pristine)):
+                pristine = C.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args_cpu, kwargs_cpu))
+                for a, b in zip(C.tree_tensors((args_cpu, kwargs_cpu)), C.tree_tensors(pristine), strict=False):
                     devices[id(b)] = devices.get(id(a), "cpu")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             self._emit(logging.WARNING, f"{label} cannot copy inputs to cpu, skip comparing: {e}")
             self._skip(label, f"copy to cpu: {e}")
             return func(*args, **kwargs)
 
         out = func(*args, **kwargs)  # the device op; its errors are the caller's
         with _no_other_modes():
-            return self._check_results(func, args, kwargs, written, out, args_cpu, kwargs_cpu,
-                                       devices, pristine, op_name, path, qualname, phase, label)
+            return self._check_results(
+                func,
+                args,
+                kwargs,
+                written,
+                out,
+                args_cpu,
+                kwargs_cpu,
+                devices,
+                pristine,
+                op_name,
+                path,
+                qualname,
+                phase,
+                label,
+            )
 
-    def _check_results(self, func, args, kwargs, written, out, args_cpu, kwargs_cpu, devices,
-                       pristine, op_name, path, qualname, phase, label):
+    def _check_results(
+        self,
+        func,
+        args,
+        kwargs,
+        written,
+        out,
+        args_cpu,
+        kwargs_cpu,
+        devices,
+        pristine,
+        op_name,
+        path,
+        qualname,
+        phase,
+        label,
+    ):
         self.stats["checked"] += 1
         notes: list[str] = []
         try:
             out_cpu, used_args, used_kwargs, upcast_err = C.run_on_cpu(func, args_cpu, kwargs_cpu)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             self._emit(logging.WARNING, f"{label} cannot run on cpu, skip comparing: {msg}")
             self._skip(label, f"cpu run: {msg}")
@@ -405,9 +472,8 @@ class CompareWithCPU(_OpTool):
                 self._emit(logging.INFO, "\n".join(notes))
         try:
             dev_label = C.device_label(args, kwargs, out)
-            mismatches = self._compare_outputs(out, out_cpu, args, kwargs, used_args, used_kwargs,
-                                               written, dev_label)
-        except Exception as e:  # noqa: BLE001
+            mismatches = self._compare_outputs(out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label)
+        except Exception as e:
             self._emit(logging.WARNING, f"{label} comparison failed, skipped: {e!r}")
             self._skip(label, f"compare: {e!r}")
             return out
@@ -417,32 +483,44 @@ class CompareWithCPU(_OpTool):
                 self._emit(logging.INFO, f"{label} succeeds to pass CompareWithCPU test")
             return out
 
-        block = C.format_failure_block(label, self.tool_name, args, kwargs, out, mismatches,
-                                       () if self.verbose else notes)
+        block = C.format_failure_block(
+            label, self.tool_name, args, kwargs, out, mismatches, () if self.verbose else notes
+        )
         m0 = mismatches[0]
         diffs = [m.max_abs_diff for m in mismatches if m.max_abs_diff is not None]
-        rec = OpFailure(self.tool_name, op_name, op_overload_name(func), path, qualname, phase,
-                        self.step_cnt, self._op_index, dev_label, output=m0.where,
-                        max_abs_diff=max(diffs) if diffs else None, num_bad=m0.num_bad,
-                        numel=m0.numel, first_bad_index=m0.first_bad_index,
-                        cpu_upcast=upcast_err is not None, message=block)
+        rec = OpFailure(
+            self.tool_name,
+            op_name,
+            op_overload_name(func),
+            path,
+            qualname,
+            phase,
+            self.step_cnt,
+            self._op_index,
+            dev_label,
+            output=m0.where,
+            max_abs_diff=max(diffs) if diffs else None,
+            num_bad=m0.num_bad,
+            numel=m0.numel,
+            first_bad_index=m0.first_bad_index,
+            cpu_upcast=upcast_err is not None,
+            message=block,
+        )
         self._record(rec)
         self._emit(logging.ERROR, block)
         if self.dump_error_data:
             ins = pristine if pristine is not None else (args_cpu, kwargs_cpu)
-            self._dump(func, rec, {"args": list(ins[0]), "kwargs": ins[1]}, devices,
-                       {"out": out, "cpu_out": out_cpu})
-            raise CompareError(f"{label} fails to pass CompareWithCPU test "
-                               f"(inputs saved to {rec.dump_path})", rec)
+            self._dump(func, rec, {"args": list(ins[0]), "kwargs": ins[1]}, devices, {"out": out, "cpu_out": out_cpu})
+            raise CompareError(f"{label} fails to pass CompareWithCPU test (inputs saved to {rec.dump_path})", rec)
         return out
 
     def _compare_outputs(self, out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label):
-        return compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, written,
-                                  dev_label, self.atol, self.rtol)
+        return compare_op_results(
+            out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label, self.atol, self.rtol
+        )
 
 
-def compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label,
-                       atol, rtol) -> list:
+def compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label, atol, rtol) -> list:
     """Compare an op's device outputs (and the inputs it mutated) with the CPU run's."""
     dev_leaves = [("output" if p == "" else f"output {p}", v) for p, v in C.tree_leaves_with_path(out)]
     cpu_leaves = [("output" if p == "" else f"output {p}", v) for p, v in C.tree_leaves_with_path(out_cpu)]
@@ -450,14 +528,18 @@ def compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, writt
     pos, names = written
     for i in sorted(pos):
         if i < len(args):
-            for (p, d), (_, c) in zip(C.tree_leaves_with_path(args[i]), C.tree_leaves_with_path(used_args[i])):
+            for (p, d), (_, c) in zip(
+                C.tree_leaves_with_path(args[i]), C.tree_leaves_with_path(used_args[i]), strict=False
+            ):
                 if isinstance(d, torch.Tensor) and id(d) not in out_ids:
                     w = f"mutated input {i}" + (f"[{p}]" if p else "")
                     dev_leaves.append((w, d))
                     cpu_leaves.append((w, c))
     for n in sorted(names):
         if n in kwargs:
-            for (p, d), (_, c) in zip(C.tree_leaves_with_path(kwargs[n]), C.tree_leaves_with_path(used_kwargs[n])):
+            for (p, d), (_, c) in zip(
+                C.tree_leaves_with_path(kwargs[n]), C.tree_leaves_with_path(used_kwargs[n]), strict=False
+            ):
                 if isinstance(d, torch.Tensor) and id(d) not in out_ids:
                     w = f"mutated input {n}" + (f"[{p}]" if p else "")
                     dev_leaves.append((w, d))
@@ -465,13 +547,15 @@ def compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, writt
     dev_tensors = [v for _, v in dev_leaves if isinstance(v, torch.Tensor)]
     C.sync_xla_if_needed(dev_tensors)
     with torch.no_grad():
-        dev_items = [(w, v.detach().to("cpu") if isinstance(v, torch.Tensor) else v, v)
-                     for w, v in dev_leaves]
+        dev_items = [(w, v.detach().to("cpu") if isinstance(v, torch.Tensor) else v, v) for w, v in dev_leaves]
         return C.compare_values(dev_items, cpu_leaves, atol, rtol, dev_label)
 
 
-_FLOATING = frozenset(d for d in (getattr(torch, n, None) for n in dir(torch))
-                      if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex))
+_FLOATING = frozenset(
+    d
+    for d in (getattr(torch, n, None) for n in dir(torch))
+    if isinstance(d, torch.dtype) and (d.is_floating_point or d.is_complex)
+)
 
 
 class NanInfTracker(_OpTool):
@@ -502,17 +586,38 @@ class NanInfTracker(_OpTool):
     log_stem = "nan_inf_tracker"
     _nan_inf_defaults = True
 
-    def __init__(self, enabled: bool = True, target_list: Any = None, white_list: Any = None,
-                 should_log_to_file: bool = False, output_dir: Optional[str] = None,
-                 enable_ranks: Optional[Iterable[int]] = None, start_step: int = 0,
-                 end_step: int = sys.maxsize, dump_error_data: bool = False, *,
-                 target_op: Any = None, verbose: bool = False, deferred: Optional[bool] = None,
-                 flush_every: int = 4096, max_records: int = 1000):
-        super().__init__(enabled=enabled, target_list=target_list, white_list=white_list,
-                         target_op=target_op, dump_error_data=dump_error_data,
-                         output_dir=output_dir, should_log_to_file=should_log_to_file,
-                         enable_ranks=enable_ranks, start_step=start_step, end_step=end_step,
-                         verbose=verbose, max_records=max_records)
+    def __init__(
+        self,
+        enabled: bool = True,
+        target_list: Any = None,
+        white_list: Any = None,
+        should_log_to_file: bool = False,
+        output_dir: str | None = None,
+        enable_ranks: Iterable[int] | None = None,
+        start_step: int = 0,
+        end_step: int = sys.maxsize,
+        dump_error_data: bool = False,
+        *,
+        target_op: Any = None,
+        verbose: bool = False,
+        deferred: bool | None = None,
+        flush_every: int = 4096,
+        max_records: int = 1000,
+    ):
+        super().__init__(
+            enabled=enabled,
+            target_list=target_list,
+            white_list=white_list,
+            target_op=target_op,
+            dump_error_data=dump_error_data,
+            output_dir=output_dir,
+            should_log_to_file=should_log_to_file,
+            enable_ranks=enable_ranks,
+            start_step=start_step,
+            end_step=end_step,
+            verbose=verbose,
+            max_records=max_records,
+        )
         # dump_error_data needs the offending op's inputs at hand: check at once
         self.deferred = False if dump_error_data else deferred
         self.flush_every = int(flush_every)
@@ -520,10 +625,10 @@ class NanInfTracker(_OpTool):
         self._no_f64: set[str] = set()
 
     @property
-    def first_nan_inf(self) -> Optional[OpFailure]:
+    def first_nan_inf(self) -> OpFailure | None:
         return self.first_failure
 
-    def check(self) -> Optional[OpFailure]:
+    def check(self) -> OpFailure | None:
         """Resolve deferred checks now; returns ``first_failure``."""
         with _disable_current_modes():  # our own ops must not be intercepted
             self._flush()
@@ -548,8 +653,10 @@ class NanInfTracker(_OpTool):
         if self.dump_error_data and (written[0] or written[1]):
             # pre-op copies of the inputs the op writes (for the dump)
             clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
-            pre = ({i: C.tree_map(clone, args[i]) for i in written[0] if i < len(args)},
-                   {n: C.tree_map(clone, kwargs[n]) for n in written[1] if n in kwargs})
+            pre = (
+                {i: C.tree_map(clone, args[i]) for i in written[0] if i < len(args)},
+                {n: C.tree_map(clone, kwargs[n]) for n in written[1] if n in kwargs},
+            )
         out = func(*args, **kwargs)
         self.stats["checked"] += 1
         if torch._C._len_torch_dispatch_stack():
@@ -604,7 +711,7 @@ class NanInfTracker(_OpTool):
                 else:
                     s = t.float().sum()
                 v = s.item()
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 self._skip(self._op_name(func), f"nan/inf probe: {e!r}")
                 return False
             if v - v == 0:  # finite
@@ -624,11 +731,12 @@ class NanInfTracker(_OpTool):
             try:
                 src = torch.view_as_real(t.resolve_conj()) if dt.is_complex else t
                 s = src.sum(dtype=torch.float64)
-            except Exception:  # noqa: BLE001 - no float64 on this device
+            except Exception:
                 self._no_f64.add(dev_type)
                 s = (t.float() * 0).sum()
-        self._pending.append((s, func, where, self._where(), self.step_cnt, self._op_index,
-                              weakref.ref(t), t._version, t.device))
+        self._pending.append(
+            (s, func, where, self._where(), self.step_cnt, self._op_index, weakref.ref(t), t._version, t.device)
+        )
         if len(self._pending) >= self.flush_every:
             self._flush()
         return False
@@ -642,21 +750,20 @@ class NanInfTracker(_OpTool):
             by_dev.setdefault(p[0].device, []).append(i)
         bad: list[int] = []
         with torch.no_grad():
-            for dev, idxs in by_dev.items():
+            for _dev, idxs in by_dev.items():
                 C.sync_xla_if_needed([pending[idxs[0]][0]])
                 probes = [pending[i][0] for i in idxs]
                 dt = torch.float64 if any(p.dtype == torch.float64 for p in probes) else torch.float32
                 flags = torch.isfinite(torch.stack([p.to(dt) for p in probes])).to("cpu")
                 bad += [idxs[j] for j in (~flags).nonzero().reshape(-1).tolist()]
         for i in sorted(bad):
-            s, func, where, place, step, op_index, ref, version, device = pending[i]
+            _s, func, where, place, step, op_index, ref, version, device = pending[i]
             t = ref()
             if t is not None and t._version != version:
                 t = None
             self._report(func, t, where, place, step, op_index, None, None, None, None, device)
 
-    def _report(self, func, t, where, place, step, op_index, args, kwargs, out, pre,
-                device=None) -> None:
+    def _report(self, func, t, where, place, step, op_index, args, kwargs, out, pre, device=None) -> None:
         path, qualname, phase = place
         op_name = self._op_name(func)
         label = self._label(op_name, path, phase)
@@ -680,9 +787,24 @@ class NanInfTracker(_OpTool):
             counts = " (found by a deferred check; the tensor is gone, no counts)"
         msg = f"[WARNING] {label} has nan/inf{suffix}{counts}{desc}"
         dev = str(t.device if t is not None else device)
-        rec = OpFailure(self.tool_name, op_name, op_overload_name(func), path, qualname, phase, step,
-                        op_index, dev, output=where, num_bad=(nan_n or 0) + (inf_n or 0), numel=numel,
-                        first_bad_index=first, nan_count=nan_n, inf_count=inf_n, message=msg)
+        rec = OpFailure(
+            self.tool_name,
+            op_name,
+            op_overload_name(func),
+            path,
+            qualname,
+            phase,
+            step,
+            op_index,
+            dev,
+            output=where,
+            num_bad=(nan_n or 0) + (inf_n or 0),
+            numel=numel,
+            first_bad_index=first,
+            nan_count=nan_n,
+            inf_count=inf_n,
+            message=msg,
+        )
         self._record(rec)
         self._emit(logging.WARNING, msg)
         if self.dump_error_data and args is not None:

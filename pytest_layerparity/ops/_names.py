@@ -15,7 +15,8 @@ user (``target_list`` / ``target_op`` / ``white_list``) may be spelled
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -36,30 +37,80 @@ __all__ = [
 # the ``nondeterministic_seeded`` tag (random ops) is white-listed as well.
 DEFAULT_WHITE_LIST: tuple[str, ...] = (
     # views / reshapes / aliasing
-    "aten.view", "aten._unsafe_view", "aten.reshape", "aten._reshape_alias",
-    "aten.expand", "aten.expand_as", "aten.permute", "aten.transpose", "aten.t",
-    "aten.squeeze", "aten.unsqueeze", "aten.as_strided", "aten.alias",
-    "aten.slice", "aten.select", "aten.split", "aten.split_with_sizes",
-    "aten.unbind", "aten.chunk", "aten.narrow", "aten.diagonal", "aten.unfold",
-    "aten.view_as", "aten.view_as_real", "aten.view_as_complex", "aten.flatten",
-    "aten.unflatten", "aten.movedim", "aten.swapaxes", "aten.contiguous",
-    "aten.detach", "aten.lift_fresh", "aten.lift_fresh_copy",
+    "aten.view",
+    "aten._unsafe_view",
+    "aten.reshape",
+    "aten._reshape_alias",
+    "aten.expand",
+    "aten.expand_as",
+    "aten.permute",
+    "aten.transpose",
+    "aten.t",
+    "aten.squeeze",
+    "aten.unsqueeze",
+    "aten.as_strided",
+    "aten.alias",
+    "aten.slice",
+    "aten.select",
+    "aten.split",
+    "aten.split_with_sizes",
+    "aten.unbind",
+    "aten.chunk",
+    "aten.narrow",
+    "aten.diagonal",
+    "aten.unfold",
+    "aten.view_as",
+    "aten.view_as_real",
+    "aten.view_as_complex",
+    "aten.flatten",
+    "aten.unflatten",
+    "aten.movedim",
+    "aten.swapaxes",
+    "aten.contiguous",
+    "aten.detach",
+    "aten.lift_fresh",
+    "aten.lift_fresh_copy",
     # uninitialised memory / metadata
-    "aten.empty*", "aten.new_empty*", "aten.resize_", "aten.resize_as_",
-    "aten.set_", "aten._has_compatible_shallow_copy_type", "aten.is_same_size",
+    "aten.empty*",
+    "aten.new_empty*",
+    "aten.resize_",
+    "aten.resize_as_",
+    "aten.set_",
+    "aten._has_compatible_shallow_copy_type",
+    "aten.is_same_size",
     # copies / transfers
-    "aten.copy_", "aten._to_copy", "aten.clone", "aten._copy_from",
-    "aten._copy_from_and_resize", "aten.to", "aten.pin_memory", "aten._pin_memory",
+    "aten.copy_",
+    "aten._to_copy",
+    "aten.clone",
+    "aten._copy_from",
+    "aten._copy_from_and_resize",
+    "aten.to",
+    "aten.pin_memory",
+    "aten._pin_memory",
     "aten.is_pinned",
     # random
-    "aten.rand*", "aten.normal*", "aten.bernoulli*", "aten.uniform*",
-    "aten.random_*", "aten.exponential_", "aten.geometric_", "aten.cauchy_",
-    "aten.log_normal_", "aten.multinomial", "aten.poisson", "aten.*dropout*",
+    "aten.rand*",
+    "aten.normal*",
+    "aten.bernoulli*",
+    "aten.uniform*",
+    "aten.random_*",
+    "aten.exponential_",
+    "aten.geometric_",
+    "aten.cauchy_",
+    "aten.log_normal_",
+    "aten.multinomial",
+    "aten.poisson",
+    "aten.*dropout*",
     "aten.rrelu*",
     # scalars / bookkeeping
-    "aten._local_scalar_dense", "aten.item", "aten._record_function_*",
-    "aten.record_stream", "aten._propagate_xla_data", "aten.sym_*",
-    "aten._assert*", "profiler.*",
+    "aten._local_scalar_dense",
+    "aten.item",
+    "aten._record_function_*",
+    "aten.record_stream",
+    "aten._propagate_xla_data",
+    "aten.sym_*",
+    "aten._assert*",
+    "profiler.*",
 )
 
 _AUTO_WHITE_TAGS = ("view_copy", "inplace_view", "nondeterministic_seeded")
@@ -67,8 +118,7 @@ _AUTO_WHITE_TAGS = ("view_copy", "inplace_view", "nondeterministic_seeded")
 # Copies that NanInfTracker checks even though they are in the default white
 # list: a dtype conversion (fp32 -> fp16/fp8) overflows to Inf, the classic
 # mixed-precision NaN/Inf source.
-NAN_INF_CHECKED = ("aten._to_copy", "aten.copy_", "aten._copy_from",
-                   "aten._copy_from_and_resize", "aten.to")
+NAN_INF_CHECKED = ("aten._to_copy", "aten.copy_", "aten._copy_from", "aten._copy_from_and_resize", "aten.to")
 
 
 def op_display_name(func: Any) -> str:
@@ -109,14 +159,14 @@ def _normalise_entry(entry: Any) -> str:
         raise TypeError(f"cannot use {entry!r} as an op name")
     s = entry.strip()
     if s.startswith("torch.ops."):
-        s = s[len("torch.ops."):]
+        s = s[len("torch.ops.") :]
     return s.replace("::", ".")
 
 
 class OpMatcher:
     """Matches OpOverloads against a list of names/patterns (cached per op)."""
 
-    def __init__(self, entries: Optional[Iterable[Any]] = None):
+    def __init__(self, entries: Iterable[Any] | None = None):
         self.entries: list[str] = [_normalise_entry(e) for e in (entries or ())]
         # exact names by level (0: op name, 1: ns.op, 2: ns.op.overload); patterns apart
         self._exact: tuple[set, set, set] = (set(), set(), set())
@@ -146,8 +196,8 @@ class OpMatcher:
         return any(fnmatch.fnmatchcase(keys[level], pat) for level, pat in self._patterns)
 
 
-_DEFAULT_MATCHER: Optional[OpMatcher] = None
-_NAN_INF_MATCHER: Optional[OpMatcher] = None
+_DEFAULT_MATCHER: OpMatcher | None = None
+_NAN_INF_MATCHER: OpMatcher | None = None
 _AUTO_CACHE: dict[tuple, bool] = {}
 
 
@@ -190,7 +240,7 @@ def resolve_op(op: Any) -> Any:
     s = _normalise_entry(op)
     parts = s.split(".")
     if len(parts) == 1:
-        parts = ["aten"] + parts
+        parts = ["aten", *parts]
     obj: Any = torch.ops
     try:
         obj = getattr(getattr(obj, parts[0]), parts[1])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -24,10 +24,10 @@ def replay_device(device: str) -> torch.device:
         return cpu
     if d.type == "xla":
         try:
-            import torch_xla  # noqa: PLC0415
+            import torch_xla
 
             return torch_xla.device()
-        except Exception:  # noqa: BLE001
+        except Exception:
             return cpu
     if d.type == "cuda":
         if torch.cuda.is_available():
@@ -38,12 +38,12 @@ def replay_device(device: str) -> torch.device:
     try:
         if mod is not None and mod.is_available():
             return torch.device(d.type, d.index or 0)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     return cpu
 
 
-def _load(path: str, op: Any, device: Optional[str]):
+def _load(path: str, op: Any, device: str | None):
     values, info, devs = load_op_dump(path, with_devices=True)
     if info.get("kind") not in (None, "inputs"):
         raise ValueError(f"{path} holds an op's {info.get('kind')}, not its inputs")
@@ -68,8 +68,9 @@ def _load(path: str, op: Any, device: Optional[str]):
     return func, args, kwargs, target, info
 
 
-def compare_for_single_op(path: str, op: Any = None, atol: float = 0.001, rtol: float = 0.001,
-                          *, device: Optional[str] = None):
+def compare_for_single_op(
+    path: str, op: Any = None, atol: float = 0.001, rtol: float = 0.001, *, device: str | None = None
+):
     """Replay a dumped op (``<dir>/torch.ops.aten.addmm_inputs.safetensors``)
     on its original device type if available here (else the CPU, or
     ``device``), run it again on the CPU, and compare.
@@ -79,7 +80,7 @@ def compare_for_single_op(path: str, op: Any = None, atol: float = 0.001, rtol: 
     Returns ``(correct, args, kwargs, out)``: the replayed inputs and output
     (on the replay device).  The result is logged like ``CompareWithCPU``.
     """
-    func, args, kwargs, target, _info = _load(path, op, device)
+    func, args, kwargs, _target, _info = _load(path, op, device)
     name = op_display_name(func)
     written = C.written_args(func)
     args_cpu, kwargs_cpu, _ = C.cpu_inputs(args, kwargs, written)
@@ -87,8 +88,7 @@ def compare_for_single_op(path: str, op: Any = None, atol: float = 0.001, rtol: 
     out_cpu, used_args, used_kwargs, upcast_err = C.run_on_cpu(func, args_cpu, kwargs_cpu)
     notes = [upcast_err, "Convert to float32 ..."] if upcast_err else []
     dev_label = C.device_label(args, kwargs, out)
-    mismatches = compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, written,
-                                    dev_label, atol, rtol)
+    mismatches = compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label, atol, rtol)
     if mismatches:
         logger.error(C.format_failure_block(name, "CompareWithCPU", args, kwargs, out, mismatches, notes))
     else:
@@ -98,11 +98,11 @@ def compare_for_single_op(path: str, op: Any = None, atol: float = 0.001, rtol: 
     return not mismatches, args, kwargs, out
 
 
-def nan_inf_track_for_single_op(path: str, op: Any = None, *, device: Optional[str] = None):
+def nan_inf_track_for_single_op(path: str, op: Any = None, *, device: str | None = None):
     """Replay a dumped op on its device (see :func:`compare_for_single_op`) and
     check its outputs for NaN/Inf.  Returns ``(correct, args, kwargs, out)``,
     ``correct`` meaning no NaN/Inf."""
-    func, args, kwargs, target, _info = _load(path, op, device)
+    func, args, kwargs, _target, _info = _load(path, op, device)
     name = op_display_name(func)
     out = func(*args, **kwargs)
     leaves = [(p, t) for p, t in C.tree_leaves_with_path(out) if isinstance(t, torch.Tensor)]
@@ -113,8 +113,10 @@ def nan_inf_track_for_single_op(path: str, op: Any = None, *, device: Optional[s
         if n or i:
             correct = False
             where = "" if p == "" else f" (output {p})"
-            logger.log(logging.WARNING,
-                       f"[WARNING] {name} has nan/inf{where}: nan_num={n}, inf_num={i}, {C.describe_tensor(t)}")
+            logger.log(
+                logging.WARNING,
+                f"[WARNING] {name} has nan/inf{where}: nan_num={n}, inf_num={i}, {C.describe_tensor(t)}",
+            )
     if correct:
         logger.info(f"{name} has no nan/inf")
     return correct, args, kwargs, out

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -51,12 +51,12 @@ class ModuleInfo:
     module_id: int
 
     _local = threading.local()
-    _bw_stacks = {}  # graph task id -> stack (not a dataclass field)
+    _bw_stacks: ClassVar[dict[int, list]] = {}  # graph task id -> stack (not a dataclass field)
     _bw_lock = threading.Lock()
 
     # -- reading ---------------------------------------------------------
     @classmethod
-    def current_stack(cls) -> list["ModuleInfo"]:
+    def current_stack(cls) -> list[ModuleInfo]:
         """The frames of the current thread's forward stack, or of the running
         backward graph task's stack while autograd is executing."""
         task = torch._C._current_graph_task_id()
@@ -65,7 +65,7 @@ class ModuleInfo:
         return cls._fw_stack()
 
     @classmethod
-    def current(cls) -> Optional["ModuleInfo"]:
+    def current(cls) -> ModuleInfo | None:
         st = cls.current_stack()
         return st[-1] if st else None
 
@@ -88,7 +88,7 @@ class ModuleInfo:
 
     # -- internals -------------------------------------------------------
     @classmethod
-    def _fw_stack(cls) -> list["ModuleInfo"]:
+    def _fw_stack(cls) -> list[ModuleInfo]:
         st = getattr(cls._local, "stack", None)
         if st is None:
             st = cls._local.stack = []
@@ -177,14 +177,14 @@ class ModuleTrackerHandle:
         if m is not None and _TRACKED.get(m) is self:
             del _TRACKED[m]
 
-    def __enter__(self) -> "ModuleTrackerHandle":
+    def __enter__(self) -> ModuleTrackerHandle:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
 
 
-_TRACKED: "weakref.WeakKeyDictionary[nn.Module, ModuleTrackerHandle]" = weakref.WeakKeyDictionary()
+_TRACKED: weakref.WeakKeyDictionary[nn.Module, ModuleTrackerHandle] = weakref.WeakKeyDictionary()
 
 
 def open_module_tracker(model: nn.Module, backward: bool = True) -> ModuleTrackerHandle:
@@ -201,6 +201,7 @@ def open_module_tracker(model: nn.Module, backward: bool = True) -> ModuleTracke
     handle = ModuleTrackerHandle(model)
 
     for qualname, mod in model.named_modules():
+
         def pre_hook(module, inputs, kwargs, _q=qualname):
             if not handle.active:
                 return
@@ -211,7 +212,8 @@ def open_module_tracker(model: nn.Module, backward: bool = True) -> ModuleTracke
                 if ts:
                     chain = tuple(stack)
                     torch.autograd.graph.register_multi_grad_hook(
-                        ts, lambda _g, _c=chain: handle.active and ModuleInfo._bw_exit(_c))
+                        ts, lambda _g, _c=chain: handle.active and ModuleInfo._bw_exit(_c)
+                    )
 
         def post_hook(module, inputs, output, _q=qualname):
             if not handle.active:
@@ -225,7 +227,8 @@ def open_module_tracker(model: nn.Module, backward: bool = True) -> ModuleTracke
                     if idx is not None:
                         chain = tuple(stack[: idx + 1])
                         torch.autograd.graph.register_multi_grad_hook(
-                            ts, lambda _g, _c=chain: handle.active and ModuleInfo._bw_enter(_c))
+                            ts, lambda _g, _c=chain: handle.active and ModuleInfo._bw_enter(_c)
+                        )
             ModuleInfo._pop(stack, module)
 
         handle._handles.append(mod.register_forward_pre_hook(pre_hook, prepend=True, with_kwargs=True))

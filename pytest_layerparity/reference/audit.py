@@ -1,6 +1,7 @@
 """The dtype audit of a unit of weights: tensors whose floating dtype differs from the one
 requested, and a refusal when float32 tensors under a 16-bit request would multiply the
 memory (the seeds' 1 TB bug)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,13 +30,19 @@ def dtype_audit(module: Any, requested: Any, keep: Any = None, fatal_share: floa
         total += nbytes
         if tensor.dtype != requested:
             odd.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
-            if tensor.dtype == torch.float32 and requested in (torch.bfloat16, torch.float16) and not any(k in name for k in keep):
+            if (
+                tensor.dtype == torch.float32
+                and requested in (torch.bfloat16, torch.float16)
+                and not any(k in name for k in keep)
+            ):
                 wide += nbytes
     fatal = total > 0 and wide / total > fatal_share
     message = ""
     if fatal:
         names = ", ".join(f"{n} ({d}, {list(s)})" for n, d, s in odd if d == "float32")
-        message = (f"would materialise in float32 under a {str(requested).removeprefix('torch.')} request "
-                   f"({wide / 1e6:.1f} MB of {total / 1e6:.1f} MB): {names}; cast these tensors to the requested dtype "
-                   "in the port (or pass --dtype float32)")
+        message = (
+            f"would materialise in float32 under a {str(requested).removeprefix('torch.')} request "
+            f"({wide / 1e6:.1f} MB of {total / 1e6:.1f} MB): {names}; cast these tensors to the requested dtype "
+            "in the port (or pass --dtype float32)"
+        )
     return Audit(odd, fatal, message)

@@ -1,6 +1,7 @@
 """The reference side: run the HuggingFace model once on the golden input, capture every
 selected layer's whole call and output, and write them (with the precision floor) as
 goldens; or re-run it and check that the stored goldens reproduce."""
+
 from __future__ import annotations
 
 import contextlib
@@ -27,6 +28,7 @@ from .plan import resolve_golden_device
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
     from ..options import Settings
     from .streaming import Unit
@@ -47,8 +49,15 @@ class ReferenceSide:
     """The reference model of one session: its placement, its one forward pass (cached), and
     the goldens written from it. ``extract_command(layers)`` is the fix errors suggest."""
 
-    def __init__(self, settings: Settings, model: ModelSource, store: GoldenStore, dtype_name: str,
-                 floor: FloorEvaluator, extract_command: Callable[[str | None], str]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        model: ModelSource,
+        store: GoldenStore,
+        dtype_name: str,
+        floor: FloorEvaluator,
+        extract_command: Callable[[str | None], str],
+    ) -> None:
         self.settings = settings
         self.model = model
         self.store = store
@@ -89,7 +98,11 @@ class ReferenceSide:
         layer_list = model.get_submodule(layer_path)
         self._keep_in_fp32 = getattr(model, "_keep_in_fp32_modules", None)
         run = ReferenceRun(layer_path=layer_path)
-        ids = make_input_ids(self.settings, self.model.model_dir, self.model.vocab_size) if input_ids is None else input_ids
+        ids = (
+            make_input_ids(self.settings, self.model.model_dir, self.model.vocab_size)
+            if input_ids is None
+            else input_ids
+        )
         device = self.golden_device if streaming else input_device(model)
         embeddings = model.get_input_embeddings()
         handle = embeddings.register_forward_hook(
@@ -105,8 +118,16 @@ class ReferenceSide:
                 if streaming:
                     from .streaming import streamed
 
-                    stack.enter_context(streamed(model, self.model.checkpoint, layer_path, self.torch_dtype,
-                                                 self.golden_device, on_unit=self._audit_unit))
+                    stack.enter_context(
+                        streamed(
+                            model,
+                            self.model.checkpoint,
+                            layer_path,
+                            self.torch_dtype,
+                            self.golden_device,
+                            on_unit=self._audit_unit,
+                        )
+                    )
                 output = model(input_ids=ids.to(device), use_cache=False)
         finally:
             handle.remove()
@@ -122,7 +143,7 @@ class ReferenceSide:
         del model
         return run
 
-    def _load(self, streaming: bool) -> Any:
+    def _load(self, streaming: bool) -> PreTrainedModel:
         if streaming:
             return build_skeleton(self.model.hf_config, self.torch_dtype, self.model.trust_remote_code)
         model, self.placement = load_whole_model(self.model, self.settings, self.torch_dtype, self.device_map)
@@ -131,7 +152,7 @@ class ReferenceSide:
     def placement_summary(self) -> str:
         return placement_summary(self.placement, self.device_map, self.golden_device)
 
-    def _audit_unit(self, unit: Unit, module: Any) -> None:
+    def _audit_unit(self, unit: Unit, module: torch.nn.Module) -> None:
         """The dtype audit of one streamed unit: refuse a layer that would materialise in
         float32 under a 16-bit request (the seeds' 1 TB bug), naming the tensors."""
         report = dtype_audit(module, self.torch_dtype, keep=self._keep_in_fp32)
@@ -146,7 +167,9 @@ class ReferenceSide:
 
         identity = self.model.identity()
         layer_path = self._run.layer_path if self._run is not None else self.model.layer_list[0]
-        identity.update({"path": str(self.model.model_dir), "name": self.model.model_dir.name, "layer_module": layer_path})
+        identity.update(
+            {"path": str(self.model.model_dir), "name": self.model.model_dir.name, "layer_module": layer_path}
+        )
         return {
             "created_by": f"pytest-layerparity {__version__}",
             "model": identity,
@@ -173,22 +196,33 @@ class ReferenceSide:
             record.tensors.update(floor_routing)
         floor_dtype = record.tensors[FLOOR_KEY].dtype if FLOOR_KEY in record.tensors else None
         try:
-            path = self.store.write(layer_key(index), record.tensors, {
-                "kind": "layer", "layer": index, "call": record.spec,
-                "ref_dtype": str(floor_dtype).removeprefix("torch.") if floor_dtype is not None else None,
-            })
+            path = self.store.write(
+                layer_key(index),
+                record.tensors,
+                {
+                    "kind": "layer",
+                    "layer": index,
+                    "call": record.spec,
+                    "ref_dtype": str(floor_dtype).removeprefix("torch.") if floor_dtype is not None else None,
+                },
+            )
         except ValueError as exc:
             raise GoldenError(f"layer {index}: the reference output is not usable as a golden: {exc}") from exc
         out = record.tensors[primary_output_name(record.spec)]
-        return {"shape": list(out.shape), "dtype": str(out.dtype).removeprefix("torch."),
-                "tensors": len(record.tensors), "file": str(path)}
+        return {
+            "shape": list(out.shape),
+            "dtype": str(out.dtype).removeprefix("torch."),
+            "tensors": len(record.tensors),
+            "file": str(path),
+        }
 
     def stored_input_ids(self) -> torch.Tensor:
         entry = self.store.load(MODEL_IO_KEY, missing_hint=f"extract first: {self.extract_command(None)}")
         return entry.tensors["input_ids"]
 
-    def verify_layer(self, index: int, layers: list[int], golden_tensors: dict[str, torch.Tensor],
-                     spec: dict[str, Any]) -> LayerOutcome:
+    def verify_layer(
+        self, index: int, layers: list[int], golden_tensors: dict[str, torch.Tensor], spec: dict[str, Any]
+    ) -> LayerOutcome:
         """Re-run the reference from the stored input and hold it against the stored golden."""
         run = self.run(layers, input_ids=self.stored_input_ids())
         record = run.calls[index]

@@ -2,6 +2,7 @@
 float64 for float32 ones; weights and inputs upcast, on the CPU). Extraction stores it
 with each golden; chained runs evaluate it along the chain. The verdict measures the
 target's error against it in units of the golden's own rounding error."""
+
 from __future__ import annotations
 
 import copy
@@ -15,6 +16,7 @@ from .model import ModelSource, build_skeleton, give_back_memory, load_layer
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
 
 def floor_dtype(golden_dtype: torch.dtype) -> torch.dtype:
@@ -32,14 +34,19 @@ class FloorEvaluator:
         self.dtype = floor_dtype(golden_dtype)
 
     @cached_property
-    def skeleton(self) -> Any:
+    def skeleton(self) -> PreTrainedModel:
         config = copy.deepcopy(self.model.hf_config)
         if hasattr(config, "_experts_implementation"):
             config._experts_implementation = "eager"  # grouped kernels have no float64
         return build_skeleton(config, self.dtype, self.model.trust_remote_code)
 
-    def evaluate(self, index: int, spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def evaluate(
+        self,
+        index: int,
+        spec: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        hidden: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Layer ``index`` on the call ``spec``/``tensors`` (hidden states replaced by
         ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
         routers' exact logits and scores (``ref_routing.*``)."""

@@ -1,4 +1,5 @@
 """The golden input: seeded random token ids, or a prompt through the model's tokenizer."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,8 +30,13 @@ def input_description(settings: Settings) -> dict[str, Any]:
     """The ``inputs`` of a store's manifest (what a later run must match)."""
     if settings.prompt is not None:
         return {"source": "prompt", "prompt": settings.prompt, "seed": None, "batch_size": 1, "seq_len": None}
-    return {"source": "random", "prompt": None, "seed": settings.seed,
-            "batch_size": settings.batch_size, "seq_len": settings.seq_len}
+    return {
+        "source": "random",
+        "prompt": None,
+        "seed": settings.seed,
+        "batch_size": settings.batch_size,
+        "seq_len": settings.seq_len,
+    }
 
 
 def make_input_ids(settings: Settings, model_dir: Path, vocab_size: int) -> torch.Tensor:

@@ -5,6 +5,7 @@ Nothing here is specific to one architecture: the layer list is found by name am
 common HF layouts, or by the model's own ``nn.ModuleList`` whose length is the configured
 layer count, or named by the user (``--layer-module``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,7 +16,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # Common places of the decoder-layer list, tried in order.
 LAYER_LIST_CANDIDATES = (
@@ -96,7 +101,7 @@ def load_hf_config(model_dir: str | Path, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
 
 
-def model_class_for(hf_config: Any, trust_remote_code: bool = False):
+def model_class_for(hf_config: PretrainedConfig, trust_remote_code: bool = False) -> type[Any]:
     """The class the checkpoint was saved from (config.architectures), else the causal-LM
     class of its model type, else the base model: so module names match checkpoint keys."""
     import transformers
@@ -112,7 +117,7 @@ def model_class_for(hf_config: Any, trust_remote_code: bool = False):
     return AutoModel
 
 
-def build_skeleton(hf_config: Any, dtype: Any, trust_remote_code: bool = False):
+def build_skeleton(hf_config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool = False) -> PreTrainedModel:
     """The model with every parameter on the meta device (no weight memory); real buffers."""
     from accelerate import init_empty_weights
 
@@ -125,14 +130,16 @@ def build_skeleton(hf_config: Any, dtype: Any, trust_remote_code: bool = False):
     return model.eval()
 
 
-def get_submodule(model: Any, path: str):
+def get_submodule(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
     try:
         return model.get_submodule(path)
     except AttributeError:
         return None
 
 
-def find_layer_list(model: Any, num_layers: int | None, layer_module: str | None = None) -> tuple[str, Any]:
+def find_layer_list(
+    model: torch.nn.Module, num_layers: int | None, layer_module: str | None = None
+) -> tuple[str, torch.nn.ModuleList]:
     """Return ``(dotted path, ModuleList)`` of the decoder layers."""
     import torch
 
@@ -158,7 +165,7 @@ def find_layer_list(model: Any, num_layers: int | None, layer_module: str | None
     )
 
 
-def module_lists(model: Any) -> list[str]:
+def module_lists(model: torch.nn.Module) -> list[str]:
     import torch
 
     return [f"{name} ({len(mod)})" for name, mod in model.named_modules() if isinstance(mod, torch.nn.ModuleList)]
@@ -186,7 +193,7 @@ class Checkpoint:
             from safetensors import safe_open
 
             with safe_open(str(single), "pt") as handle:
-                return cls(root, {key: single.name for key in handle.keys()})
+                return cls(root, dict.fromkeys(handle.keys(), single.name))
         raise ModelError(f"{root} has no model.safetensors or model.safetensors.index.json")
 
     def layer_keys(self, layer_path: str, index: int) -> list[str]:
@@ -202,7 +209,7 @@ class Checkpoint:
     def files_for(self, keys: Iterable[str]) -> list[str]:
         return sorted({self.weight_map[key] for key in keys})
 
-    def read(self, keys: Iterable[str]) -> dict[str, Any]:
+    def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read just these tensors, opening only the shards that hold them."""
         from safetensors import safe_open
 
@@ -217,7 +224,9 @@ class Checkpoint:
         return out
 
 
-def load_state_into(model: Any, state: dict[str, Any], dtype: Any, device: str = "cpu") -> None:
+def load_state_into(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu"
+) -> None:
     """Load a partial checkpoint state dict into a (meta) model, applying transformers'
     own checkpoint-to-module conversions (renames, fused experts) where the model has them."""
     try:
@@ -225,8 +234,11 @@ def load_state_into(model: Any, state: dict[str, Any], dtype: Any, device: str =
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
     except ImportError:  # an older transformers: names map one to one
-        model.load_state_dict({k: v.to(device, dtype) if v.is_floating_point() else v.to(device)
-                               for k, v in state.items()}, strict=False, assign=True)
+        model.load_state_dict(
+            {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in state.items()},
+            strict=False,
+            assign=True,
+        )
         return
     from transformers.utils import logging as hf_logging
 
@@ -237,7 +249,7 @@ def load_state_into(model: Any, state: dict[str, Any], dtype: Any, device: str =
     convert_and_load_state_dict_in_model(model, dict(state), load_config)
 
 
-def meta_tensors(module: Any) -> list[str]:
+def meta_tensors(module: torch.nn.Module) -> list[str]:
     names = [n for n, p in module.named_parameters() if p.device.type == "meta"]
     names += [n for n, b in module.named_buffers() if b.device.type == "meta"]
     return names
@@ -256,7 +268,9 @@ def give_back_memory() -> None:
             pass
 
 
-def load_layer(skeleton: Any, checkpoint: Checkpoint, layer_path: str, index: int, dtype: Any):
+def load_layer(
+    skeleton: torch.nn.Module, checkpoint: Checkpoint, layer_path: str, index: int, dtype: torch.dtype
+) -> torch.nn.Module:
     """Materialise decoder layer ``index`` of ``skeleton`` on the CPU from the checkpoint,
     reading only that layer's tensors. Returns the layer module."""
     layers = skeleton.get_submodule(layer_path)
@@ -275,9 +289,7 @@ def load_layer(skeleton: Any, checkpoint: Checkpoint, layer_path: str, index: in
         layers[index] = pristine  # the skeleton stays weightless; the caller owns the layer
     missing = meta_tensors(layer)
     if missing:
-        raise ModelError(
-            f"layer {index}: these tensors were not found in the checkpoint: {', '.join(missing[:10])}"
-        )
+        raise ModelError(f"layer {index}: these tensors were not found in the checkpoint: {', '.join(missing[:10])}")
     return layer
 
 
@@ -301,28 +313,35 @@ class ModelSource:
     device) and built once per dtype.
     """
 
-    def __init__(self, model_dir: Path, *, layer_module: str | None = None, trust_remote_code: bool = False,
-                 attn_implementation: str | None = None, experts_implementation: str | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        layer_module: str | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+        experts_implementation: str | None = None,
+    ) -> None:
         self.model_dir = model_dir
         self.layer_module = layer_module
         self.trust_remote_code = trust_remote_code
         self.attn_implementation = attn_implementation
         self.experts_implementation = experts_implementation
-        self._skeletons: dict[Any, Any] = {}
+        self._skeletons: dict[torch.dtype, PreTrainedModel] = {}
 
     @cached_property
     def config_json(self) -> dict[str, Any]:
         return read_config_json(self.model_dir)
 
     @cached_property
-    def hf_config(self) -> Any:
+    def hf_config(self) -> PretrainedConfig:
         config = load_hf_config(self.model_dir, self.trust_remote_code)
         if self.attn_implementation:
             config._attn_implementation = self.attn_implementation
         return config
 
     @cached_property
-    def layer_config(self) -> Any:
+    def layer_config(self) -> PretrainedConfig:
         """The config the layers under test are built from (the experts implementation the
         target needs)."""
         config = copy.deepcopy(self.hf_config)
@@ -330,14 +349,14 @@ class ModelSource:
             config._experts_implementation = self.experts_implementation
         return config
 
-    def skeleton(self, dtype: Any) -> Any:
+    def skeleton(self, dtype: torch.dtype) -> PreTrainedModel:
         """The weightless model in ``dtype``, built from ``layer_config`` (once per dtype)."""
         if dtype not in self._skeletons:
             self._skeletons[dtype] = build_skeleton(self.layer_config, dtype, self.trust_remote_code)
         return self._skeletons[dtype]
 
     @cached_property
-    def layer_list(self) -> tuple[str, Any]:
+    def layer_list(self) -> tuple[str, torch.nn.ModuleList]:
         """(dotted path, ModuleList) of the decoder layers; found on a skeleton already built
         when there is one (the path does not depend on the dtype)."""
         import torch
@@ -356,7 +375,7 @@ class ModelSource:
     def checkpoint(self) -> Checkpoint:
         return Checkpoint.open(self.model_dir)
 
-    def load_layer(self, index: int, dtype: Any) -> Any:
+    def load_layer(self, index: int, dtype: torch.dtype) -> torch.nn.Module:
         """Decoder layer ``index`` with its weights, on the CPU in ``dtype``, in eval mode."""
         skeleton = self.skeleton(dtype)
         return load_layer(skeleton, self.checkpoint, self.layer_list[0], index, dtype).eval()

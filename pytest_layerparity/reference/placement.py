@@ -1,6 +1,7 @@
 """Where the reference model runs: streamed one layer at a time, or the whole model placed
 by accelerate (``--device-map``, ``--max-memory``, ``--offload-folder``); and the report of
 where it went."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ from .plan import fits_whole, make_plan
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
     from ..options import Settings
 
@@ -23,8 +25,9 @@ def choose_device_map(settings: Settings, model: ModelSource, dtype_name: str, g
     return golden_device if fits_whole(plan, golden_device) else "stream"
 
 
-def load_whole_model(model: ModelSource, settings: Settings, dtype: torch.dtype,
-                     device_map: str) -> tuple[Any, dict[str, Any] | None]:
+def load_whole_model(
+    model: ModelSource, settings: Settings, dtype: torch.dtype, device_map: str
+) -> tuple[PreTrainedModel, dict[str, Any] | None]:
     """The whole model placed by accelerate, and its device map (None when not split)."""
     model_cls = model_class_for(model.hf_config, model.trust_remote_code)
     kwargs: dict[str, Any] = {}
@@ -33,13 +36,17 @@ def load_whole_model(model: ModelSource, settings: Settings, dtype: torch.dtype,
     if settings.offload_folder:
         kwargs["offload_folder"] = settings.offload_folder
     loaded = model_cls.from_pretrained(
-        str(model.model_dir), config=model.hf_config, dtype=dtype,
-        device_map=device_map, trust_remote_code=model.trust_remote_code, **kwargs,
+        str(model.model_dir),
+        config=model.hf_config,
+        dtype=dtype,
+        device_map=device_map,
+        trust_remote_code=model.trust_remote_code,
+        **kwargs,
     ).eval()
     return loaded, getattr(loaded, "hf_device_map", None)
 
 
-def input_device(model: Any) -> torch.device:
+def input_device(model: PreTrainedModel) -> torch.device:
     """Where the model's token ids go: the device of its input embeddings."""
     embeddings = model.get_input_embeddings()
     for param in embeddings.parameters():
@@ -64,7 +71,9 @@ def placement_summary(placement: dict[str, Any] | None, device_map: str, golden_
             import torch
 
             index = int(device.split(":")[1]) if ":" in device else 0
-            text += (f", {torch.cuda.memory_allocated(index) / 1e9:.2f} GB allocated, "
-                     f"{torch.cuda.memory_reserved(index) / 1e9:.2f} GB reserved")
+            text += (
+                f", {torch.cuda.memory_allocated(index) / 1e9:.2f} GB allocated, "
+                f"{torch.cuda.memory_reserved(index) / 1e9:.2f} GB reserved"
+            )
         parts.append(text)
     return "; ".join(parts)

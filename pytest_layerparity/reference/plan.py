@@ -6,6 +6,7 @@ The seeds' formulas (for one forward of ``batch`` x ``seq`` tokens)::
     activations = batch * seq * hidden * num_layers * bytes(dtype)
     kv_cache    = 2 * batch * num_layers * seq * num_kv_heads * head_dim * bytes(dtype)
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,23 @@ from typing import Any
 
 from .model import LAYER_LIST_CANDIDATES, Checkpoint, ModelSource, hidden_size_from_config
 
-_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 # -- checkpoint sizes from headers -------------------------------------------------------------
@@ -107,7 +123,7 @@ def free_memory() -> dict[str, int]:
         for i in range(torch.cuda.device_count()):
             free, _ = torch.cuda.mem_get_info(i)
             out[f"cuda:{i}"] = int(free)
-    except Exception:  # noqa: BLE001  no CUDA runtime: host memory only
+    except Exception:
         pass
     return out
 
@@ -164,19 +180,21 @@ def plan_lines(model: ModelSource, dtype_name: str, batch: int, seq: int, golden
         total = sum(free[g] for g in gpus)
         for strategy in ("auto", "balanced", "balanced_low_0", "sequential"):
             usable = total - (free[gpus[0]] if strategy == "balanced_low_0" and len(gpus) > 1 else 0) * 0.5
-            lines.append(f"    --device-map {strategy} over {len(gpus)} GPU(s): needs {gb(need_whole)}: "
-                         f"{_fits(need_whole, usable)}")
+            lines.append(
+                f"    --device-map {strategy} over {len(gpus)} GPU(s): needs {gb(need_whole)}: "
+                f"{_fits(need_whole, usable)}"
+            )
         for g in gpus:
             lines.append(f"    --device-map {g}: needs {gb(need_whole)}: {_fits(need_whole, free[g])}")
     else:
         lines.append("    --device-map auto/balanced/balanced_low_0/sequential/cuda:N: no GPU visible")
     target = golden_device if golden_device != "cuda" else "cuda:0"
-    lines.append(f"    --device-map stream on {target}: needs {gb(need_stream)} (largest layer + outside the layers "
-                 f"+ activations): {_fits(need_stream, free.get(target, 0))}")
+    lines.append(
+        f"    --device-map stream on {target}: needs {gb(need_stream)} (largest layer + outside the layers "
+        f"+ activations): {_fits(need_stream, free.get(target, 0))}"
+    )
     return lines
 
 
 def _fits(need: int, free: float) -> str:
     return "fits" if need * 1.2 < free else "does not fit"
-
-

@@ -8,13 +8,18 @@ loaded just before they run; weights that cannot be told apart by module (tied o
 ones) are loaded once up front. Peak memory: about the largest unit plus activations, flat in
 the number of layers.
 """
+
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    Device = str | torch.device
 
 from . import model as modeling
 
@@ -22,7 +27,7 @@ from . import model as modeling
 @dataclass
 class Unit:
     path: str
-    module: Any
+    module: torch.nn.Module
     keys: list[str]
     resident: bool = False
 
@@ -37,11 +42,11 @@ class StreamPlan:
         return [u for u in self.units if u.resident]
 
 
-def _has_direct_weights(module: Any) -> bool:
+def _has_direct_weights(module: torch.nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
-def plan_units(model: Any, checkpoint: modeling.Checkpoint, layer_path: str) -> StreamPlan:
+def plan_units(model: torch.nn.Module, checkpoint: modeling.Checkpoint, layer_path: str) -> StreamPlan:
     """Split the model into streamable units: each decoder layer, and each other module
     that directly holds parameters (outside the layers)."""
     layers = model.get_submodule(layer_path)
@@ -64,12 +69,14 @@ def plan_units(model: Any, checkpoint: modeling.Checkpoint, layer_path: str) -> 
     for pair in _tied_pairs(model):
         tied.update(pair)
     for unit in units:
-        if not unit.keys or any(unit.path == t or unit.path.startswith(t + ".") or t.startswith(unit.path + ".") for t in tied):
+        if not unit.keys or any(
+            unit.path == t or unit.path.startswith(t + ".") or t.startswith(unit.path + ".") for t in tied
+        ):
             unit.resident = not unit.path.startswith(layer_path + ".")
     return plan
 
 
-def _tied_pairs(model: Any) -> list[tuple[str, str]]:
+def _tied_pairs(model: torch.nn.Module) -> list[tuple[str, str]]:
     keys = getattr(model, "_tied_weights_keys", None) or {}
     if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         return []
@@ -78,14 +85,22 @@ def _tied_pairs(model: Any) -> list[tuple[str, str]]:
     return []
 
 
-def _load(model: Any, checkpoint: modeling.Checkpoint, keys: list[str], dtype: Any, device: Any) -> None:
+def _load(
+    model: torch.nn.Module, checkpoint: modeling.Checkpoint, keys: list[str], dtype: torch.dtype, device: Device
+) -> None:
     if keys:
         modeling.load_state_into(model, checkpoint.read(keys), dtype, device=str(device))
 
 
 @contextmanager
-def streamed(model: Any, checkpoint: modeling.Checkpoint, layer_path: str, dtype: Any, device: Any,
-             on_unit: Callable[[Unit, Any], None] | None = None) -> Iterator[StreamPlan]:
+def streamed(
+    model: torch.nn.Module,
+    checkpoint: modeling.Checkpoint,
+    layer_path: str,
+    dtype: torch.dtype,
+    device: Device,
+    on_unit: Callable[[Unit, torch.nn.Module], None] | None = None,
+) -> Iterator[StreamPlan]:
     """While the block runs the model's forward, each unit's weights are loaded onto
     ``device`` when it is called and released when it returns. ``on_unit(unit, module)``
     is called right after a unit is loaded (for a dtype audit, say). Hooks are always removed."""
@@ -98,7 +113,7 @@ def streamed(model: Any, checkpoint: modeling.Checkpoint, layer_path: str, dtype
     handles = []
 
     def pre(unit: Unit):
-        def load(module: Any, args: tuple, kwargs: dict) -> None:
+        def load(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             _load(model, checkpoint, unit.keys, dtype, device)
             module.to(device)
             if on_unit is not None:
@@ -107,7 +122,7 @@ def streamed(model: Any, checkpoint: modeling.Checkpoint, layer_path: str, dtype
         return load
 
     def post(unit: Unit):
-        def release(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        def release(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             _release(module)
             modeling.give_back_memory()
 
@@ -125,14 +140,14 @@ def streamed(model: Any, checkpoint: modeling.Checkpoint, layer_path: str, dtype
             handle.remove()
 
 
-def _move_buffers(model: Any, device: Any) -> None:
+def _move_buffers(model: torch.nn.Module, device: Device) -> None:
     for module in model.modules():
         for name, buffer in list(module.named_buffers(recurse=False)):
             if buffer is not None and buffer.device.type != "meta":
                 module._buffers[name] = buffer.to(device)
 
 
-def _release(module: Any) -> None:
+def _release(module: torch.nn.Module) -> None:
     """Give a unit's weights back: parameters and persistent buffers go to meta."""
     import torch
 

@@ -1,5 +1,6 @@
 """The one table of what a test reports: each field's name (the same in failure text, JUnit
 properties, report.json, report.csv and the plots), in order, and where it is shown."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +45,8 @@ FIELDS: tuple[Field, ...] = (
 FIELD_NAMES = tuple(f.name for f in FIELDS)
 CSV_FIELDS = tuple(f.name for f in FIELDS if f.csv)
 PLOTTED = tuple(f.name for f in FIELDS if f.plot)
-SUMMARY_COLUMNS = tuple((title, f.name, width) for _, title, width, f in
-                        sorted((*f.column, f) for f in FIELDS if f.column))
+SUMMARY_COLUMNS = tuple(
+    (title, f.name, width) for _, title, width, f in sorted((*f.column, f) for f in FIELDS if f.column)
+)
 # report.csv: the test, its layers and verdict, then the fields
 CSV_COLUMNS = ("nodeid", "layers", "verdict", *CSV_FIELDS)

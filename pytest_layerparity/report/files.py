@@ -1,6 +1,7 @@
 """The report files of ``--parity-report`` and ``python -m pytest_layerparity compare``:
 report.json, report.csv and report.html (the table and a plot of each metric across layers,
 self-contained)."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,12 @@ def write_report_csv(folder: str | Path, entries: list[dict[str, Any]]) -> Path:
         writer.writerow(CSV_COLUMNS)
         for entry in entries:
             metrics = entry.get("metrics") or {}
-            writer.writerow([entry.get(c, metrics.get(c, "")) if c in ("nodeid", "layers", "verdict") else metrics.get(c, "")
-                             for c in CSV_COLUMNS])
+            writer.writerow(
+                [
+                    entry.get(c, metrics.get(c, "")) if c in ("nodeid", "layers", "verdict") else metrics.get(c, "")
+                    for c in CSV_COLUMNS
+                ]
+            )
     return path
 
 
@@ -69,12 +74,12 @@ def plot_png(entries: list[dict[str, Any]]) -> bytes | None:
     names = [m for m in PLOTTED if m in series]
     fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.2 * len(names)), sharex=True, squeeze=False)
     failed = {isolated_layer(e) for e in entries if e["verdict"] in ("fail", "error")} - {None}
-    for ax, name in zip(axes[:, 0], names):
-        xs, ys = zip(*series[name])
+    for ax, name in zip(axes[:, 0], names, strict=False):
+        xs, ys = zip(*series[name], strict=False)
         ax.plot(xs, ys, marker="o", color="#3465a4")
         bad = [(x, y) for x, y in series[name] if x in failed]
         if bad:
-            ax.scatter(*zip(*bad), color="#cc0000", zorder=3, label="fails")
+            ax.scatter(*zip(*bad, strict=False), color="#cc0000", zorder=3, label="fails")
             ax.legend(loc="best", fontsize=8)
         ax.set_ylabel(name, fontsize=8)
         ax.grid(alpha=0.3)
@@ -86,8 +91,12 @@ def plot_png(entries: list[dict[str, Any]]) -> bytes | None:
     return buffer.getvalue()
 
 
-def write_report_html(folder: str | Path, entries: list[dict[str, Any]], title: str = "layerparity report",
-                      header: list[str] | None = None) -> Path:
+def write_report_html(
+    folder: str | Path,
+    entries: list[dict[str, Any]],
+    title: str = "layerparity report",
+    header: list[str] | None = None,
+) -> Path:
     """A self-contained page (the plot is embedded), readable offline."""
     import base64
     import html
@@ -95,20 +104,29 @@ def write_report_html(folder: str | Path, entries: list[dict[str, Any]], title: 
     rows = []
     for entry in entries:
         metrics = entry.get("metrics") or {}
-        cells = "".join(
-            f"<td>{html.escape(_cell(metrics.get(c)))}</td>" for c in CSV_COLUMNS[3:]
-        )
+        cells = "".join(f"<td>{html.escape(_cell(metrics.get(c)))}</td>" for c in CSV_COLUMNS[3:])
         cls = {"pass": "pass", "written": "pass"}.get(entry["verdict"], "fail")
         message = html.escape(entry.get("message") or "")
-        detail = f"<tr class='detail'><td colspan='{len(CSV_COLUMNS)}'><pre>{message}</pre></td></tr>" if message else ""
-        rows.append(f"<tr class='{cls}'><td>{html.escape(entry['nodeid'].split('::')[-1])}</td><td>{html.escape(str(entry['layers']))}</td>"
-                    f"<td>{html.escape(entry['verdict'])}</td>{cells}</tr>{detail}")
+        detail = (
+            f"<tr class='detail'><td colspan='{len(CSV_COLUMNS)}'><pre>{message}</pre></td></tr>" if message else ""
+        )
+        rows.append(
+            "<tr "
+            f"class='{cls}'><td>{html.escape(entry['nodeid'].split('::')[-1])}</td><td>{html.escape(str(entry['layers']))}</td>"
+            f"<td>{html.escape(entry['verdict'])}</td>{cells}</tr>{detail}"
+        )
     first = next((e for e in entries if e["verdict"] in ("fail", "error")), None)
-    summary = (f"<p class='bad'>First failing: {html.escape(first['nodeid'].split('::')[-1])} (layers {html.escape(str(first['layers']))})</p>"
-               if first else f"<p class='good'>All {len(entries)} tests pass.</p>")
+    summary = (
+        f"<p class='bad'>First failing: {html.escape(first['nodeid'].split('::')[-1])} (layers "
+        f"{html.escape(str(first['layers']))})</p>"
+        if first
+        else f"<p class='good'>All {len(entries)} tests pass.</p>"
+    )
     png = plot_png(entries)
-    plot = f"<img alt='metrics across layers' src='data:image/png;base64,{base64.b64encode(png).decode()}'>" if png else ""
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in ("test", "layers", "verdict") + CSV_COLUMNS[3:])
+    plot = (
+        f"<img alt='metrics across layers' src='data:image/png;base64,{base64.b64encode(png).decode()}'>" if png else ""
+    )
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in ("test", "layers", "verdict", *CSV_COLUMNS[3:]))
     lines = "".join(f"<li>{html.escape(line)}</li>" for line in header or [])
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -125,7 +143,7 @@ tr.detail pre {{ text-align: left; margin: 0; font-size: 11px; white-space: pre-
 <h1>{html.escape(title)}</h1>
 <ul>{lines}</ul>
 {summary}
-<table><tr>{head}</tr>{''.join(rows)}</table>
+<table><tr>{head}</tr>{"".join(rows)}</table>
 <h2>Metrics across layers</h2>
 {plot}
 </body></html>
@@ -142,5 +160,8 @@ def _cell(value: Any) -> str:
 
 
 def write_reports(folder: str | Path, entries: list[dict[str, Any]], header: list[str] | None = None) -> list[Path]:
-    return [write_report_json(folder, entries), write_report_csv(folder, entries),
-            write_report_html(folder, entries, header=header)]
+    return [
+        write_report_json(folder, entries),
+        write_report_csv(folder, entries),
+        write_report_html(folder, entries, header=header),
+    ]

@@ -1,5 +1,6 @@
 """A test's reported values as (name, value) pairs: what JUnit XML, xdist and the reports
 carry."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any

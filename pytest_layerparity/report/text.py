@@ -1,4 +1,5 @@
 """What a person reads: the text of a failing test, and the session summary table."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -24,34 +25,55 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
     ]
     lines += [f"  {check.describe()}" for check in outcome.checks]
     lines.append(
-        f"  worst element: index {tuple(m.worst_index)}: golden {_value(m.worst_golden)}, target {_value(m.worst_target)}"
+        f"  worst element: index {tuple(m.worst_index)}: golden {_value(m.worst_golden)}, target "
+        f"{_value(m.worst_target)}"
     )
     noise = outcome.floor
     if noise is not None:
         lines.append(
-            f"  precision floor: ||golden - ref|| = {noise.golden_error:.4g}, ||target - ref|| = {noise.target_error:.4g}; "
+            f"  precision floor: ||golden - ref|| = {noise.golden_error:.4g}, ||target - ref|| = "
+            f"{noise.target_error:.4g}; "
             f"worst token {noise.worst_token} at {noise.token_noise_ratio:.3g}x its floor"
-            + (f"; cosine of the layer's own contribution (output - input) {noise.delta_cosine:.6f}" if noise.delta_cosine is not None else "")
+            + (
+                f"; cosine of the layer's own contribution (output - input) {noise.delta_cosine:.6f}"
+                if noise.delta_cosine is not None
+                else ""
+            )
         )
     for routing in outcome.routing:
         lines.append(f"  {routing.describe()}")
         if routing.flipped and noise is not None:
-            lines.append("  outputs differ on tokens that routed the same" if not outcome.passed
-                         else "  outputs agree on tokens that routed the same")
+            lines.append(
+                "  outputs differ on tokens that routed the same"
+                if not outcome.passed
+                else "  outputs agree on tokens that routed the same"
+            )
             if routing.near_tie_flipped:
-                lines.append(f"  the verdict leaves the near-tie tokens {list(routing.near_tie_tokens)} out (--strict-routing counts them)")
+                lines.append(
+                    f"  the verdict leaves the near-tie tokens {list(routing.near_tie_tokens)} out (--strict-routing "
+                    "counts them)"
+                )
     if outcome.excluded_tokens:
-        lines.append(f"  left out of the metrics (near-tie routing flips, --exclude-near-ties): tokens {outcome.excluded_tokens}")
+        lines.append(
+            f"  left out of the metrics (near-tie routing flips, --exclude-near-ties): tokens {outcome.excluded_tokens}"
+        )
     tol = outcome.tolerance
     if tol:
         needed = [f"atol {tol['atol']:.3g} (with rtol 0)", f"rtol {tol['rtol']:.3g} (with atol 0)"]
         if noise is not None:
-            needed.append(f"--max-noise-ratio {noise.noise_ratio:.3g} --max-token-noise-ratio {noise.token_noise_ratio:.3g}"
-                          + (f" --max-contribution-bias {abs(noise.contribution_z):.3g}" if noise.contribution_z is not None else ""))
+            needed.append(
+                f"--max-noise-ratio {noise.noise_ratio:.3g} --max-token-noise-ratio {noise.token_noise_ratio:.3g}"
+                + (
+                    f" --max-contribution-bias {abs(noise.contribution_z):.3g}"
+                    if noise.contribution_z is not None
+                    else ""
+                )
+            )
         lines.append(f"  minimum passing tolerance: {'; '.join(needed)}")
     if m.has_nan_or_inf:
         lines.append(
-            f"  non-finite values: golden NaN {m.golden_nan} Inf {m.golden_inf}, target NaN {m.target_nan} Inf {m.target_inf}"
+            f"  non-finite values: golden NaN {m.golden_nan} Inf {m.golden_inf}, target NaN {m.target_nan} Inf "
+            f"{m.target_inf}"
         )
     lines.append(f"  drill in: {next_command}")
     return "\n".join(lines)
@@ -77,5 +99,3 @@ def summary_lines(entries: list[dict[str, Any]]) -> list[str]:
     if first_fail is not None:
         lines.append(f"first failing: {first_fail['nodeid'].split('::')[-1]} (layers {first_fail['layers']})")
     return lines
-
-

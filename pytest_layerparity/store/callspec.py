@@ -9,6 +9,7 @@ A spec node is one of::
     {"dtype": "bfloat16"} / {"device": "cpu"}
     {"dropped": "DynamicCache"}  an object that cannot be stored; replayed as None
 """
+
 from __future__ import annotations
 
 import math
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+Device = str | torch.device
 
 
 @dataclass
@@ -59,7 +62,7 @@ def encode(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> dict[str,
     return {"dropped": type(value).__name__}
 
 
-def decode(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Any = None) -> Any:
+def decode(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Device | None = None) -> Any:
     """Rebuild a value from its spec node; tensors are moved to ``device`` when given."""
     if "t" in node:
         tensor = tensors[node["t"]]
@@ -102,7 +105,9 @@ def encode_output(output: Any, record: CallRecord) -> None:
     record.spec["output"] = encode(output, "output", record.tensors)
 
 
-def decode_call(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Any = None) -> tuple[list[Any], dict[str, Any]]:
+def decode_call(
+    spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Device | None = None
+) -> tuple[list[Any], dict[str, Any]]:
     args = [decode(n, tensors, device) for n in spec["args"]]
     kwargs = {k: decode(n, tensors, device) for k, n in spec["kwargs"].items()}
     return args, kwargs
@@ -142,7 +147,9 @@ def first_tensor(value: Any) -> torch.Tensor:
     raise ValueError(f"no tensor in the module's output ({type(value).__name__})")
 
 
-def replace_hidden_input(spec: Mapping[str, Any], tensors: dict[str, torch.Tensor], hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+def replace_hidden_input(
+    spec: Mapping[str, Any], tensors: dict[str, torch.Tensor], hidden: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """A copy of ``tensors`` whose input hidden states are ``hidden`` (for chained runs)."""
     out = dict(tensors)
     out[hidden_input_name(spec)] = hidden

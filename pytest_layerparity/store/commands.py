@@ -1,4 +1,5 @@
 """The command lines the plugin prints as the next step: the one place each is built."""
+
 from __future__ import annotations
 
 import shlex
@@ -27,8 +28,18 @@ def extract_command(golden_dir: Path | str, model_dir: Path | str | None = None,
 
 def rerun_command(target: str | None, model_dir: Path | str, golden_dir: Path | str, layers: str, keyword: str) -> str:
     """The command that re-runs one failing test on the target, op by op (``--op-compare``)."""
-    parts = ["pytest", *target_flags(target), f"--model={model_dir}", f"--golden-dir={golden_dir}",
-             "--layers", layers, "-k", keyword, "--op-compare", "-vv"]
+    parts = [
+        "pytest",
+        *target_flags(target),
+        f"--model={model_dir}",
+        f"--golden-dir={golden_dir}",
+        "--layers",
+        layers,
+        "-k",
+        keyword,
+        "--op-compare",
+        "-vv",
+    ]
     return shlex.join(parts)
 
 

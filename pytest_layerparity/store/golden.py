@@ -11,6 +11,7 @@ Guarantees (see README, "What the store guarantees"):
   escape the store's folder (no ``..``, no absolute paths, no symlinks out, no devices);
 * several processes may write different entries of one store at once.
 """
+
 from __future__ import annotations
 
 import errno
@@ -25,7 +26,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 from ..selection import parse_layer_key
 from .callspec import tensor_names
@@ -46,7 +50,7 @@ class GoldenEntry:
 
     key: str
     path: Path
-    tensors: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
 
 
@@ -265,8 +269,14 @@ class GoldenStore:
 
     # -- entries --------------------------------------------------------------------
 
-    def write(self, key: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any], *,
-              omit_nonfinite: bool = False) -> Path:
+    def write(
+        self,
+        key: str,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, Any],
+        *,
+        omit_nonfinite: bool = False,
+    ) -> Path:
         """Write one entry atomically and record it in the manifest.
 
         Raises ValueError (before writing anything) when a tensor holds NaN, or Inf in
@@ -380,12 +390,15 @@ class GoldenStore:
         try:
             fd = os.open(resolved, flags)
         except OSError as exc:
-            raise GoldenError(f"{path}: cannot read the golden for {key} ({_reason(exc)}); {self.regen_hint(key)}") from exc
+            raise GoldenError(
+                f"{path}: cannot read the golden for {key} ({_reason(exc)}); {self.regen_hint(key)}"
+            ) from exc
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            raise GoldenError(f"{path}: not a regular file; refusing to read it as the golden for {key}; "
-                              f"{self.regen_hint(key)}")
+            raise GoldenError(
+                f"{path}: not a regular file; refusing to read it as the golden for {key}; {self.regen_hint(key)}"
+            )
         with os.fdopen(fd, "rb") as handle:
             size_differs = type(want_bytes) is int and info.st_size != want_bytes
             digest = hashlib.sha256()
@@ -398,8 +411,9 @@ class GoldenStore:
                     payload = handle.read()
                     digest.update(payload)
             except OSError as exc:
-                raise GoldenError(f"{path}: cannot read the golden for {key} ({_reason(exc)}); "
-                                  f"{self.regen_hint(key)}") from exc
+                raise GoldenError(
+                    f"{path}: cannot read the golden for {key} ({_reason(exc)}); {self.regen_hint(key)}"
+                ) from exc
         have_sha = digest.hexdigest()
         if have_sha != want_sha:
             size_note = f": {info.st_size} bytes, the manifest says {want_bytes}" if size_differs else ""
@@ -419,8 +433,7 @@ class GoldenStore:
         manifest = self.read_manifest()
         if manifest is None:
             raise GoldenError(
-                f"no golden store at {self.root} (no {MANIFEST_NAME}); "
-                f"{missing_hint or self.regen_hint()}"
+                f"no golden store at {self.root} (no {MANIFEST_NAME}); {missing_hint or self.regen_hint()}"
             )
         record = manifest["files"].get(key)
         if record is None:
@@ -461,7 +474,7 @@ def _read_metadata(payload: bytes) -> dict[str, Any]:
     return value
 
 
-def _check_entry(key: str, tensors: Mapping[str, Any], metadata: Mapping[str, Any]) -> None:
+def _check_entry(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
     """A layer entry must hold its call spec, be the golden of that layer, and hold every
     tensor its call refers to (else replaying it would fail deep inside the test)."""
     index = parse_layer_key(key)
@@ -478,7 +491,7 @@ def _check_entry(key: str, tensors: Mapping[str, Any], metadata: Mapping[str, An
         raise ValueError(f"{key}: its call refers to tensors the file does not hold ({', '.join(missing)})")
 
 
-def check_finite(key: str, tensors: Mapping[str, Any]) -> None:
+def check_finite(key: str, tensors: Mapping[str, torch.Tensor]) -> None:
     """Refuse NaN anywhere and Inf in hidden states (masks may hold -inf legitimately)."""
     import torch
 
@@ -500,9 +513,9 @@ def check_finite(key: str, tensors: Mapping[str, Any]) -> None:
                 raise ValueError(f"{key}: tensor {name!r} holds Inf (first at index {index})")
 
 
-def _split_nonfinite(key: str, tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def _split_nonfinite(key: str, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(the tensors check_finite accepts, {name: why} for those it refuses)."""
-    kept: dict[str, Any] = {}
+    kept: dict[str, torch.Tensor] = {}
     omitted: dict[str, str] = {}
     for name, tensor in tensors.items():
         try:

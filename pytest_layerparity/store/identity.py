@@ -1,5 +1,6 @@
 """What ties a golden store to one extraction: the manifest fields that must agree, and the
 check that refuses a store made from another model, shape or dtype."""
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -27,15 +28,23 @@ EXTRACTION_KEYS = (
 MODEL_KEYS = ("model.config_sha256", "model.num_layers", "model.hidden_size")
 
 
-def check_store_matches(manifest: Mapping[str, Any] | None, manifest_path: Path, model_dir: Path,
-                        identity: Mapping[str, Any], dtype: str | None, fix: str) -> None:
+def check_store_matches(
+    manifest: Mapping[str, Any] | None,
+    manifest_path: Path,
+    model_dir: Path,
+    identity: Mapping[str, Any],
+    dtype: str | None,
+    fix: str,
+) -> None:
     """Refuse a store made from another model, shape or dtype, saying what differs and the
     command (``fix``) that extracts it again."""
     if manifest is None:
         return
     if manifest.get("dtype") not in DTYPES:
-        raise GoldenError(f"{manifest_path}: dtype {manifest.get('dtype')!r} is not one of "
-                          f"{', '.join(DTYPES)}; extract the goldens again: {fix}")
+        raise GoldenError(
+            f"{manifest_path}: dtype {manifest.get('dtype')!r} is not one of "
+            f"{', '.join(DTYPES)}; extract the goldens again: {fix}"
+        )
     expected: dict[str, Any] = {"model": dict(identity)}
     keys = MODEL_KEYS
     if dtype:

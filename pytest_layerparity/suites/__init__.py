@@ -1,6 +1,7 @@
 """The tests the plugin adds, one module per kind. Each module declares ``CASES``, what its
 test is parametrised over: ``"layers"`` (the selected layers), ``"ranges"``
 (``--layer-ranges``) or ``"chains"`` (the contiguous runs of the selected layers)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -25,7 +26,7 @@ def suite_modules(settings: Settings, has_ranges: bool) -> list[str]:
     return [f"{__name__}.{name}" for name in names]
 
 
-def record_outcome(record, layers: str, passed: bool, props) -> None:  # noqa: ANN001  the fixture and pairs
+def record_outcome(record, layers: str, passed: bool, props) -> None:
     """Record a test's layers, verdict and (name, value) properties."""
     record("layers", layers)
     record("verdict", "pass" if passed else "fail")

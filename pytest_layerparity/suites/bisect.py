@@ -1,4 +1,5 @@
 """Bisection to the first diverging layer (``--bisect``)."""
+
 from __future__ import annotations
 
 import pytest

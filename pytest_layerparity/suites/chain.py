@@ -1,4 +1,5 @@
 """Chained runs (``--chain``)."""
+
 from __future__ import annotations
 
 from .ranges import judge_chain

@@ -1,4 +1,5 @@
 """The golden extraction tests the plugin adds (``--gpu-golden --extract``)."""
+
 from __future__ import annotations
 
 import pytest

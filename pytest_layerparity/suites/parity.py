@@ -1,4 +1,5 @@
 """The parity tests the plugin adds (``--xla``, ``--neuron``, ``--target``)."""
+
 from __future__ import annotations
 
 import pytest

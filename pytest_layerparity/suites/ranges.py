@@ -1,4 +1,5 @@
 """The range tests the plugin adds with ``--layer-ranges``."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,7 @@ def test_layer_range_parity(layerparity_case, layerparity_session, layerparity_g
     judge_chain("range", layerparity_case, layerparity_session, layerparity_record)
 
 
-def judge_chain(kind: str, layer_range, session, layerparity_record) -> None:  # noqa: ANN001  fixtures
+def judge_chain(kind: str, layer_range, session, layerparity_record) -> None:
     """Run ``layer_range`` as a chain on the target, record every layer's metrics, and fail
     naming the first layer that leaves tolerance."""
     outcomes = session.parity_range(layer_range)
@@ -28,7 +29,9 @@ def judge_chain(kind: str, layer_range, session, layerparity_record) -> None:  #
     if failing:
         first = failing[0]
         rerun = session.commands.rerun(str(first.layer), f"layer_{first.layer}")
-        head = (f"{kind} {layer_range.first}-{layer_range.last}: {len(failing)} of {len(outcomes)} layers "
-                f"leave tolerance; the first is layer {first.layer}\n")
+        head = (
+            f"{kind} {layer_range.first}-{layer_range.last}: {len(failing)} of {len(outcomes)} layers "
+            f"leave tolerance; the first is layer {first.layer}\n"
+        )
         where = "in range" if kind == "range" else "chained"
         pytest.fail(head + failure_text(first, f"({where}, on {session.backend.describe()})", rerun), pytrace=False)

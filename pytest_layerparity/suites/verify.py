@@ -1,4 +1,5 @@
 """Re-run the reference and hold it against the stored goldens (``--gpu-golden``)."""
+
 from __future__ import annotations
 
 import pytest

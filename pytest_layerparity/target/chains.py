@@ -1,6 +1,7 @@
 """Chained runs and bisection: layers fed the target's own outputs, as in a real forward
 pass, so that drift accumulates; and the search for the first layer whose chained output
 leaves tolerance."""
+
 from __future__ import annotations
 
 from collections.abc import Callable

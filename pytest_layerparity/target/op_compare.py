@@ -1,5 +1,6 @@
 """``--op-compare``: re-run a failing layer op by op under CompareWithCPU (the target device
 against the CPU) with the module tracker, and say which op goes wrong first and where."""
+
 from __future__ import annotations
 
 import shlex
@@ -30,8 +31,10 @@ class OpFinding:
 
 
 def replay_command(dump: str, op_name: str, atol: float, rtol: float) -> str:
-    code = (f"from pytest_layerparity.ops import compare_for_single_op; "
-            f"print(compare_for_single_op({dump!r}, {op_name!r}, atol={atol!r}, rtol={rtol!r})[0])")
+    code = (
+        f"from pytest_layerparity.ops import compare_for_single_op; "
+        f"print(compare_for_single_op({dump!r}, {op_name!r}, atol={atol!r}, rtol={rtol!r})[0])"
+    )
     return f"python -c {shlex.quote(code)}"
 
 
@@ -63,12 +66,18 @@ def op_compare(target: TargetSide, index: int, out_dir: Path) -> OpFinding:
     except CompareError as exc:
         record = exc.record
         dump = record.dump_path
-        detail = (f"first op that fails: {record.label}: {record.num_bad} of {record.numel} elements off "
-                  f"(max abs diff {record.max_abs_diff:.4g}, atol {atol:g}, rtol {rtol:g}), first at index "
-                  f"{record.first_bad_index}")
+        detail = (
+            f"first op that fails: {record.label}: {record.num_bad} of {record.numel} elements off "
+            f"(max abs diff {record.max_abs_diff:.4g}, atol {atol:g}, rtol {rtol:g}), first at index "
+            f"{record.first_bad_index}"
+        )
         return OpFinding(record.label, detail, replay_command(dump, record.op_name, atol, rtol) if dump else None)
     finally:
         tracker.remove()
     stats = getattr(tool, "stats", None)
-    return OpFinding(None, f"every op matches its CPU re-run within atol {atol:g}, rtol {rtol:g} ({stats}); "
-                           "the difference comes from how the port composes ops, not from one kernel", None)
+    return OpFinding(
+        None,
+        f"every op matches its CPU re-run within atol {atol:g}, rtol {rtol:g} ({stats}); "
+        "the difference comes from how the port composes ops, not from one kernel",
+        None,
+    )

@@ -1,6 +1,7 @@
 """The target side: build the layer under test (the model's own layer, or the port a
 conftest hook returns), run it on the target device with its golden call, and judge it;
 alone, or chained over a range of layers."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -39,9 +40,17 @@ class TargetRun:
 class TargetSide:
     """Builds, runs and judges layers on one target backend."""
 
-    def __init__(self, settings: Settings, model: ModelSource, dtype_name: str, backend: Backend,
-                 load_golden: Callable[[int], GoldenEntry], floor: FloorEvaluator,
-                 build_hook: BuildHook | None = None, manifest: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        model: ModelSource,
+        dtype_name: str,
+        backend: Backend,
+        load_golden: Callable[[int], GoldenEntry],
+        floor: FloorEvaluator,
+        build_hook: BuildHook | None = None,
+        manifest: dict[str, Any] | None = None,
+    ) -> None:
         self.settings = settings
         self.model = model
         self.dtype_name = dtype_name
@@ -51,7 +60,7 @@ class TargetSide:
         self.build_hook = build_hook
         self.manifest = manifest
 
-    def build(self, index: int) -> Any:
+    def build(self, index: int) -> torch.nn.Module:
         """Layer ``index`` as the port builds it (the hook), else the model's own layer,
         on the target device."""
         import torch
@@ -60,11 +69,12 @@ class TargetSide:
         device = self.backend.device
         module = None
         if self.build_hook is not None:
-            module = self.build_hook(layer_idx=index, reference_layer=reference,
-                                     model_config=self.model.layer_config, device=device)
+            module = self.build_hook(
+                layer_idx=index, reference_layer=reference, model_config=self.model.layer_config, device=device
+            )
         return reference.to(device) if module is None else module
 
-    def run(self, module: Any, entry: GoldenEntry, hidden: torch.Tensor | None = None) -> TargetRun:
+    def run(self, module: torch.nn.Module, entry: GoldenEntry, hidden: torch.Tensor | None = None) -> TargetRun:
         """Call ``module`` with the golden call of ``entry`` (hidden states replaced by
         ``hidden`` when given, for chained runs), recording its routers' decisions."""
         import torch
@@ -79,13 +89,23 @@ class TargetSide:
         self.backend.sync()
         return TargetRun(out, routing)
 
-    def judge(self, index: int, entry: GoldenEntry, run: TargetRun, hidden_in: torch.Tensor | None = None) -> LayerOutcome:
+    def judge(
+        self, index: int, entry: GoldenEntry, run: TargetRun, hidden_in: torch.Tensor | None = None
+    ) -> LayerOutcome:
         """Hold a target run against the golden entry: metrics, precision floor, routing."""
         spec = entry.metadata["call"]
         if hidden_in is None:
             hidden_in = entry.tensors.get(hidden_input_name(spec))
-        return judge_golden(index, entry.tensors, primary_output_name(spec), run.output, run.routing,
-                            self.settings, self.dtype_name, hidden_in=hidden_in)
+        return judge_golden(
+            index,
+            entry.tensors,
+            primary_output_name(spec),
+            run.output,
+            run.routing,
+            self.settings,
+            self.dtype_name,
+            hidden_in=hidden_in,
+        )
 
     def parity_layer(self, index: int) -> LayerOutcome:
         entry = self.load_golden(index)

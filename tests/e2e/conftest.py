@@ -1,5 +1,6 @@
 """End-to-end tests: the plugin run as a user runs it (pytester), on the embedded default
 model and torch-xla's CPU device."""
+
 from __future__ import annotations
 
 import shutil
@@ -29,7 +30,7 @@ def pytest_configure(config: pytest.Config) -> None:
     pytester restores sys.modules after each inner run, and torch refuses to register its
     operators a second time when a module is imported again."""
     import torch
-    import torch.distributed._functional_collectives  # noqa: F401
+    import torch.distributed._functional_collectives
     from transformers import AutoModelForCausalLM
 
     import pytest_layerparity.session  # noqa: F401

@@ -15,6 +15,7 @@ than the real module in one place: a second ``initialize_model_parallel`` withou
 plugin ever initialises twice. Each call is appended, as one JSON line, to the file named by
 ``$STANDIN_RECORD`` (when set) and to ``CALLS``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -38,9 +39,11 @@ def _record(name, **fields):
     dist = torch.distributed
     entry = {"call": name, "pid": os.getpid(), **fields}
     if dist.is_initialized():
-        entry.update(pg_backend=str(dist.get_backend()), pg_rank=dist.get_rank(), pg_world_size=dist.get_world_size())
-    entry["env"] = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
-                                                   "NEURON_RT_VISIBLE_CORES", "NEURON_COMPILE_CACHE_URL", "PYTEST_XDIST_WORKER")}
+        entry.update(pg_backend=str(dist.get_backend()), pg_rank=dist.get_rank(),
+                     pg_world_size=dist.get_world_size())
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "NEURON_RT_VISIBLE_CORES",
+             "NEURON_COMPILE_CACHE_URL", "PYTEST_XDIST_WORKER")
+    entry["env"] = {k: os.environ.get(k) for k in names}
     CALLS.append(entry)
     path = os.environ.get("STANDIN_RECORD")
     if path:
@@ -88,7 +91,9 @@ def destroy_model_parallel():
 
 PACKAGES = {
     "torch_neuronx/__init__.py": '"""Stand-in for torch-neuronx (the Neuron SDK cannot be installed here)."""\n',
-    "neuronx_distributed/__init__.py": '"""Stand-in for neuronx-distributed (the Neuron SDK cannot be installed here)."""\n',
+    "neuronx_distributed/__init__.py": (
+        '"""Stand-in for neuronx-distributed (the Neuron SDK cannot be installed here)."""\n'
+    ),
     "neuronx_distributed/parallel_layers/__init__.py": "",
     "neuronx_distributed/parallel_layers/parallel_state.py": PARALLEL_STATE_SOURCE,
 }

@@ -1,4 +1,5 @@
 """Paths the end-to-end tests share."""
+
 from __future__ import annotations
 
 from pathlib import Path

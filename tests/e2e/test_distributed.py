@@ -7,6 +7,7 @@ neuronx-distributed's parallel_state (``RecordingParallelState`` in tests/standi
 the Neuron SDK cannot be installed here). There are no NeuronCores and no GPUs here, so what
 is checked is the variables each worker gets, not a runtime honouring them.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,6 @@ import xml.etree.ElementTree as ET
 
 import pytest
 from standin_neuron_sdk import write_standin_sdk
-
 
 # A conftest that records, per process, the variables the plugin set and the tests it ran.
 RECORD_ENV = """
@@ -36,27 +36,55 @@ def pytest_configure(config):
     config.pluginmanager.register(Recorder())
 
 def pytest_sessionfinish(session):
-    who = os.environ.get("PYTEST_XDIST_WORKER") or ("rank" + os.environ["RANK"] if "TORCHELASTIC_RUN_ID" in os.environ else "main")
-    names = ("NEURON_RT_VISIBLE_CORES", "CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "MASTER_PORT", "NEURON_RT_ROOT_COMM_ID")
+    rank = "rank" + os.environ["RANK"] if "TORCHELASTIC_RUN_ID" in os.environ else "main"
+    who = os.environ.get("PYTEST_XDIST_WORKER") or rank
+    names = ("NEURON_RT_VISIBLE_CORES", "CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "MASTER_PORT",
+             "NEURON_RT_ROOT_COMM_ID")
     out = Path(os.environ["ENV_RECORD_DIR"]) / (who + ".json")
     out.write_text(json.dumps({"env": {k: os.environ.get(k) for k in names}, "ran": RAN}))
 """
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
-             "NEURON_RT_VISIBLE_CORES", "CUDA_VISIBLE_DEVICES", "NEURON_COMPILE_CACHE_URL", "NEURON_CC_FLAGS")
+DIST_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "PYTEST_XDIST_WORKER",
+    "PYTEST_XDIST_WORKER_COUNT",
+    "NEURON_RT_VISIBLE_CORES",
+    "CUDA_VISIBLE_DEVICES",
+    "NEURON_COMPILE_CACHE_URL",
+    "NEURON_CC_FLAGS",
+)
 
 
 # -- usage errors (in process: they stop the run before any worker starts) --------------------
 
 
-@pytest.mark.parametrize(("args", "env", "message"), [
-    (["--neuron", "-n", "2", "--cores-per-worker", "2"], {"NEURON_RT_VISIBLE_CORES": "0-2"},
-     "*--neuron: -n 2 with --cores-per-worker 2 needs 4 NeuronCores, and NEURON_RT_VISIBLE_CORES=0-2 has 3; use -n 1, or widen NEURON_RT_VISIBLE_CORES*"),
-    (["--target", "cpu", "-n", "2"], {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"},
-     "*-n 2 under torchrun: every rank must run the same tests in the same order*drop -n*"),
-    (["--gpu-golden", "--extract"], {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"},
-     "*--gpu-golden under torchrun (WORLD_SIZE=2): the reference runs in one process*"),
-])
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (
+            ["--neuron", "-n", "2", "--cores-per-worker", "2"],
+            {"NEURON_RT_VISIBLE_CORES": "0-2"},
+            "*--neuron: -n 2 with --cores-per-worker 2 needs 4 NeuronCores, and NEURON_RT_VISIBLE_CORES=0-2 has 3; "
+            "use -n 1, or widen NEURON_RT_VISIBLE_CORES*",
+        ),
+        (
+            ["--target", "cpu", "-n", "2"],
+            {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"},
+            "*-n 2 under torchrun: every rank must run the same tests in the same order*drop -n*",
+        ),
+        (
+            ["--gpu-golden", "--extract"],
+            {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "2"},
+            "*--gpu-golden under torchrun (WORLD_SIZE=2): the reference runs in one process*",
+        ),
+    ],
+)
 def test_distributed_usage_errors(project, monkeypatch, args, env, message):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -99,10 +127,15 @@ def test_xdist_workers_get_their_own_neuroncores_and_rendezvous(recorded, monkey
     monkeypatch.setenv("MASTER_PORT", "12355")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    result = recorded.runpytest_subprocess("--neuron", "-n", "2", "--cores-per-worker", "2", "--layers", "0-1", "-p", "no:cacheprovider")
+    result = recorded.runpytest_subprocess(
+        "--neuron", "-n", "2", "--cores-per-worker", "2", "--layers", "0-1", "-p", "no:cacheprovider"
+    )
     result.assert_outcomes(passed=2)
     env, calls = recorded.read_records()
-    assert {w: r["env"]["NEURON_RT_VISIBLE_CORES"] for w, r in env.items() if w.startswith("gw")} == {"gw0": "4-5", "gw1": "6-7"}
+    assert {w: r["env"]["NEURON_RT_VISIBLE_CORES"] for w, r in env.items() if w.startswith("gw")} == {
+        "gw0": "4-5",
+        "gw1": "6-7",
+    }
     assert env["main"]["env"]["NEURON_RT_VISIBLE_CORES"] == "4-7"  # the controller keeps the pool
     comm = [env[w]["env"]["NEURON_RT_ROOT_COMM_ID"] for w in ("gw0", "gw1")]
     assert all(c and c.startswith("localhost:") for c in comm) and comm[0] != comm[1]
@@ -110,8 +143,9 @@ def test_xdist_workers_get_their_own_neuroncores_and_rendezvous(recorded, monkey
     assert inits and all(c["pg_world_size"] == 1 and c["env"]["WORLD_SIZE"] == "1" for c in inits)
     ports = {c["env"]["PYTEST_XDIST_WORKER"]: c["env"]["MASTER_PORT"] for c in inits}
     assert "12355" not in ports.values() and len(set(ports.values())) == len(ports)
-    assert {c["env"]["PYTEST_XDIST_WORKER"]: c["env"]["NEURON_RT_VISIBLE_CORES"] for c in inits} == \
-        {w: {"gw0": "4-5", "gw1": "6-7"}[w] for w in ports}
+    assert {c["env"]["PYTEST_XDIST_WORKER"]: c["env"]["NEURON_RT_VISIBLE_CORES"] for c in inits} == {
+        w: {"gw0": "4-5", "gw1": "6-7"}[w] for w in ports
+    }
     assert len([c for c in calls if c["call"] == "destroy_model_parallel"]) == len(inits)
 
 
@@ -155,21 +189,48 @@ def test_torchrun_two_ranks_rank0_reports(recorded, tmp_path):
     (recorded.path / "conftest.py").write_text(RECORD_ENV + PLANT_ON_RANK_1)
     port = free_port()
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = [torchrun, "--nproc_per_node=2", f"--master-port={port}", "-m", "pytest", "--neuron", "--tp-degree", "2",
-               "--layers", "0-1", "--junitxml=out.xml", "--parity-report", "rep", "-p", "no:cacheprovider"]
-    done = subprocess.run(command, cwd=recorded.path, capture_output=True, text=True, timeout=300)
+    command = [
+        torchrun,
+        "--nproc_per_node=2",
+        f"--master-port={port}",
+        "-m",
+        "pytest",
+        "--neuron",
+        "--tp-degree",
+        "2",
+        "--layers",
+        "0-1",
+        "--junitxml=out.xml",
+        "--parity-report",
+        "rep",
+        "-p",
+        "no:cacheprovider",
+    ]
+    done = subprocess.run(command, cwd=recorded.path, capture_output=True, text=True, timeout=300, check=False)
     out, err = done.stdout, done.stderr
     assert done.returncode != 0, out + err  # rank 1 failed, so torchrun fails
     assert out.count("test session starts") == 1 and out.count("2 passed") == 1, out
-    assert "layerparity: torchrun rank 0 of 2 (local 0 of 2); rank 0 reports, the other ranks run the same tests quietly" in out
+    assert (
+        "layerparity: torchrun rank 0 of 2 (local 0 of 2); rank 0 reports, the other ranks run the same tests quietly"
+        in out
+    )
     assert "rank 1 of 2 (local" not in out
-    assert "layerparity: torchrun rank 1 of 2: 1 failed, 1 passed (exit status 1); rank 0's output lists the same tests" in err
+    assert (
+        "layerparity: torchrun rank 1 of 2: 1 failed, 1 passed (exit status 1); rank 0's output lists the same tests"
+        in err
+    )
     cases = ET.parse(recorded.path / "out.xml").findall(".//testcase")
     assert len(cases) == 2 and not ET.parse(recorded.path / "out.xml").findall(".//failure")
     assert len(json.loads((recorded.path / "rep" / "report.json").read_text())["tests"]) == 2
     env, calls = recorded.read_records()
-    assert {w: [o for _, o in r["ran"]] for w, r in env.items()} == {"rank0": ["passed", "passed"], "rank1": ["passed", "failed"]}
+    assert {w: [o for _, o in r["ran"]] for w, r in env.items()} == {
+        "rank0": ["passed", "passed"],
+        "rank1": ["passed", "failed"],
+    }
     inits = sorted((c for c in calls if c["call"] == "initialize_model_parallel"), key=lambda c: c["pg_rank"])
-    assert [(c["pg_backend"], c["pg_rank"], c["pg_world_size"], c["effective_tp"]) for c in inits] == [("xla", 0, 2, 2), ("xla", 1, 2, 2)]
+    assert [(c["pg_backend"], c["pg_rank"], c["pg_world_size"], c["effective_tp"]) for c in inits] == [
+        ("xla", 0, 2, 2),
+        ("xla", 1, 2, 2),
+    ]
     assert {c["env"]["MASTER_PORT"] for c in inits} == {str(port)}
     assert [c["env"]["RANK"] for c in inits] == ["0", "1"]

@@ -1,4 +1,5 @@
 """`pytest --gpu-golden --extract` and `pytest --gpu-golden` on the embedded default model."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-
 from support import DEFAULT_MODEL
 
 
@@ -17,16 +17,24 @@ def fresh(pytester):
 
 
 def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
-    result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "0-2", "--seq-len", "8", "--batch-size", "2", "-v")
+    result = fresh.runpytest(
+        "--gpu-golden", "--extract", "--layers", "0-2", "--seq-len", "8", "--batch-size", "2", "-v"
+    )
     result.assert_outcomes(passed=3)
-    result.stdout.fnmatch_lines([
-        "layerparity: reference device cpu (no CUDA visible), dtype float32, placement cpu",
-        "*test_extract_golden?layer_0? PASSED*",
-        "*test_extract_golden?layer_2? PASSED*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "layerparity: reference device cpu (no CUDA visible), dtype float32, placement cpu",
+            "*test_extract_golden?layer_0? PASSED*",
+            "*test_extract_golden?layer_2? PASSED*",
+        ]
+    )
     store = fresh.path / "store"
     assert sorted(p.name for p in store.glob("*.safetensors")) == [
-        "layer_00000.safetensors", "layer_00001.safetensors", "layer_00002.safetensors", "model_io.safetensors"]
+        "layer_00000.safetensors",
+        "layer_00001.safetensors",
+        "layer_00002.safetensors",
+        "model_io.safetensors",
+    ]
     manifest = json.loads((store / "manifest.json").read_text())
     assert manifest["schema_version"] == 1
     assert manifest["dtype"] == "float32" and manifest["reference_device"] == "cpu"
@@ -60,7 +68,9 @@ def test_extract_into_a_store_of_another_input_is_refused(fresh):
     fresh.runpytest("--gpu-golden", "--extract", "--layers", "0").assert_outcomes(passed=1)
     result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "1", "--seq-len", "16")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*this store holds goldens of another extraction (inputs.seq_len: store has 32, this run has 16)*"])
+    result.stdout.fnmatch_lines(
+        ["*this store holds goldens of another extraction (inputs.seq_len: store has 32, this run has 16)*"]
+    )
 
 
 def test_reference_reproduces_its_goldens(fresh):
@@ -73,7 +83,12 @@ def test_reference_reproduces_its_goldens(fresh):
 def test_prompt_needs_a_tokenizer(fresh):
     result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "0", "--prompt", "hello")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--prompt needs the model's tokenizer, and * has none (tokenizer.json, *); drop --prompt to use seeded random token ids"])
+    result.stderr.fnmatch_lines(
+        [
+            "*--prompt needs the model's tokenizer, and * has none (tokenizer.json, *); drop --prompt to use seeded "
+            "random token ids"
+        ]
+    )
 
 
 def test_committed_goldens_are_reproducible():

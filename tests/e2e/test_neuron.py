@@ -7,6 +7,7 @@ persistent cache. What runs against a stand-in: neuronx-distributed's parallel_s
 ``RecordingParallelState`` (tests/standin_neuron_sdk.py), because the Neuron SDK cannot be
 installed here (AWS's own index; the PyPI packages of those names are empty placeholders).
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,18 @@ from pytest_layerparity.backends.neuron import (
     restore_env,
 )
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PYTEST_XDIST_WORKER",
-             "TORCHELASTIC_RUN_ID", "NEURON_COMPILE_CACHE_URL", "NEURON_CC_FLAGS")
+DIST_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "PYTEST_XDIST_WORKER",
+    "TORCHELASTIC_RUN_ID",
+    "NEURON_COMPILE_CACHE_URL",
+    "NEURON_CC_FLAGS",
+)
 
 
 @pytest.fixture
@@ -90,13 +101,22 @@ def test_compile_cache_sets_neurons_cache_url(tmp_path):
     assert configure_compile_cache(folder, env) == {"NEURON_COMPILE_CACHE_URL": folder}
     assert Path(folder).is_dir()
     assert configure_compile_cache("s3://bucket/cache", {}) == {"NEURON_COMPILE_CACHE_URL": "s3://bucket/cache"}
-    assert configure_compile_cache(folder, {"NEURON_CC_FLAGS": f"-O1 --cache_dir={folder}"}) == {"NEURON_COMPILE_CACHE_URL": folder}
+    assert configure_compile_cache(folder, {"NEURON_CC_FLAGS": f"-O1 --cache_dir={folder}"}) == {
+        "NEURON_COMPILE_CACHE_URL": folder
+    }
 
 
-@pytest.mark.parametrize(("env", "message"), [
-    ({"NEURON_CC_FLAGS": "-O1 --cache_dir=/other"}, "NEURON_CC_FLAGS sets --cache_dir=/other, which takes precedence over NEURON_COMPILE_CACHE_URL; drop one of them"),
-    ({"NEURON_COMPILE_CACHE_URL": "/other"}, "NEURON_COMPILE_CACHE_URL is already /other; drop one of them"),
-])
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"NEURON_CC_FLAGS": "-O1 --cache_dir=/other"},
+            "NEURON_CC_FLAGS sets --cache_dir=/other, which takes precedence over NEURON_COMPILE_CACHE_URL; drop one "
+            "of them",
+        ),
+        ({"NEURON_COMPILE_CACHE_URL": "/other"}, "NEURON_COMPILE_CACHE_URL is already /other; drop one of them"),
+    ],
+)
 def test_compile_cache_refuses_a_conflicting_setting(tmp_path, env, message):
     with pytest.raises(BackendUnavailable, match=message):
         configure_compile_cache(str(tmp_path), dict(env))
@@ -205,20 +225,36 @@ def test_empty_placeholder_package_is_named(monkeypatch):
     import types
 
     monkeypatch.setitem(__import__("sys").modules, "neuronx_distributed", types.ModuleType("neuronx_distributed"))
-    with pytest.raises(BackendUnavailable, match="parallel_state does not import .*; if the PyPI placeholder of that name is what is installed, pip uninstall it, then install the AWS Neuron SDK from AWS's repository"):
+    with pytest.raises(
+        BackendUnavailable,
+        match=r"parallel_state does not import .*; if the PyPI placeholder of that name is what is installed, pip "
+        r"uninstall it, then install the AWS Neuron SDK from AWS's repository",
+    ):
         import_parallel_state()
 
 
 def test_neuron_sdk_missing_is_a_usage_error_with_the_install_hint(project):
     result = project.runpytest("--neuron")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--neuron: torch_neuronx, neuronx_distributed not installed; install the AWS Neuron SDK from AWS's repository, not from PyPI*pip install --extra-index-url https://pip.repos.neuron.amazonaws.com torch-neuronx neuronx-cc neuronx-distributed neuronx-distributed-inference*"])
+    result.stderr.fnmatch_lines(
+        [
+            "*--neuron: torch_neuronx, neuronx_distributed not installed; install the AWS Neuron SDK from AWS's "
+            "repository, not from PyPI*pip install --extra-index-url https://pip.repos.neuron.amazonaws.com "
+            "torch-neuronx neuronx-cc neuronx-distributed neuronx-distributed-inference*"
+        ]
+    )
 
 
 def test_tp_degree_beyond_the_world_size_names_the_torchrun_command(project):
     result = project.runpytest("--neuron", "--tp-degree", "4")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--neuron: --tp-degree 4 needs 4 processes, one per NeuronCore, and this run has WORLD_SIZE=1 (neuronx-distributed would quietly use tensor_model_parallel_size=1); launch the ranks with: torchrun --nproc_per_node=4 -m pytest --neuron --tp-degree 4 ...*"])
+    result.stderr.fnmatch_lines(
+        [
+            "*--neuron: --tp-degree 4 needs 4 processes, one per NeuronCore, and this run has WORLD_SIZE=1 "
+            "(neuronx-distributed would quietly use tensor_model_parallel_size=1); launch the ranks with: torchrun "
+            "--nproc_per_node=4 -m pytest --neuron --tp-degree 4 ...*"
+        ]
+    )
 
 
 # -- a whole --neuron session (subprocess, stand-in SDK on PYTHONPATH) ----------------------
@@ -234,7 +270,9 @@ def test_neuron_session_sets_up_once_and_tears_down(project, monkeypatch):
     monkeypatch.setenv("STANDIN_RECORD", str(record))
     for name in DIST_VARS:
         monkeypatch.delenv(name, raising=False)
-    result = project.runpytest_subprocess("--neuron", "--layers", "0-1", "--compile-cache=ncache", "-v", "-p", "no:cacheprovider")
+    result = project.runpytest_subprocess(
+        "--neuron", "--layers", "0-1", "--compile-cache=ncache", "-v", "-p", "no:cacheprovider"
+    )
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([f"layerparity: compile cache {project.path / 'ncache'} (NEURON_COMPILE_CACHE_URL)"])
     calls = [json.loads(line) for line in record.read_text().splitlines()]
@@ -257,14 +295,23 @@ def test_xla_compile_cache_is_written_and_reread_by_a_second_session(project, tm
     cache = tmp_path / "xla-cache"
     first = project.runpytest_subprocess("--xla", "--layers", "0", f"--compile-cache={cache}", "-p", "no:cacheprovider")
     first.assert_outcomes(passed=1)
-    first.stdout.fnmatch_lines([f"layerparity: compile cache {cache} (torch-xla persistent cache)",
-                                f"layerparity: compile cache {cache}: 0 graphs loaded, * compiled and stored"])
+    first.stdout.fnmatch_lines(
+        [
+            f"layerparity: compile cache {cache} (torch-xla persistent cache)",
+            f"layerparity: compile cache {cache}: 0 graphs loaded, * compiled and stored",
+        ]
+    )
     stored = sorted(p.name for p in cache.iterdir())
     assert stored
-    second = project.runpytest_subprocess("--xla", "--layers", "0", f"--compile-cache={cache}", "-p", "no:cacheprovider")
+    second = project.runpytest_subprocess(
+        "--xla", "--layers", "0", f"--compile-cache={cache}", "-p", "no:cacheprovider"
+    )
     second.assert_outcomes(passed=1)
     line = [x for x in second.stdout.lines if x.startswith(f"layerparity: compile cache {cache}:")]
-    assert line and ("found but not loadable" in line[0] or not line[0].startswith(f"layerparity: compile cache {cache}: 0 graphs loaded"))
+    assert line and (
+        "found but not loadable" in line[0]
+        or not line[0].startswith(f"layerparity: compile cache {cache}: 0 graphs loaded")
+    )
     assert sorted(p.name for p in cache.iterdir()) == stored  # nothing new was stored: same graphs
 
 
@@ -276,7 +323,10 @@ def test_compile_cache_too_late_in_the_process_says_so(tmp_path, monkeypatch):
 
     monkeypatch.delenv("XLA_PERSISTENT_CACHE_PATH", raising=False)
     (torch.ones(2, device=torch_xla.device()) + 1).cpu()  # something compiled in this process
-    with pytest.raises(BackendUnavailable, match="can no longer be switched on .*start pytest in a fresh process, or set XLA_PERSISTENT_CACHE_PATH="):
+    with pytest.raises(
+        BackendUnavailable,
+        match=r"can no longer be switched on .*start pytest in a fresh process, or set XLA_PERSISTENT_CACHE_PATH=",
+    ):
         start_persistent_cache(str(tmp_path))
 
 
@@ -334,8 +384,13 @@ def test_example_turns_the_hf_call_into_nxdis(example):
 
     hidden = torch.randn(2, 5, 8)
     cos_sin = (torch.ones(2, 5, 4), torch.zeros(2, 5, 4))
-    out = example.HFCallToNxDI(RecordingNxDILayer())(hidden, position_embeddings=cos_sin, attention_mask=None,
-                                                      position_ids=torch.arange(5)[None].expand(2, 5), use_cache=False)
+    out = example.HFCallToNxDI(RecordingNxDILayer())(
+        hidden,
+        position_embeddings=cos_sin,
+        attention_mask=None,
+        position_ids=torch.arange(5)[None].expand(2, 5),
+        use_cache=False,
+    )
     assert torch.equal(out, hidden + 1)
     mask = seen["attention_mask"]
     assert mask.dtype == torch.bool and mask.shape == (2, 1, 5, 5)
@@ -349,5 +404,5 @@ def test_example_turns_the_hf_call_into_nxdis(example):
 
 def test_example_without_nxdi_says_where_to_point_it(example, monkeypatch):
     monkeypatch.delenv("NXDI_MINIMAX_M2_SRC", raising=False)
-    with pytest.raises(ImportError, match="set NXDI_MINIMAX_M2_SRC to the folder holding its modeling_minimax_m2.py"):
+    with pytest.raises(ImportError, match=r"set NXDI_MINIMAX_M2_SRC to the folder holding its modeling_minimax_m2\.py"):
         example.import_nxdi_minimax_m2()

@@ -28,10 +28,20 @@ import pytest
 import torch
 from torch import nn
 
-from pytest_layerparity.ops import (DEFAULT_WHITE_LIST, CompareError, CompareWithCPU,
-                                    DumpFormatError, ModuleInfo, NanInfError, NanInfTracker,
-                                    compare_for_single_op, load_op_dump,
-                                    nan_inf_track_for_single_op, open_module_tracker, resolve_op)
+from pytest_layerparity.ops import (
+    DEFAULT_WHITE_LIST,
+    CompareError,
+    CompareWithCPU,
+    DumpFormatError,
+    ModuleInfo,
+    NanInfError,
+    NanInfTracker,
+    compare_for_single_op,
+    load_op_dump,
+    nan_inf_track_for_single_op,
+    open_module_tracker,
+    resolve_op,
+)
 from pytest_layerparity.ops._names import OpMatcher
 
 LOGGER = "pytest_layerparity.ops"
@@ -139,7 +149,9 @@ def test_planted_wrong_op_is_named_with_module_path(xla, wrong_xla_addmm, caplog
     assert {f.op_name for f in cmp.failures} == {"torch.ops.aten.addmm"}
     assert cmp.stats["passed"] > 0
     text = caplog.text
-    assert "[ERROR] DecoderLayer/Attention/Linear/torch.ops.aten.addmm(forward) fails to pass CompareWithCPU test" in text
+    assert (
+        "[ERROR] DecoderLayer/Attention/Linear/torch.ops.aten.addmm(forward) fails to pass CompareWithCPU test" in text
+    )
     assert "....... input ........." in text and "...... compare with cpu ......." in text
     assert "Tensor values are not close" in text
     assert "Element at index (0, 0) is not close:" in text and "(xla:0) vs " in text
@@ -151,9 +163,8 @@ def test_planted_wrong_op_is_named_with_module_path(xla, wrong_xla_addmm, caplog
 def test_correct_kernels_pass_on_xla_forward_and_backward(xla, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     model = _model(xla)
-    with open_module_tracker(model):
-        with CompareWithCPU(verbose=True) as cmp:
-            model(_x(xla)).sum().backward()
+    with open_module_tracker(model), CompareWithCPU(verbose=True) as cmp:
+        model(_x(xla)).sum().backward()
     assert cmp.failures == [] and cmp.skipped == []
     assert cmp.stats["passed"] >= 10
     assert "(backward) succeeds to pass CompareWithCPU test" in caplog.text
@@ -175,9 +186,8 @@ def test_white_list_excludes_the_op(xla, wrong_xla_addmm, caplog):
 def test_target_list_restricts_to_named_ops(xla, wrong_xla_addmm, kw, caplog):
     caplog.set_level(logging.INFO, logger=LOGGER)
     model = _model(xla)
-    with open_module_tracker(model), torch.no_grad():
-        with CompareWithCPU(verbose=True, **kw) as cmp:
-            model(_x(xla))
+    with open_module_tracker(model), torch.no_grad(), CompareWithCPU(verbose=True, **kw) as cmp:
+        model(_x(xla))
     assert cmp.failures == []  # the wrong addmm is not a target
     assert cmp.stats["checked"] == cmp.stats["passed"] == 2  # the two aten.add ops
     assert "torch.ops.aten.addmm(forward) is not in target_list, pass" in caplog.text
@@ -194,9 +204,17 @@ def test_target_op_overload_name_finds_the_planted_op(xla, wrong_xla_addmm):
 
 def test_op_name_spellings():
     addmm = torch.ops.aten.addmm.default
-    for entry in ["torch.ops.aten.addmm", "aten.addmm", "aten::addmm", "addmm",
-                  "torch.ops.aten.addmm.default", "aten::addmm.default", "aten.add*",
-                  torch.ops.aten.addmm, torch.ops.aten.addmm.default]:
+    for entry in [
+        "torch.ops.aten.addmm",
+        "aten.addmm",
+        "aten::addmm",
+        "addmm",
+        "torch.ops.aten.addmm.default",
+        "aten::addmm.default",
+        "aten.add*",
+        torch.ops.aten.addmm,
+        torch.ops.aten.addmm.default,
+    ]:
         assert addmm in OpMatcher([entry]), entry
     for entry in ["aten.add", "torch.ops.aten.addmm.out", "aten.mm", torch.ops.aten.addmm.out]:
         assert addmm not in OpMatcher([entry]), entry
@@ -214,16 +232,15 @@ def test_step_window(xla, wrong_xla_addmm):
     model = _model(xla)
     x = _x(xla)
     seen = []
-    with open_module_tracker(model), torch.no_grad():
-        with CompareWithCPU(start_step=1, end_step=2) as cmp:
-            for _ in range(3):
-                before = len(cmp.failures), cmp.stats["checked"]
-                model(x)
-                seen.append((len(cmp.failures) - before[0], cmp.stats["checked"] - before[1]))
-                cmp.step()
-    assert seen[0] == (0, 0)          # step 0 < start_step: nothing compared
+    with open_module_tracker(model), torch.no_grad(), CompareWithCPU(start_step=1, end_step=2) as cmp:
+        for _ in range(3):
+            before = len(cmp.failures), cmp.stats["checked"]
+            model(x)
+            seen.append((len(cmp.failures) - before[0], cmp.stats["checked"] - before[1]))
+            cmp.step()
+    assert seen[0] == (0, 0)  # step 0 < start_step: nothing compared
     assert seen[1][0] == 2 and seen[1][1] > 2  # step 1: compared, both addmm fail
-    assert seen[2] == (0, 0)          # step 2 == end_step: stopped
+    assert seen[2] == (0, 0)  # step 2 == end_step: stopped
     assert {f.step for f in cmp.failures} == {1}
     assert cmp.step_cnt == 3
 
@@ -232,17 +249,19 @@ def test_step_window(xla, wrong_xla_addmm):
 def test_nan_inf_tracker_names_the_first_op_cpu(caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     model = _model("cpu", shift=100.0)  # log(h - 100) is NaN everywhere
-    with open_module_tracker(model), torch.no_grad():
-        with NanInfTracker() as tracker:
-            model(_x("cpu"))
+    with open_module_tracker(model), torch.no_grad(), NanInfTracker() as tracker:
+        model(_x("cpu"))
     first = tracker.first_nan_inf
     assert first is tracker.first_failure is not None
     assert first.op_name == "torch.ops.aten.log"
     assert first.module_path == "DecoderLayer/MLP"
     assert first.nan_count == 32 and first.inf_count == 0 and first.first_bad_index == (0, 0)
     # later ops (mul, add in DecoderLayer) propagate the NaN and come after it
-    assert [f.op_name for f in tracker.failures][:3] == ["torch.ops.aten.log", "torch.ops.aten.mul",
-                                                          "torch.ops.aten.add"]
+    assert [f.op_name for f in tracker.failures][:3] == [
+        "torch.ops.aten.log",
+        "torch.ops.aten.mul",
+        "torch.ops.aten.add",
+    ]
     lines = [r.getMessage() for r in caplog.records if "[WARNING]" in r.getMessage()]
     assert lines[0].startswith("[WARNING] DecoderLayer/MLP/torch.ops.aten.log(forward) has nan/inf")
 
@@ -254,7 +273,7 @@ def test_nan_inf_tracker_deferred_on_xla(xla):
             y = model(_x(xla))
             assert tracker.failures == []  # deferred: nothing resolved yet, no per-op sync
             assert tracker.check().op_name == "torch.ops.aten.log"  # resolve now
-            z = y * 3.0
+            y * 3.0
         # the rest is resolved at exit, order kept, ops named with their module path
         assert tracker.failures[-1].op_name == "torch.ops.aten.mul" and tracker.failures[-1].module_path == ""
     assert tracker.first_failure.op_name == "torch.ops.aten.log"
@@ -265,9 +284,8 @@ def test_nan_inf_tracker_deferred_on_xla(xla):
 
 def test_nan_inf_tracker_deferred_on_cpu_keeps_order():
     model = _model("cpu", shift=100.0)
-    with open_module_tracker(model), torch.no_grad():
-        with NanInfTracker(deferred=True, flush_every=3) as tracker:
-            model(_x("cpu"))
+    with open_module_tracker(model), torch.no_grad(), NanInfTracker(deferred=True, flush_every=3) as tracker:
+        model(_x("cpu"))
     assert tracker.first_failure.op_name == "torch.ops.aten.log"
     assert tracker.first_failure.module_path == "DecoderLayer/MLP"
     assert [f.op_index for f in tracker.failures] == sorted(f.op_index for f in tracker.failures)
@@ -311,11 +329,15 @@ def test_nan_inf_in_place_and_integer_outputs():
 # ------------------------------------------------ (5) dump + replay -------
 def test_dump_error_data_and_compare_for_single_op(xla, wrong_xla_addmm, tmp_path):
     model = _model(xla)
-    with open_module_tracker(model), torch.no_grad():
-        with pytest.raises(CompareError) as ei:
-            with CompareWithCPU(atol=1e-3, rtol=1e-3, target_op=["torch.ops.aten.addmm"],
-                                dump_error_data=True, output_dir=str(tmp_path)):
-                model(_x(xla))
+    with (
+        open_module_tracker(model),
+        torch.no_grad(),
+        pytest.raises(CompareError) as ei,
+        CompareWithCPU(
+            atol=1e-3, rtol=1e-3, target_op=["torch.ops.aten.addmm"], dump_error_data=True, output_dir=str(tmp_path)
+        ),
+    ):
+        model(_x(xla))
     rec = ei.value.record
     assert isinstance(ei.value, RuntimeError)
     assert rec.module_path == "DecoderLayer/Attention/Linear"
@@ -330,7 +352,7 @@ def test_dump_error_data_and_compare_for_single_op(xla, wrong_xla_addmm, tmp_pat
     assert torch.allclose(outs["out"], outs["cpu_out"] * 1.01, atol=1e-5)
 
     # the wrong kernel is still registered: the replay on xla reproduces the failure
-    correct, args, kwargs, out = compare_for_single_op(str(inputs), torch.ops.aten.addmm, atol=1e-3, rtol=1e-3)
+    correct, args, _kwargs, out = compare_for_single_op(str(inputs), torch.ops.aten.addmm, atol=1e-3, rtol=1e-3)
     assert correct is False and out.device.type == "xla" and args[0].device.type == "xla"
     # the name spelling of the seed's docs works too, and the op can come from the dump
     assert compare_for_single_op(str(inputs), "torch.ops.aten.addmm", 1e-3, 1e-3)[0] is False
@@ -345,8 +367,11 @@ def test_replay_passes_once_the_kernel_is_fixed(xla, tmp_path):
     lib = torch.library.Library("aten", "IMPL")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        lib.impl("addmm", lambda b, m1, m2, *, beta=1, alpha=1:
-                 (torch.ops.aten.mm.default(m1, m2) * alpha + b * beta) * 1.01, "XLA")
+        lib.impl(
+            "addmm",
+            lambda b, m1, m2, *, beta=1, alpha=1: (torch.ops.aten.mm.default(m1, m2) * alpha + b * beta) * 1.01,
+            "XLA",
+        )
     try:
         with pytest.raises(CompareError):
             with torch.no_grad(), CompareWithCPU(dump_error_data=True, output_dir=str(tmp_path)):
@@ -360,14 +385,13 @@ def test_replay_passes_once_the_kernel_is_fixed(xla, tmp_path):
 
 def test_nan_inf_dump_and_single_op(tmp_path):
     model = _model("cpu", shift=100.0)
-    with open_module_tracker(model), torch.no_grad():
-        with pytest.raises(NanInfError) as ei:
-            with NanInfTracker(dump_error_data=True, output_dir=str(tmp_path)):
-                model(_x("cpu"))
+    with open_module_tracker(model), torch.no_grad(), pytest.raises(NanInfError) as ei:
+        with NanInfTracker(dump_error_data=True, output_dir=str(tmp_path)):
+            model(_x("cpu"))
     assert ei.value.record.op_name == "torch.ops.aten.log"
     path = tmp_path / "torch.ops.aten.log_inputs.safetensors"
     assert path.exists()
-    correct, args, kwargs, out = nan_inf_track_for_single_op(str(path), torch.ops.aten.log)
+    correct, args, _kwargs, out = nan_inf_track_for_single_op(str(path), torch.ops.aten.log)
     assert correct is False and torch.isnan(out).all()
     # the input itself was finite: the log made the NaN
     assert torch.isfinite(args[0]).all()
@@ -375,9 +399,8 @@ def test_nan_inf_dump_and_single_op(tmp_path):
 
 def test_in_place_dump_keeps_the_pre_op_inputs(tmp_path):
     x = torch.ones(4)
-    with pytest.raises(NanInfError):
-        with NanInfTracker(dump_error_data=True, output_dir=str(tmp_path)):
-            x.div_(0.0)
+    with pytest.raises(NanInfError), NanInfTracker(dump_error_data=True, output_dir=str(tmp_path)):
+        x.div_(0.0)
     assert torch.isinf(x).all()
     values, info = load_op_dump(str(tmp_path / "torch.ops.aten.div__inputs.safetensors"))
     assert info["op"] == "aten::div_.Tensor"  # the Python scalar arrives as a 0-dim tensor
@@ -392,9 +415,23 @@ def test_dump_round_trip_of_argument_kinds(tmp_path):
 
     t = torch.randn(2, 3)
     c = torch.randn(2, dtype=torch.complex64)
-    values = {"args": [t, [t, None], 3, 2.5, float("nan"), True, "mean", torch.bfloat16,
-                       torch.device("cpu"), (1, 2), c, torch.arange(3)],
-              "kwargs": {"dim": -1, "memory_format": torch.contiguous_format}}
+    values = {
+        "args": [
+            t,
+            [t, None],
+            3,
+            2.5,
+            float("nan"),
+            True,
+            "mean",
+            torch.bfloat16,
+            torch.device("cpu"),
+            (1, 2),
+            c,
+            torch.arange(3),
+        ],
+        "kwargs": {"dim": -1, "memory_format": torch.contiguous_format},
+    }
     path = save_op_dump(str(tmp_path / "x.safetensors"), values, {"op": "aten::add.Tensor"})
     back, info = load_op_dump(path)
     a = back["args"]
@@ -425,6 +462,7 @@ def test_dump_files_cannot_execute_code(tmp_path, xla, wrong_xla_addmm):
             nn.Linear(8, 8).to(xla)(_x(xla))
     good = tmp_path / "torch.ops.aten.addmm_inputs.safetensors"
     from safetensors.torch import load_file
+
     assert set(load_file(str(good))) == {"t0", "t1", "t2"}
     assert compare_for_single_op(str(good))[0] is False
 
@@ -496,8 +534,7 @@ def test_should_log_to_file_per_rank(tmp_path, monkeypatch):
 
 def test_enable_ranks_excluding_this_rank_disables(tmp_path, monkeypatch, xla, wrong_xla_addmm):
     monkeypatch.setenv("RANK", "1")
-    with torch.no_grad(), CompareWithCPU(enable_ranks=[0], should_log_to_file=True,
-                                         output_dir=str(tmp_path)) as cmp:
+    with torch.no_grad(), CompareWithCPU(enable_ranks=[0], should_log_to_file=True, output_dir=str(tmp_path)) as cmp:
         assert torch._C._len_torch_dispatch_stack() == 0
         nn.Linear(8, 8).to(xla)(_x(xla))
     assert cmp.failures == [] and cmp.stats["checked"] == 0
@@ -539,9 +576,9 @@ def test_in_place_ops_are_applied_once_and_compared(xla):
 def test_tuple_integer_and_factory_outputs(xla):
     x = _x(xla)
     with CompareWithCPU(verbose=True) as cmp:
-        values, idx = torch.max(x, dim=1)          # tuple output, int64 indices compared exactly
-        ones = torch.ones(3, 2, device=xla)        # factory op: device kwarg mapped to cpu
-        s = torch.ops.aten.sym_size.int(x, 0)       # non-tensor output
+        _values, idx = torch.max(x, dim=1)  # tuple output, int64 indices compared exactly
+        ones = torch.ones(3, 2, device=xla)  # factory op: device kwarg mapped to cpu
+        s = torch.ops.aten.sym_size.int(x, 0)  # non-tensor output
         ln = torch.nn.functional.layer_norm(x, (8,))  # native_layer_norm: 3 outputs
     assert cmp.failures == [] and cmp.skipped == []
     assert cmp.stats["passed"] >= 3
@@ -667,9 +704,14 @@ def test_llama_decoder_layer_cpu_runs_clean():
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2, num_hidden_layers=1,
-                                   max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        max_position_embeddings=64,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     layer = LlamaDecoderLayer(cfg, 0).eval()
@@ -677,8 +719,7 @@ def test_llama_decoder_layer_cpu_runs_clean():
     pos = torch.arange(16)[None]
     pe = LlamaRotaryEmbedding(cfg)(x, pos)
     mask = torch.full((16, 16), torch.finfo(torch.float32).min).triu(1)[None, None]
-    with open_module_tracker(layer), torch.no_grad():
-        with CompareWithCPU() as cmp, NanInfTracker() as nan:
-            layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+    with open_module_tracker(layer), torch.no_grad(), CompareWithCPU() as cmp, NanInfTracker() as nan:
+        layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe)
     assert cmp.failures == [] and cmp.skipped == [] and cmp.stats["passed"] > 10
     assert nan.failures == [] and nan.stats["checked"] > 10

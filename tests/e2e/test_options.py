@@ -1,4 +1,5 @@
 """Each option and its bad values: usage errors that say what to type instead."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,30 +8,63 @@ import pytest
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--xla", "--neuron"], "*--xla and --neuron name different targets; choose one: --xla, --neuron or --target NAME*"),
+        (
+            ["--xla", "--neuron"],
+            "*--xla and --neuron name different targets; choose one: --xla, --neuron or --target NAME*",
+        ),
         (["--neuron", "--target", "cpu"], "*--neuron and --target cpu name different targets*"),
         (["--extract"], "*--extract writes goldens from the reference run: use --gpu-golden --extract*"),
         (["--gpu-golden", "--xla"], "*run them as two sessions: pytest --gpu-golden --extract, then pytest --xla*"),
-        (["--target", "cpu", "--layers", "9"], "*--layers '9': layer 9 is out of range; this model has 6 layers: valid layers are 0-5*"),
+        (
+            ["--target", "cpu", "--layers", "9"],
+            "*--layers '9': layer 9 is out of range; this model has 6 layers: valid layers are 0-5*",
+        ),
         (["--target", "cpu", "--layers", "3-1"], "*range 3-1 is reversed; write 1-3*"),
         (["--target", "cpu", "--layers", "x"], "*cannot read 'x'; use forms like 17, 0-30, 0-5,10,20-25 or all*"),
         (["--target", "cpu", "--layer-ranges", "0-6"], "*--layer-ranges '0-6': layer 6 is out of range*"),
         (["--layer-ranges", "0-1"], "*--layer-ranges runs layers on a target: add --xla, --neuron or --target NAME*"),
         (["--bisect"], "*--bisect runs layers on a target: add --xla, --neuron or --target NAME*"),
-        (["--target", "cpu", "--max-memory", "lots"], "*argument --max-memory: 'lots' is not a memory budget (lots); accepted forms: 40GB (every GPU), 0:60GB,1:60GB,2:40GB (per GPU), cpu:100GB (host)*"),
-        (["--target", "cpu", "--max-memory", "0:60GB,x:1GB"], "*'0:60GB,x:1GB' is not a memory budget ('x' is not a GPU index or cpu)*"),
+        (
+            ["--target", "cpu", "--max-memory", "lots"],
+            "*argument --max-memory: 'lots' is not a memory budget (lots); accepted forms: 40GB (every GPU), "
+            "0:60GB,1:60GB,2:40GB (per GPU), cpu:100GB (host)*",
+        ),
+        (
+            ["--target", "cpu", "--max-memory", "0:60GB,x:1GB"],
+            "*'0:60GB,x:1GB' is not a memory budget ('x' is not a GPU index or cpu)*",
+        ),
         (["--target", "cpu", "--max-memory", "0:60"], "*'0:60' is not a memory budget (60)*"),
-        (["--gpu-golden", "--device-map", "everywhere"], "*'everywhere' is not a device map; choose stream, auto, balanced, balanced_low_0, sequential, cpu or cuda:N*"),
-        (["--target", "cpu", "--max-abs-diff", "-1"], "*argument --max-abs-diff: '-1' is negative; a tolerance is 0 or more (e.g. 0.01)*"),
+        (
+            ["--gpu-golden", "--device-map", "everywhere"],
+            "*'everywhere' is not a device map; choose stream, auto, balanced, balanced_low_0, sequential, cpu or "
+            "cuda:N*",
+        ),
+        (
+            ["--target", "cpu", "--max-abs-diff", "-1"],
+            "*argument --max-abs-diff: '-1' is negative; a tolerance is 0 or more (e.g. 0.01)*",
+        ),
         (["--target", "cpu", "--max-abs-diff", "nan"], "*argument --max-abs-diff: 'nan' is not a finite number*"),
-        (["--target", "cpu", "--min-cosine", "1.5"], "*argument --min-cosine: '1.5' is not between -1 and 1 (e.g. 0.99)*"),
+        (
+            ["--target", "cpu", "--min-cosine", "1.5"],
+            "*argument --min-cosine: '1.5' is not between -1 and 1 (e.g. 0.99)*",
+        ),
         (["--target", "cpu", "--min-similarity", "101"], "*'101' is not a percentage between 0 and 100*"),
         (["--target", "cpu", "--seq-len", "0"], "*argument --seq-len: '0' must be a positive integer (1 or more)*"),
         (["--gpu-golden", "--batch-size", "two"], "*'two' is not a whole number; give a positive integer such as 32*"),
-        (["--target", "cpu", "--dtype", "int8"], "*'int8' is not a supported dtype; choose one of bfloat16, float16, float32*"),
-        (["--gpu-golden", "--golden-device", "tpu"], "*'tpu' is not a golden device; choose auto, cpu, cuda or cuda:N*"),
+        (
+            ["--target", "cpu", "--dtype", "int8"],
+            "*'int8' is not a supported dtype; choose one of bfloat16, float16, float32*",
+        ),
+        (
+            ["--gpu-golden", "--golden-device", "tpu"],
+            "*'tpu' is not a golden device; choose auto, cpu, cuda or cuda:N*",
+        ),
         (["--target", "gpu"], "*argument --target: invalid choice: 'gpu'*"),
-        (["--target", "cpu", "--layer-module", "model.nothing"], "*--layer-module 'model.nothing' is not a list of layers in MiniMaxM2ForCausalLM; module lists in this model: model.layers (6)*"),
+        (
+            ["--target", "cpu", "--layer-module", "model.nothing"],
+            "*--layer-module 'model.nothing' is not a list of layers in MiniMaxM2ForCausalLM; module lists in this "
+            "model: model.layers (6)*",
+        ),
     ],
 )
 def test_bad_options_are_usage_errors(project, args, message):
@@ -43,13 +77,17 @@ def test_model_folder_without_config_json(project):
     project.mkdir("empty")
     result = project.runpytest("--target", "cpu", "--model", "empty")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*empty has no config.json; --model must be a HuggingFace model folder (config.json and safetensors weights)*"])
+    result.stderr.fnmatch_lines(
+        ["*empty has no config.json; --model must be a HuggingFace model folder (config.json and safetensors weights)*"]
+    )
 
 
 def test_no_model_configured(pytester):
     result = pytester.runpytest("--target", "cpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*no model given: pass --model DIR (a HuggingFace model folder) or set layerparity_model in your pytest ini*"])
+    result.stderr.fnmatch_lines(
+        ["*no model given: pass --model DIR (a HuggingFace model folder) or set layerparity_model in your pytest ini*"]
+    )
 
 
 def test_bad_ini_value_is_a_usage_error(project):
@@ -67,9 +105,12 @@ def test_bad_ini_value_is_a_usage_error(project):
 def test_neuron_sdk_missing_names_the_install(project):
     result = project.runpytest("--neuron")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([
-        "*--neuron: torch_neuronx, neuronx_distributed not installed; install the AWS Neuron SDK from AWS's repository, not from PyPI*",
-    ])
+    result.stderr.fnmatch_lines(
+        [
+            "*--neuron: torch_neuronx, neuronx_distributed not installed; install the AWS Neuron SDK from AWS's "
+            "repository, not from PyPI*",
+        ]
+    )
 
 
 def test_no_mode_adds_no_tests(project):

@@ -1,4 +1,5 @@
 """`pytest --xla` / `--target cpu` against the committed goldens of the default model."""
+
 from __future__ import annotations
 
 import json
@@ -39,20 +40,35 @@ def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_conf
 def test_xla_parity_passes_every_layer_of_the_default_model(project):
     result = project.runpytest("--xla", "-v", "--junitxml=out.xml")
     result.assert_outcomes(passed=6)
-    result.stdout.fnmatch_lines([
-        "layerparity: target xla, dtype float32",
-        "layerparity: verdict: noise policy (float32): fail on NaN/Inf, cosine_similarity < 0.9999, noise_ratio > 1.5, token_noise_ratio > 3 or contribution_bias > 6 *",
-        *[f"*test_layer_parity?layer_{i}? PASSED*" for i in range(6)],
-        "*layerparity summary*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "layerparity: target xla, dtype float32",
+            "layerparity: verdict: noise policy (float32): fail on NaN/Inf, cosine_similarity < 0.9999, noise_ratio "
+            "> 1.5, token_noise_ratio > 3 or contribution_bias > 6 *",
+            *[f"*test_layer_parity?layer_{i}? PASSED*" for i in range(6)],
+            "*layerparity summary*",
+        ]
+    )
     tree = ET.parse(project.path / "out.xml")
     cases = tree.findall(".//testcase")
     assert len(cases) == 6
     for case in cases:
         props = {p.get("name"): p.get("value") for p in case.findall("./properties/property")}
-        for name in ("max_abs_diff", "mean_abs_diff", "similarity_percentage", "cosine_similarity",
-                     "pearson_correlation", "has_nan", "has_inf", "layers", "verdict", "noise_ratio",
-                     "token_noise_ratio", "contribution_bias", "routing_agreement"):
+        for name in (
+            "max_abs_diff",
+            "mean_abs_diff",
+            "similarity_percentage",
+            "cosine_similarity",
+            "pearson_correlation",
+            "has_nan",
+            "has_inf",
+            "layers",
+            "verdict",
+            "noise_ratio",
+            "token_noise_ratio",
+            "contribution_bias",
+            "routing_agreement",
+        ):
             assert name in props, (case.get("name"), name)
         assert props["verdict"] == "pass"
         assert float(props["max_abs_diff"]) < 1e-3
@@ -64,19 +80,21 @@ def test_planted_bug_fails_exactly_that_layer_on_xla(project):
     project.makeconftest(PLANT_EPSILON)
     result = project.runpytest("--xla", "--layers", "2-4")
     result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines([
-        "*_ test_layer_parity?layer_3? _*",
-        "layer 3 on xla:0*: output differs from the golden",
-        "  shape (1, 32, 64), golden float32, target float32",
-        "  noise_ratio * <= 1.5 * FAIL",
-        "  token_noise_ratio * <= 3 * FAIL",
-        "  worst element: index (0, *, *): golden *, target *",
-        "  precision floor: ||golden - ref|| = *, ||target - ref|| = *; worst token * at *x its floor*",
-        "  routing (mlp.gate): all 32 tokens chose the same experts",
-        "  minimum passing tolerance: atol * (with rtol 0); rtol * (with atol 0); --max-noise-ratio *",
-        "  drill in: pytest --xla --model=* --golden-dir=* --layers 3 -k layer_3 --op-compare -vv",
-        "FAILED layerparity::test_layer_parity[[]layer_3[]] - *",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_layer_parity?layer_3? _*",
+            "layer 3 on xla:0*: output differs from the golden",
+            "  shape (1, 32, 64), golden float32, target float32",
+            "  noise_ratio * <= 1.5 * FAIL",
+            "  token_noise_ratio * <= 3 * FAIL",
+            "  worst element: index (0, *, *): golden *, target *",
+            "  precision floor: ||golden - ref|| = *, ||target - ref|| = *; worst token * at *x its floor*",
+            "  routing (mlp.gate): all 32 tokens chose the same experts",
+            "  minimum passing tolerance: atol * (with rtol 0); rtol * (with atol 0); --max-noise-ratio *",
+            "  drill in: pytest --xla --model=* --golden-dir=* --layers 3 -k layer_3 --op-compare -vv",
+            "FAILED layerparity::test_layer_parity[[]layer_3[]] - *",
+        ]
+    )
 
 
 def test_swapped_rotary_halves_fail_that_layer(project):
@@ -112,7 +130,12 @@ def test_corrupt_golden_errors_naming_the_file(project):
     path.write_bytes(bytes(data))
     result = project.runpytest("--target", "cpu")
     result.assert_outcomes(passed=5, errors=1)
-    result.stdout.fnmatch_lines([f"*{path}: sha256 * does not match the manifest's *regenerate it with: pytest --gpu-golden --extract --model=* --golden-dir=*"])
+    result.stdout.fnmatch_lines(
+        [
+            f"*{path}: sha256 * does not match the manifest's *regenerate it with: pytest --gpu-golden --extract "
+            "--model=* --golden-dir=*"
+        ]
+    )
 
 
 def test_missing_golden_errors_with_the_extraction_command(project):
@@ -122,7 +145,9 @@ def test_missing_golden_errors_with_the_extraction_command(project):
     manifest_path.write_text(json.dumps(manifest))
     result = project.runpytest("--target", "cpu", "--layers", "5")
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*no golden for layer_5; extract it with: pytest --gpu-golden --extract --model=* --golden-dir=* --layers 5*"])
+    result.stdout.fnmatch_lines(
+        ["*no golden for layer_5; extract it with: pytest --gpu-golden --extract --model=* --golden-dir=* --layers 5*"]
+    )
 
 
 def test_store_of_another_model_is_refused_before_any_layer_runs(project):
@@ -132,17 +157,25 @@ def test_store_of_another_model_is_refused_before_any_layer_runs(project):
     manifest_path.write_text(json.dumps(manifest))
     result = project.runpytest("--target", "cpu")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*refusing the golden store: *manifest.json: the goldens were made from another model or setting than * (model.hidden_size: store has 4096, this run has 64); extract them again for this model: pytest --gpu-golden --extract*"])
+    result.stderr.fnmatch_lines(
+        [
+            "*refusing the golden store: *manifest.json: the goldens were made from another model or setting than * "
+            "(model.hidden_size: store has 4096, this run has 64); extract them again for this model: pytest "
+            "--gpu-golden --extract*"
+        ]
+    )
 
 
 def test_layer_ranges_run_end_to_end_and_name_the_first_bad_layer(project):
     project.makeconftest(PLANT_EPSILON)
     result = project.runpytest("--target", "cpu", "--layers", "0", "--layer-ranges", "0-1,2-5")
     result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines([
-        "*range 2-5: * of 4 layers leave tolerance; the first is layer 3",
-        "FAILED layerparity::test_layer_range_parity[[]layers_2-5[]]*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*range 2-5: * of 4 layers leave tolerance; the first is layer 3",
+            "FAILED layerparity::test_layer_range_parity[[]layers_2-5[]]*",
+        ]
+    )
 
 
 def test_parity_report_json(project):
@@ -154,7 +187,13 @@ def test_parity_report_json(project):
     assert set(by_id) == {"layerparity::test_layer_parity[layer_2]", "layerparity::test_layer_parity[layer_3]"}
     bad = by_id["layerparity::test_layer_parity[layer_3]"]
     assert bad["verdict"] == "fail" and bad["layers"] == "3"
-    assert set(bad["metrics"]) >= {"max_abs_diff", "mean_abs_diff", "similarity_percentage", "cosine_similarity", "pearson_correlation"}
+    assert set(bad["metrics"]) >= {
+        "max_abs_diff",
+        "mean_abs_diff",
+        "similarity_percentage",
+        "cosine_similarity",
+        "pearson_correlation",
+    }
     assert by_id["layerparity::test_layer_parity[layer_2]"]["verdict"] == "pass"
     result.stdout.fnmatch_lines(["first failing: test_layer_parity[[]layer_3[]] (layers 3)"])
 
@@ -190,15 +229,18 @@ def test_op_compare_names_the_first_wrong_op_and_how_to_replay_it(project):
     project.makeconftest(WRONG_XLA_RSQRT)
     result = project.runpytest_subprocess("--xla", "--layers", "1", "--op-compare", "--op-compare-dir=ops")
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([
-        "  op-compare (the layer re-run op by op against the CPU):",
-        "    first op that fails: MiniMaxM2DecoderLayer/MiniMaxM2RMSNorm/torch.ops.aten.rsqrt(forward): * elements off *",
-        "    replay: python -c *compare_for_single_op(*torch.ops.aten.rsqrt_inputs.safetensors*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "  op-compare (the layer re-run op by op against the CPU):",
+            "    first op that fails: MiniMaxM2DecoderLayer/MiniMaxM2RMSNorm/torch.ops.aten.rsqrt(forward): * "
+            "elements off *",
+            "    replay: python -c *compare_for_single_op(*torch.ops.aten.rsqrt_inputs.safetensors*",
+        ]
+    )
     dump = next((project.path / "ops" / "layer_1").glob("torch.ops.aten.rsqrt_inputs.safetensors"))
     from pytest_layerparity.ops import compare_for_single_op
 
-    correct, args, kwargs, out = compare_for_single_op(str(dump), "torch.ops.aten.rsqrt", atol=1e-4, rtol=1e-4)
+    correct, _args, _kwargs, _out = compare_for_single_op(str(dump), "torch.ops.aten.rsqrt", atol=1e-4, rtol=1e-4)
     assert correct  # without the wrong kernel (this process), the op itself is fine: the kernel was the bug
 
 

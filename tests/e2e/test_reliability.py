@@ -6,6 +6,7 @@ through a write, a full disk is simulated under the store's own write call, two 
 (and two xdist workers) extract into one store at once. Every test asserts the exact
 message the user reads.
 """
+
 from __future__ import annotations
 
 import errno
@@ -22,7 +23,6 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
-
 from support import DEFAULT_GOLDENS, DEFAULT_MODEL
 
 from pytest_layerparity.reference.model import config_sha256, read_config_json
@@ -98,8 +98,10 @@ def rewrite_entry(root: Path, key: str, file: str, tensors: dict, metadata: dict
     payload = save(tensors, metadata={"layerparity": json.dumps(metadata)})
     path = root / file
     path.write_bytes(payload)
-    edit_manifest(root, lambda m: m["files"][key].update(
-        {"sha256": golden.hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}))
+    edit_manifest(
+        root,
+        lambda m: m["files"][key].update({"sha256": golden.hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}),
+    )
     return path
 
 
@@ -177,7 +179,9 @@ def _other_sha(path: Path, root: Path) -> str:
     return " (the file is corrupt or was changed)"
 
 
-@pytest.mark.parametrize("damage", [_truncate, _flip_byte, _other_sha], ids=["truncated", "flipped-byte", "manifest-sha"])
+@pytest.mark.parametrize(
+    "damage", [_truncate, _flip_byte, _other_sha], ids=["truncated", "flipped-byte", "manifest-sha"]
+)
 def test_corrupt_golden_errors_its_layer_naming_the_file_and_compares_nothing(project, damage):
     """A truncated file, a flipped byte, a sha256 that is not the manifest's: the layer's
     test errors at setup naming the file and the command that regenerates it; the layer is
@@ -204,7 +208,7 @@ def test_the_regenerate_command_repairs_a_corrupt_layer_and_model_io_and_keeps_t
     _flip_byte(goldens / "layer_00004.safetensors", goldens)
     _flip_byte(goldens / "model_io.safetensors", goldens)
     others = {i: file_state(goldens / f"layer_{i:05d}.safetensors") for i in (0, 1, 2, 3, 5)}
-    with pytest.raises(GoldenError, match="model_io.safetensors: sha256"):
+    with pytest.raises(GoldenError, match=r"model_io\.safetensors: sha256"):
         GoldenStore(goldens).load("model_io")
     result = project.runpytest("--gpu-golden", "--extract", f"--golden-dir={goldens}", "--layers", "4")
     result.assert_outcomes(passed=1)
@@ -219,10 +223,16 @@ def test_the_regenerate_command_repairs_a_corrupt_layer_and_model_io_and_keeps_t
 def _stale_cases():
     sha = config_sha256(read_config_json(DEFAULT_MODEL))
     return [
-        pytest.param({"model.config_sha256": "0" * 64}, [],
-                     f"model.config_sha256: store has '{'0' * 64}', this run has '{sha}'", id="other-config"),
+        pytest.param(
+            {"model.config_sha256": "0" * 64},
+            [],
+            f"model.config_sha256: store has '{'0' * 64}', this run has '{sha}'",
+            id="other-config",
+        ),
         pytest.param({"model.num_layers": 12}, [], "model.num_layers: store has 12, this run has 6", id="layer-count"),
-        pytest.param({"model.hidden_size": 4096}, [], "model.hidden_size: store has 4096, this run has 64", id="hidden-size"),
+        pytest.param(
+            {"model.hidden_size": 4096}, [], "model.hidden_size: store has 4096, this run has 64", id="hidden-size"
+        ),
         pytest.param({}, ["--dtype", "bfloat16"], "dtype: store has 'float32', this run has 'bfloat16'", id="dtype"),
     ]
 
@@ -332,8 +342,9 @@ def test_extraction_killed_mid_write_keeps_earlier_layers_and_rerun_completes(fr
     assert set(manifest["files"]) == {f"layer_{i}" for i in range(6)} | {"model_io"}
     assert {i: file_state(store / f"layer_{i:05d}.safetensors") for i in range(3)} == earlier
     # one forward pass: layer 3's input (written now) is layer 2's output (written before the kill)
-    assert torch.equal(load_file(store / "layer_00003.safetensors")["args.0"],
-                       load_file(store / "layer_00002.safetensors")["output"])
+    assert torch.equal(
+        load_file(store / "layer_00003.safetensors")["args.0"], load_file(store / "layer_00002.safetensors")["output"]
+    )
     fresh.runpytest("--target", "cpu").assert_outcomes(passed=6)
 
 
@@ -360,7 +371,7 @@ def test_full_disk_leaves_the_store_unchanged(store_copy, monkeypatch):
     assert store_copy.manifest_path.read_bytes() == manifest_before
     assert (root / "layer_00002.safetensors").read_bytes() == old
     assert torch.equal(store_copy.load("layer_2").tensors["output"], entry.tensors["output"])
-    assert not (root / "layer_00007.safetensors").exists() and "layer_7" not in store_copy.keys()
+    assert not (root / "layer_00007.safetensors").exists() and "layer_7" not in store_copy.keys()  # noqa: SIM118  a GoldenStore, not a dict
     assert temp_files(root) == []
 
 
@@ -372,7 +383,8 @@ def test_full_disk_while_writing_the_manifest_leaves_the_store_unchanged(store_c
         store_copy.write("layer_2", {"output": torch.ones(2)}, {"call": {}})
     assert str(info.value).startswith(
         f"{root / 'layer_00002.safetensors'}: cannot write the golden for layer_2 (No space left on device [ENOSPC]); "
-        "the store is unchanged")
+        "the store is unchanged"
+    )
     assert {p.name: p.read_bytes() for p in root.iterdir()} == before
 
 
@@ -434,8 +446,24 @@ def test_two_processes_extracting_disjoint_layers_into_one_store(fresh):
     store = fresh.path / "store"
     env = dict(os.environ, PJRT_DEVICE="CPU")
     procs = [
-        subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--gpu-golden", "--extract",
-                          "--layers", layers], cwd=fresh.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "-q",
+                "--gpu-golden",
+                "--extract",
+                "--layers",
+                layers,
+            ],
+            cwd=fresh.path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         for layers in ("0-2", "3-5")
     ]
     outputs = [proc.communicate(timeout=300)[0].decode() for proc in procs]
@@ -444,8 +472,9 @@ def test_two_processes_extracting_disjoint_layers_into_one_store(fresh):
     manifest = verify_store(store)
     assert set(manifest["files"]) == {f"layer_{i}" for i in range(6)} | {"model_io"}
     assert temp_files(store) == []
-    assert torch.equal(load_file(store / "layer_00003.safetensors")["args.0"],
-                       load_file(store / "layer_00002.safetensors")["output"])
+    assert torch.equal(
+        load_file(store / "layer_00003.safetensors")["args.0"], load_file(store / "layer_00002.safetensors")["output"]
+    )
 
 
 def test_xdist_workers_extracting_into_one_store(fresh):
@@ -468,7 +497,8 @@ def test_a_concurrent_extraction_of_something_else_cannot_write_under_this_heade
         a.write("layer_1", {"output": torch.ones(2)}, {"call": {}})
     assert str(info.value) == (
         f"{a.manifest_path}: another extraction wrote to this store while this one ran "
-        f"(inputs.seq_len: store has 16, this run has 32); use another --golden-dir, or delete {a.root} and extract again"
+        f"(inputs.seq_len: store has 16, this run has 32); use another --golden-dir, or delete {a.root} and extract "
+        "again"
     )
     assert a.keys() == ["layer_0"]
 
@@ -495,8 +525,14 @@ def test_nan_in_the_reference_fails_extraction_of_that_layer_saying_where(fresh,
     result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "0-3", "-v")
     result.assert_outcomes(passed=2, failed=2)
     lines = result.stdout.lines
-    assert "layer 2: the reference output is not usable as a golden: layer_2: tensor 'output' holds NaN (first at index (0, 5, 7))" in lines
-    assert "layer 3: the reference output is not usable as a golden: layer_3: tensor 'args.0' holds NaN (first at index (0, 5, 7))" in lines
+    assert (
+        "layer 2: the reference output is not usable as a golden: layer_2: tensor 'output' holds NaN (first at index "
+        "(0, 5, 7))" in lines
+    )
+    assert (
+        "layer 3: the reference output is not usable as a golden: layer_3: tensor 'args.0' holds NaN (first at index "
+        "(0, 5, 7))" in lines
+    )
     store = fresh.path / "store"
     manifest = verify_store(store)
     assert set(manifest["files"]) == {"layer_0", "layer_1", "model_io"}
@@ -505,7 +541,9 @@ def test_nan_in_the_reference_fails_extraction_of_that_layer_saying_where(fresh,
     assert io.metadata["omitted"]["logits"].startswith("model_io: tensor 'logits' holds NaN (first at index (")
 
 
-@pytest.mark.parametrize(("tensor", "value", "what"), [("output", float("nan"), "NaN"), ("args.0", float("inf"), "Inf")])
+@pytest.mark.parametrize(
+    ("tensor", "value", "what"), [("output", float("nan"), "NaN"), ("args.0", float("inf"), "Inf")]
+)
 def test_nan_or_inf_written_into_a_golden_errors_its_parity_test_at_load(project, tensor, value, what):
     goldens = project.path / "goldens"
     tensors, metadata = read_entry(goldens / "layer_00002.safetensors")
@@ -529,10 +567,14 @@ def test_missing_goldens_error_with_the_extraction_command(project):
     result = project.runpytest("--target", "cpu", "--layers", "3-5")
     result.assert_outcomes(passed=1, errors=2)
     lines = result.stdout.lines
-    assert (f"{goldens}: no golden for layer_5; extract it with: pytest --gpu-golden --extract "
-            f"--model={DEFAULT_MODEL} --golden-dir={goldens} --layers 5") in lines
-    assert (f"{goldens / 'layer_00004.safetensors'}: cannot read the golden for layer_4 (No such file or directory "
-            f"[ENOENT]); regenerate it with: {extract_cmd(goldens, '4', DEFAULT_MODEL)}") in lines
+    assert (
+        f"{goldens}: no golden for layer_5; extract it with: pytest --gpu-golden --extract "
+        f"--model={DEFAULT_MODEL} --golden-dir={goldens} --layers 5"
+    ) in lines
+    assert (
+        f"{goldens / 'layer_00004.safetensors'}: cannot read the golden for layer_4 (No such file or directory "
+        f"[ENOENT]); regenerate it with: {extract_cmd(goldens, '4', DEFAULT_MODEL)}"
+    ) in lines
 
 
 def test_no_store_at_all_errors_with_the_extraction_command(project):
@@ -540,8 +582,10 @@ def test_no_store_at_all_errors_with_the_extraction_command(project):
     goldens = project.path / "goldens"
     result = project.runpytest("--target", "cpu", "--layers", "0")
     result.assert_outcomes(errors=1)
-    assert (f"no golden store at {goldens} (no manifest.json); extract it with: pytest --gpu-golden --extract "
-            f"--model={DEFAULT_MODEL} --golden-dir={goldens} --layers 0") in result.stdout.lines
+    assert (
+        f"no golden store at {goldens} (no manifest.json); extract it with: pytest --gpu-golden --extract "
+        f"--model={DEFAULT_MODEL} --golden-dir={goldens} --layers 0"
+    ) in result.stdout.lines
 
 
 # -- hostile files -------------------------------------------------------------------------
@@ -557,8 +601,10 @@ def test_a_pickle_is_never_unpickled(store_copy, tmp_path):
     path = store_copy.root / "layer_00001.safetensors"
     data = pickle.dumps({"output": Payload()})
     path.write_bytes(data)
-    edit_manifest(store_copy.root, lambda m: m["files"]["layer_1"].update(
-        {"sha256": golden.hashlib.sha256(data).hexdigest(), "bytes": len(data)}))
+    edit_manifest(
+        store_copy.root,
+        lambda m: m["files"]["layer_1"].update({"sha256": golden.hashlib.sha256(data).hexdigest(), "bytes": len(data)}),
+    )
     with pytest.raises(GoldenError) as info:
         store_copy.load("layer_1")
     message = str(info.value)
@@ -608,27 +654,41 @@ def test_a_fifo_or_folder_named_like_a_golden_is_refused_without_hanging(store_c
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda m: m["files"]["layer_1"].update(file="../outside.safetensors"),
-         "{manifest}: entry 'layer_1' names file '../outside.safetensors', which is not a plain safetensors file "
-         "name inside the store; refusing to read it"),
-        (lambda m: m["files"]["layer_1"].update(file="/etc/passwd.safetensors"),
-         "{manifest}: entry 'layer_1' names file '/etc/passwd.safetensors', which is not a plain safetensors file "
-         "name inside the store; refusing to read it"),
-        (lambda m: m["files"]["layer_1"].update(file="manifest.json"),
-         "{manifest}: entry 'layer_1' names file 'manifest.json', which is not a plain safetensors file "
-         "name inside the store; refusing to read it"),
-        (lambda m: m["files"].update(layer_1="layer_00001.safetensors"),
-         "{manifest}: entry 'layer_1' is a string, not an object with file, sha256 and bytes; "
-         "move {root} away (or delete it) and extract again: pytest --gpu-golden --extract --golden-dir={root}"),
-        (lambda m: m.update(files=[]),
-         "{manifest}: the manifest's 'files' is a list, not an object of entries; "
-         "move {root} away (or delete it) and extract again: pytest --gpu-golden --extract --golden-dir={root}"),
-        (lambda m: m.pop("files"),
-         "{manifest}: the manifest has no 'files' table; "
-         "move {root} away (or delete it) and extract again: pytest --gpu-golden --extract --golden-dir={root}"),
-        (lambda m: m.update(schema_version=True),
-         "{manifest}: schema version True is not one this pytest-layerparity reads (it reads 1); "
-         "move {root} away (or delete it) and extract again: pytest --gpu-golden --extract --golden-dir={root}"),
+        (
+            lambda m: m["files"]["layer_1"].update(file="../outside.safetensors"),
+            "{manifest}: entry 'layer_1' names file '../outside.safetensors', which is not a plain safetensors file "
+            "name inside the store; refusing to read it",
+        ),
+        (
+            lambda m: m["files"]["layer_1"].update(file="/etc/passwd.safetensors"),
+            "{manifest}: entry 'layer_1' names file '/etc/passwd.safetensors', which is not a plain safetensors file "
+            "name inside the store; refusing to read it",
+        ),
+        (
+            lambda m: m["files"]["layer_1"].update(file="manifest.json"),
+            "{manifest}: entry 'layer_1' names file 'manifest.json', which is not a plain safetensors file "
+            "name inside the store; refusing to read it",
+        ),
+        (
+            lambda m: m["files"].update(layer_1="layer_00001.safetensors"),
+            "{manifest}: entry 'layer_1' is a string, not an object with file, sha256 and bytes; "
+            "move {root} away (or delete it) and extract again: pytest --gpu-golden --extract --golden-dir={root}",
+        ),
+        (
+            lambda m: m.update(files=[]),
+            "{manifest}: the manifest's 'files' is a list, not an object of entries; "
+            "move {root} away (or delete it) and extract again: pytest --gpu-golden --extract --golden-dir={root}",
+        ),
+        (
+            lambda m: m.pop("files"),
+            "{manifest}: the manifest has no 'files' table; "
+            "move {root} away (or delete it) and extract again: pytest --gpu-golden --extract --golden-dir={root}",
+        ),
+        (
+            lambda m: m.update(schema_version=True),
+            "{manifest}: schema version True is not one this pytest-layerparity reads (it reads 1); "
+            "move {root} away (or delete it) and extract again: pytest --gpu-golden --extract --golden-dir={root}",
+        ),
     ],
     ids=["dotdot", "absolute", "not-safetensors", "entry-not-object", "files-not-object", "no-files", "schema-bool"],
 )
@@ -646,7 +706,9 @@ def test_a_manifest_that_is_not_an_object_is_refused(store_copy, text, kind):
         store_copy.read_manifest()
     hint = f"move {store_copy.root} away (or delete it) and extract again: {extract_cmd(store_copy.root)}"
     if kind:
-        assert str(info.value) == f"{store_copy.manifest_path}: the manifest is not a JSON object (it is {kind}); {hint}"
+        assert (
+            str(info.value) == f"{store_copy.manifest_path}: the manifest is not a JSON object (it is {kind}); {hint}"
+        )
     else:
         assert str(info.value).startswith(f"{store_copy.manifest_path}: the manifest is not valid JSON (")
         assert str(info.value).endswith(hint)
@@ -661,7 +723,8 @@ def test_a_golden_filed_under_another_layer_is_refused(store_copy):
     with pytest.raises(GoldenError) as info:
         store_copy.load("layer_1")
     assert str(info.value) == (
-        f"{path}: layer_1: the file holds the golden of layer 0, not of layer_1; regenerate it with: {extract_cmd(root, '1')}"
+        f"{path}: layer_1: the file holds the golden of layer 0, not of layer_1; regenerate it with: "
+        f"{extract_cmd(root, '1')}"
     )
 
 
@@ -687,16 +750,20 @@ def test_model_option_that_is_a_file_or_missing_folder(project):
     for path in (weights, project.path / "no_such_folder"):
         result = project.runpytest("--target", "cpu", f"--model={path}")
         assert result.ret == USAGE_ERROR
-        assert (f"ERROR: {path} has no config.json; --model must be a HuggingFace model folder "
-                "(config.json and safetensors weights)") in result.stderr.lines
+        assert (
+            f"ERROR: {path} has no config.json; --model must be a HuggingFace model folder "
+            "(config.json and safetensors weights)"
+        ) in result.stderr.lines
 
 
 @pytest.mark.parametrize(
     ("args", "line"),
     [
         (["--min-pearson", "nan"], "error: argument --min-pearson: 'nan' is not a finite number"),
-        (["--max-mean-abs-diff", "-0.5"],
-         "error: argument --max-mean-abs-diff: '-0.5' is negative; a tolerance is 0 or more (e.g. 0.01)"),
+        (
+            ["--max-mean-abs-diff", "-0.5"],
+            "error: argument --max-mean-abs-diff: '-0.5' is negative; a tolerance is 0 or more (e.g. 0.01)",
+        ),
         (["--min-similarity", "inf"], "error: argument --min-similarity: 'inf' is not a finite number"),
     ],
 )
@@ -715,14 +782,24 @@ HIDE_AND_RUN = "import sys; sys.modules[{name!r}] = None; import pytest; sys.exi
 @pytest.mark.parametrize(
     ("hidden", "args", "line"),
     [
-        ("torch_xla", ["--xla"],
-         "ERROR: --xla: torch_xla not installed; pip install 'pytest-layerparity[xla]'   (torch-xla==2.9.* with torch==2.9.*)"),
-        ("transformers", ["--gpu-golden", "--extract"],
-         "ERROR: --gpu-golden: transformers not installed; pip install 'pytest-layerparity[reference]'   "
-         "(transformers and accelerate)"),
-        ("transformers", ["--target", "cpu"],
-         "ERROR: --target cpu: transformers not installed; pip install 'pytest-layerparity[reference]'   "
-         "(transformers and accelerate)"),
+        (
+            "torch_xla",
+            ["--xla"],
+            "ERROR: --xla: torch_xla not installed; pip install 'pytest-layerparity[xla]'   (torch-xla==2.9.* with "
+            "torch==2.9.*)",
+        ),
+        (
+            "transformers",
+            ["--gpu-golden", "--extract"],
+            "ERROR: --gpu-golden: transformers not installed; pip install 'pytest-layerparity[reference]'   "
+            "(transformers and accelerate)",
+        ),
+        (
+            "transformers",
+            ["--target", "cpu"],
+            "ERROR: --target cpu: transformers not installed; pip install 'pytest-layerparity[reference]'   "
+            "(transformers and accelerate)",
+        ),
     ],
     ids=["xla", "extract", "target-cpu"],
 )

@@ -1,11 +1,11 @@
 """Layer streaming, single-layer loading, placement options, --plan and the dtype audit."""
+
 from __future__ import annotations
 
 import shutil
 
 import pytest
 import torch
-
 from support import DEFAULT_MODEL
 
 from pytest_layerparity.options import parse_max_memory, size_bytes
@@ -13,8 +13,9 @@ from pytest_layerparity.reference.audit import dtype_audit
 
 
 def _extract(pytester, store, *args):
-    result = pytester.runpytest("--gpu-golden", "--extract", f"--model={DEFAULT_MODEL}", f"--golden-dir={store}",
-                                "--dtype", "bfloat16", *args)
+    result = pytester.runpytest(
+        "--gpu-golden", "--extract", f"--model={DEFAULT_MODEL}", f"--golden-dir={store}", "--dtype", "bfloat16", *args
+    )
     result.assert_outcomes(passed=6)
     return result
 
@@ -30,10 +31,12 @@ def test_streaming_goldens_equal_whole_model_goldens_bit_for_bit(pytester):
 
 def test_header_names_the_placement(pytester):
     result = _extract(pytester, "s", "--device-map", "stream")
-    result.stdout.fnmatch_lines([
-        "layerparity: reference device cpu (no CUDA visible), dtype bfloat16, placement stream*",
-        "reference placement: stream on cpu",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "layerparity: reference device cpu (no CUDA visible), dtype bfloat16, placement stream*",
+            "reference placement: stream on cpu",
+        ]
+    )
 
 
 def test_single_layer_test_opens_only_the_shards_of_that_layer(pytester):
@@ -90,16 +93,18 @@ def test_plan_reads_headers_only(pytester):
         shard.write_bytes(data[: 8 + length])
     result = pytester.runpytest("--plan", f"--model={model}", "--dtype", "bfloat16", "--seq-len", "128")
     assert result.ret == 0
-    result.stdout.fnmatch_lines([
-        "layerparity plan: * (minimax_m2, 6 layers), dtype bfloat16, batch 1, seq 128",
-        "  weights on disk by dtype: BF16 2.19 MB",
-        "  weights as bfloat16: 2.19 MB; largest layer: layer 0, 0.32 MB; outside the layers: 0.26 MB",
-        "  activations (batch x seq x hidden x layers x bytes): 0.10 MB",
-        "  KV cache (2 x batch x layers x seq x kv_heads x head_dim x bytes): 0.10 MB",
-        "  devices: cpu * free",
-        "    whole model on cpu: needs * fits",
-        "    --device-map stream on cpu: needs * fits",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "layerparity plan: * (minimax_m2, 6 layers), dtype bfloat16, batch 1, seq 128",
+            "  weights on disk by dtype: BF16 2.19 MB",
+            "  weights as bfloat16: 2.19 MB; largest layer: layer 0, 0.32 MB; outside the layers: 0.26 MB",
+            "  activations (batch x seq x hidden x layers x bytes): 0.10 MB",
+            "  KV cache (2 x batch x layers x seq x kv_heads x head_dim x bytes): 0.10 MB",
+            "  devices: cpu * free",
+            "    whole model on cpu: needs * fits",
+            "    --device-map stream on cpu: needs * fits",
+        ]
+    )
 
 
 def test_dtype_audit_refuses_a_float32_layer_under_a_bf16_request():

@@ -1,4 +1,5 @@
 """Noise-aware verdicts, MoE routing agreement, chained runs, bisection and reports."""
+
 from __future__ import annotations
 
 import json
@@ -6,7 +7,6 @@ import sys
 
 import pytest
 import torch
-
 from support import DEFAULT_MODEL, ROOT
 
 sys.path.insert(0, str(ROOT / "fixtures"))
@@ -20,8 +20,10 @@ def bf16_store(tmp_path_factory):
     from pytest_layerparity.session import LayerParitySession
 
     store = tmp_path_factory.mktemp("bf16") / "store"
-    session = LayerParitySession(make_settings(gpu_golden=True, extract=True, model=str(DEFAULT_MODEL),
-                                               golden_dir=str(store), dtype="bfloat16"), ROOT)
+    session = LayerParitySession(
+        make_settings(gpu_golden=True, extract=True, model=str(DEFAULT_MODEL), golden_dir=str(store), dtype="bfloat16"),
+        ROOT,
+    )
     for i in range(6):
         session.extract_layer(i)
     return store
@@ -38,7 +40,9 @@ def test_correct_bf16_port_passes_isolated_and_chained_on_xla(pytester, bf16_sto
     result = pytester.runpytest("--xla", "--chain", "--parity-report", "rep")
     result.assert_outcomes(passed=7)
     report = json.loads((pytester.path / "rep" / "report.json").read_text())
-    flips = [t["metrics"].get("routing_near_tie_flipped", 0) for t in report["tests"] if "test_layer_parity" in t["nodeid"]]
+    flips = [
+        t["metrics"].get("routing_near_tie_flipped", 0) for t in report["tests"] if "test_layer_parity" in t["nodeid"]
+    ]
     assert sum(flips) >= 1  # near-tie routing flips happen, and are told apart from bugs
     table = pytester.runpytest("--xla", "--layers", "1", "--verdict", "table")
     table.assert_outcomes(failed=1)
@@ -47,14 +51,16 @@ def test_correct_bf16_port_passes_isolated_and_chained_on_xla(pytester, bf16_sto
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_correct_bf16_ports_of_other_architectures_pass(pytester, kind):
+    from tiny_models import make
+
     from pytest_layerparity.options import make_settings
     from pytest_layerparity.session import LayerParitySession
-    from tiny_models import make
 
     model = make(kind, pytester.path / kind, num_layers=3)
     store = pytester.path / "store"
-    session = LayerParitySession(make_settings(gpu_golden=True, extract=True, model=str(model), golden_dir=str(store),
-                                               dtype="bfloat16"), ROOT)
+    session = LayerParitySession(
+        make_settings(gpu_golden=True, extract=True, model=str(model), golden_dir=str(store), dtype="bfloat16"), ROOT
+    )
     for i in range(3):
         session.extract_layer(i)
     _ini(pytester, model, store)
@@ -76,7 +82,7 @@ def test_planted_bugs_fail_that_layer(pytester, bf16_store, bug):
     pytester.makeconftest(
         f"""
         import sys
-        sys.path.insert(0, {str(ROOT / 'bench')!r})
+        sys.path.insert(0, {str(ROOT / "bench")!r})
         import pytest
         from bench_verdicts import {PLANTS[bug]} as plant
 
@@ -108,9 +114,11 @@ def test_bisect_names_the_planted_layer(pytester, bf16_store):
     _ini(pytester, DEFAULT_MODEL, bf16_store)
     result = pytester.runpytest("--target", "cpu", "--bisect", "-k", "bisect")
     result.assert_outcomes(failed=1, deselected=6)
-    result.stdout.fnmatch_lines([
-        "bisect 0-5: the chain first leaves tolerance at layer 4 (* chained range runs: 0-5 FAIL, *)",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "bisect 0-5: the chain first leaves tolerance at layer 4 (* chained range runs: 0-5 FAIL, *)",
+        ]
+    )
     text = result.stdout.str()
     runs = int(text.split("chained range runs")[0].rsplit("(", 1)[1])
     assert runs <= 4  # 1 + ceil(log2(6))
@@ -155,7 +163,9 @@ def test_routing_agreement_tells_near_ties_from_flips():
         "routing.gate.logits": torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.0, 2.0, 1.0], [2.0, 0.0, 0.0, 1.0]]),
         "routing.gate.scores": torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.0, 2.0, 1.0], [2.0, 0.0, 0.0, 1.0]]),
         # exact scores: token 1's experts 3 and 1 are 1e-3 apart, token 2's experts 3 and 1 are 1.0 apart
-        "ref_routing.gate.scores": torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.999, 2.0, 1.0], [2.0, 0.0, 0.0, 1.0]]).double(),
+        "ref_routing.gate.scores": torch.tensor(
+            [[3.0, 2.0, 0.0, 0.0], [0.0, 0.999, 2.0, 1.0], [2.0, 0.0, 0.0, 1.0]]
+        ).double(),
     }
     golden["ref_routing.gate.scores"][1, 3] = 1.0 + 1e-4
     target = {"routing.gate.indices": torch.tensor([[1, 0], [2, 1], [0, 1]])}

@@ -29,10 +29,17 @@ def test_capture_records_the_whole_call_and_replays_it():
     cos, sin = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
     records = {}
     with capture_calls({7: layer}, records.__setitem__):
-        expected = layer(hidden, position_embeddings=(cos, sin), attention_mask=None, cache=object(), flag=False, scale=float("inf"))[0]
+        expected = layer(
+            hidden, position_embeddings=(cos, sin), attention_mask=None, cache=object(), flag=False, scale=float("inf")
+        )[0]
     assert layer._forward_hooks == {} and layer._forward_pre_hooks == {}
     record = records[7]
-    assert sorted(record.tensors) == ["args.0", "kwargs.position_embeddings.0", "kwargs.position_embeddings.1", "output.0"]
+    assert sorted(record.tensors) == [
+        "args.0",
+        "kwargs.position_embeddings.0",
+        "kwargs.position_embeddings.1",
+        "output.0",
+    ]
     spec = json.loads(json.dumps(record.spec))  # the spec survives JSON
     assert spec["kwargs"]["cache"] == {"dropped": "object"}
     args, kwargs = decode_call(spec, record.tensors)
@@ -65,7 +72,7 @@ def test_output_tree_and_device_decoding():
     record = CallRecord()
     encode_call((), {"dtype": torch.bfloat16, "device": torch.device("cpu"), "ids": [torch.ones(1), 2]}, record)
     encode_output({"last": torch.ones(2), "aux": (torch.zeros(1),)}, record)
-    args, kwargs = decode_call(record.spec, record.tensors, device="cpu")
+    _args, kwargs = decode_call(record.spec, record.tensors, device="cpu")
     assert kwargs["dtype"] is torch.bfloat16 and kwargs["device"] == torch.device("cpu")
     assert kwargs["ids"][1] == 2 and torch.equal(kwargs["ids"][0], torch.ones(1))
     assert primary_output_name(record.spec) == "output.last"

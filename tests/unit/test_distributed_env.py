@@ -1,5 +1,6 @@
 """The decisions of runs over several processes, as pure functions: which cores, GPUs and
 ports each xdist worker gets, where a torchrun rank stands, where the compile cache lives."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,13 +27,22 @@ def test_worker_ids():
         xdist_worker_index("master")
 
 
-@pytest.mark.parametrize(("text", "cores"), [("0-3", [0, 1, 2, 3]), ("5", [5]), ("0-1,4-5", [0, 1, 4, 5]), (" 8 - 9 ", [8, 9])])
+@pytest.mark.parametrize(
+    ("text", "cores"), [("0-3", [0, 1, 2, 3]), ("5", [5]), ("0-1,4-5", [0, 1, 4, 5]), (" 8 - 9 ", [8, 9])]
+)
 def test_core_lists(text, cores):
     assert parse_core_list(text) == cores
 
 
-@pytest.mark.parametrize(("text", "message"), [("3-1", "range 3-1 is reversed; write 1-3"), ("a", "cannot read 'a'"),
-                                               ("0-3,2", "the ranges overlap"), ("1-2-3", "cannot read '1-2-3'")])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("3-1", "range 3-1 is reversed; write 1-3"),
+        ("a", "cannot read 'a'"),
+        ("0-3,2", "the ranges overlap"),
+        ("1-2-3", "cannot read '1-2-3'"),
+    ],
+)
 def test_bad_core_lists(text, message):
     with pytest.raises(ValueError, match=message):
         parse_core_list(text)
@@ -55,7 +65,11 @@ def test_each_worker_gets_its_own_cores():
 def test_too_few_cores_says_what_fits():
     check_neuron_core_plan(4, 2, list(range(8)))
     check_neuron_core_plan(16, 2, None)  # unknown pool: the runtime will say
-    with pytest.raises(ValueError, match=r"-n 4 with --cores-per-worker 2 needs 8 NeuronCores, and NEURON_RT_VISIBLE_CORES=0-3 has 4; use -n 2, or widen NEURON_RT_VISIBLE_CORES"):
+    with pytest.raises(
+        ValueError,
+        match=r"-n 4 with --cores-per-worker 2 needs 8 NeuronCores, and NEURON_RT_VISIBLE_CORES=0-3 has 4; use -n 2, "
+        r"or widen NEURON_RT_VISIBLE_CORES",
+    ):
         check_neuron_core_plan(4, 2, [0, 1, 2, 3])
     with pytest.raises(ValueError, match=r"use -n 1 --cores-per-worker 3"):
         check_neuron_core_plan(2, 4, [0, 1, 2])
@@ -70,10 +84,22 @@ def test_each_worker_gets_a_gpu_round_robin():
 
 
 def test_worker_environment():
-    env = worker_environment(1, neuron=True, cores_per_worker=2, cuda_devices=None, environ={"NEURON_RT_VISIBLE_CORES": "4-7"})
-    assert env == {"NEURON_RT_VISIBLE_CORES": "6-7", "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": None, "NEURON_RT_ROOT_COMM_ID": None}
-    assert "NEURON_RT_VISIBLE_CORES" not in worker_environment(1, neuron=True, cores_per_worker=0, cuda_devices=None, environ={})
-    assert worker_environment(3, neuron=False, cores_per_worker=1, cuda_devices=["5", "6"], environ={}) == {"CUDA_VISIBLE_DEVICES": "6"}
+    env = worker_environment(
+        1, neuron=True, cores_per_worker=2, cuda_devices=None, environ={"NEURON_RT_VISIBLE_CORES": "4-7"}
+    )
+    assert env == {
+        "NEURON_RT_VISIBLE_CORES": "6-7",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_PORT": None,
+        "NEURON_RT_ROOT_COMM_ID": None,
+    }
+    assert "NEURON_RT_VISIBLE_CORES" not in worker_environment(
+        1, neuron=True, cores_per_worker=0, cuda_devices=None, environ={}
+    )
+    assert worker_environment(3, neuron=False, cores_per_worker=1, cuda_devices=["5", "6"], environ={}) == {
+        "CUDA_VISIBLE_DEVICES": "6"
+    }
     assert worker_environment(3, neuron=False, cores_per_worker=1, cuda_devices=[], environ={}) == {}
 
 

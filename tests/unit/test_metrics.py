@@ -1,4 +1,5 @@
 """Table tests of pytest_layerparity.compare.metrics against an independent float64 numpy reference."""
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ def reference(golden, target, atol=1e-2, rtol=1e-2) -> dict:
     n = gf.size
     if n == 0:
         nan = float("nan")
-        out.update(dict.fromkeys(METRIC_NAMES + ("max_rel_diff",), nan))
+        out.update(dict.fromkeys((*METRIC_NAMES, "max_rel_diff"), nan))
         out["worst_flat"] = int(mism[0]) if mism.size else 0
         return out
     d = np.abs(tf - gf)
@@ -71,9 +72,7 @@ def reference(golden, target, atol=1e-2, rtol=1e-2) -> dict:
         out["pearson_correlation"] = 0.0
     else:
         gc, tc = gf - math.fsum(gf) / n, tf - math.fsum(tf) / n
-        out["pearson_correlation"] = math.fsum(gc * tc) / math.sqrt(
-            math.fsum(gc * gc) * math.fsum(tc * tc)
-        )
+        out["pearson_correlation"] = math.fsum(gc * tc) / math.sqrt(math.fsum(gc * gc) * math.fsum(tc * tc))
     if mism.size:
         out["worst_flat"] = int(mism[0])
     else:
@@ -82,7 +81,7 @@ def reference(golden, target, atol=1e-2, rtol=1e-2) -> dict:
 
 
 def assert_matches(m: Metrics, ref: dict, shape) -> None:
-    for name in METRIC_NAMES + ("max_rel_diff",):
+    for name in (*METRIC_NAMES, "max_rel_diff"):
         got, want = getattr(m, name), ref[name]
         if math.isnan(want):
             assert math.isnan(got), name
@@ -219,7 +218,7 @@ def test_no_finite_pair_gives_nan_statistics():
     g = torch.tensor([[float("nan"), float("inf")], [float("nan"), 1.0]])
     t = torch.tensor([[float("nan"), float("inf")], [2.0, float("nan")]])
     m = compare_tensors(g, t)
-    for name in METRIC_NAMES + ("max_rel_diff",):
+    for name in (*METRIC_NAMES, "max_rel_diff"):
         assert math.isnan(getattr(m, name)), name
     assert m.worst_index == (1, 0)  # first position where only one side is finite
     m2 = compare_tensors(torch.full((2, 3), float("nan")), torch.full((2, 3), float("nan")))
@@ -251,9 +250,7 @@ def test_zero_and_constant_tensors(g, t, cos, pear):
     assert -1.0 <= m.cosine_similarity <= 1.0 and -1.0 <= m.pearson_correlation <= 1.0
 
 
-@pytest.mark.parametrize(
-    "fn", [compare_tensors, min_passing_tolerance, lambda g, t: noise_ratio(g, t, g)]
-)
+@pytest.mark.parametrize("fn", [compare_tensors, min_passing_tolerance, lambda g, t: noise_ratio(g, t, g)])
 def test_shape_mismatch_names_both_shapes(fn):
     with pytest.raises(ValueError) as info:
         fn(torch.zeros(2, 3), torch.zeros(3, 2))
@@ -341,7 +338,7 @@ def test_chunk_boundaries_do_not_change_results(chunk):
     m = compare_tensors(g, t, chunk_elements=chunk)
     assert_matches(m, ref, g.shape)
     whole = compare_tensors(g, t, chunk_elements=10**6)
-    for name in METRIC_NAMES + ("max_rel_diff",):
+    for name in (*METRIC_NAMES, "max_rel_diff"):
         assert getattr(m, name) == pytest.approx(getattr(whole, name), rel=1e-12, abs=0)
 
 

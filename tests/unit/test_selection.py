@@ -27,7 +27,11 @@ def test_parse_layers(spec, expected):
     [
         ("62", "--layers '62': layer 62 is out of range; this model has 62 layers: valid layers are 0-61"),
         ("5-2", "--layers '5-2': range 5-2 is reversed; write 2-5"),
-        ("a", "--layers 'a': cannot read 'a'; use forms like 17, 0-30, 0-5,10,20-25 or all (this model has 62 layers: valid layers are 0-61)"),
+        (
+            "a",
+            "--layers 'a': cannot read 'a'; use forms like 17, 0-30, 0-5,10,20-25 or all (this model has 62 layers: "
+            "valid layers are 0-61)",
+        ),
         ("1,,2", "--layers '1,,2': cannot read ''"),
         ("-1", "--layers '-1': cannot read '-1'"),
         ("", "--layers is empty"),

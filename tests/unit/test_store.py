@@ -42,7 +42,7 @@ def test_flipped_byte_is_refused_naming_the_file(store):
 def test_truncated_file_is_refused(store):
     path = store.root / "layer_00000.safetensors"
     path.write_bytes(path.read_bytes()[:20])
-    with pytest.raises(GoldenError, match="layer_00000.safetensors: sha256"):
+    with pytest.raises(GoldenError, match=r"layer_00000\.safetensors: sha256"):
         store.load("layer_0")
 
 
@@ -80,7 +80,9 @@ def test_nan_is_refused_at_write_and_at_load(store):
 def test_other_extraction_is_refused(store):
     with pytest.raises(GoldenError, match="dtype: store has 'float32', this run has 'bfloat16'"):
         store.begin({"dtype": "bfloat16", "model": {"num_layers": 2}}, compare_keys=("dtype", "model.num_layers"))
-    store.begin({"dtype": "float32", "model": {"num_layers": 2}, "note": "new"}, compare_keys=("dtype", "model.num_layers"))
+    store.begin(
+        {"dtype": "float32", "model": {"num_layers": 2}, "note": "new"}, compare_keys=("dtype", "model.num_layers")
+    )
     assert store.read_manifest()["note"] == "new"
     assert store.has("layer_0")
 
