@@ -88,7 +88,7 @@ def import_parallel_state() -> Any:
     try:
         from neuronx_distributed.parallel_layers import parallel_state
     except ImportError as exc:
-        from . import INSTALL_HINTS
+        from .install import INSTALL_HINTS
 
         raise BackendUnavailable(
             f"--neuron: neuronx_distributed.parallel_layers.parallel_state does not import ({exc}); if the PyPI "

@@ -2,7 +2,16 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_layerparity.selection import LayerRange, SelectionError, parse_layer_ranges, parse_layers
+from pytest_layerparity.selection import (
+    LayerRange,
+    SelectionError,
+    case_order,
+    contiguous_runs,
+    layer_key,
+    parse_layer_key,
+    parse_layer_ranges,
+    parse_layers,
+)
 
 
 @pytest.mark.parametrize(
@@ -51,3 +60,32 @@ def test_parse_layer_ranges_keeps_order_and_ids():
     assert parse_layer_ranges("all", 4) == [LayerRange(0, 3)]
     with pytest.raises(SelectionError, match="--layer-ranges '0-12': layer 12 is out of range"):
         parse_layer_ranges("0-12", 12)
+
+
+@pytest.mark.parametrize(
+    ("key", "index"),
+    [("layer_0", 0), ("layer_17", 17), ("layer_007", 7), ("model_io", None), ("layers_0-5", None), ("layer_x", None)],
+)
+def test_layer_keys(key, index):
+    assert parse_layer_key(key) == index
+    if index is not None:
+        assert parse_layer_key(layer_key(index)) == index
+
+
+def test_case_order_sorts_by_layer_number():
+    ids = ["t[layer_10]", "t[layer_9]", "chain[layers_10-12]", "chain[layers_2-3]", "t[layer_0]"]
+    assert sorted(ids, key=case_order) == [
+        "chain[layers_2-3]",
+        "chain[layers_10-12]",
+        "t[layer_0]",
+        "t[layer_9]",
+        "t[layer_10]",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("layers", "runs"),
+    [([], []), ([3], ["layers_3-3"]), ([0, 1, 2, 5, 6, 9], ["layers_0-2", "layers_5-6", "layers_9-9"])],
+)
+def test_contiguous_runs(layers, runs):
+    assert [r.id for r in contiguous_runs(layers)] == runs

@@ -1,0 +1,316 @@
+"""Table tests of the judgement: the verdict's checks (compare.verdict), the statistics
+against the precision floor (compare.floor) and the judge (compare.judge), on hand-made
+values and small tensors. No model, no store, no session."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pytest_layerparity.compare.floor import FLOOR_KEY, FloorStats, floor_stats
+from pytest_layerparity.compare.judge import judge, judge_golden, tie_tolerance
+from pytest_layerparity.compare.metrics import Metrics
+from pytest_layerparity.compare.verdict import describe_rule, evaluate, noise_limits, policy_in_force
+from pytest_layerparity.options import make_settings
+
+
+def metrics(**changes) -> Metrics:
+    values = {
+        "max_abs_diff": 0.0,
+        "mean_abs_diff": 0.0,
+        "similarity_percentage": 100.0,
+        "cosine_similarity": 1.0,
+        "pearson_correlation": 1.0,
+        "numel": 4,
+        "golden_nan": 0,
+        "golden_inf": 0,
+        "target_nan": 0,
+        "target_inf": 0,
+        "worst_index": (0,),
+        "worst_golden": 1.0,
+        "worst_target": 1.0,
+        "max_rel_diff": 0.0,
+    }
+    values.update(changes)
+    return Metrics(**values)
+
+
+def floor(**changes) -> FloorStats:
+    values = {
+        "noise_ratio": 1.0,
+        "token_noise_ratio": 1.0,
+        "worst_token": 0,
+        "golden_error": 1e-3,
+        "target_error": 1e-3,
+        "delta_cosine": 1.0,
+        "tokens": 4,
+        "contribution_z": 0.0,
+        "golden_contribution_z": 0.0,
+    }
+    values.update(changes)
+    return FloorStats(**values)
+
+
+def failing(checks) -> list[str]:
+    return [c.name for c in checks if not c.ok]
+
+
+# -- the verdict --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("m", "f", "dtype", "fails"),
+    [
+        (metrics(), floor(), "bfloat16", []),
+        (metrics(target_nan=1), floor(), "bfloat16", ["nan_inf_count"]),
+        (metrics(golden_inf=2), floor(), "float32", ["nan_inf_count"]),
+        (metrics(cosine_similarity=0.99), floor(), "bfloat16", []),
+        (metrics(cosine_similarity=0.9899), floor(), "bfloat16", ["cosine_similarity"]),
+        (metrics(cosine_similarity=0.9999), floor(), "float32", []),
+        (metrics(cosine_similarity=0.99989), floor(), "float32", ["cosine_similarity"]),
+        (metrics(cosine_similarity=math.nan), floor(), "bfloat16", ["cosine_similarity"]),
+        (metrics(), floor(noise_ratio=1.5), "bfloat16", []),
+        (metrics(), floor(noise_ratio=1.5001), "bfloat16", ["noise_ratio"]),
+        (metrics(), floor(token_noise_ratio=3.0), "float16", []),
+        (metrics(), floor(token_noise_ratio=3.01), "float16", ["token_noise_ratio"]),
+        (metrics(), floor(contribution_z=-6.0), "bfloat16", []),
+        (metrics(), floor(contribution_z=-6.01), "bfloat16", ["contribution_bias"]),
+        (metrics(), floor(contribution_z=None), "bfloat16", []),
+        (metrics(max_abs_diff=5.0), floor(), "bfloat16", []),  # the table's limits do not apply
+    ],
+)
+def test_noise_policy_checks(m, f, dtype, fails):
+    checks = evaluate(m, make_settings(), floor=f, dtype=dtype)
+    assert failing(checks) == fails
+    names = [c.name for c in checks]
+    assert names[:4] == ["nan_inf_count", "cosine_similarity", "noise_ratio", "token_noise_ratio"]
+    assert ("contribution_bias" in names) == (f.contribution_z is not None)
+
+
+@pytest.mark.parametrize(
+    ("m", "fails"),
+    [
+        (metrics(), []),
+        (metrics(max_abs_diff=0.01), []),
+        (metrics(max_abs_diff=0.0101), ["max_abs_diff"]),
+        (metrics(mean_abs_diff=0.0011), ["mean_abs_diff"]),
+        (metrics(similarity_percentage=94.9), ["similarity_percentage"]),
+        (metrics(cosine_similarity=0.98), ["cosine_similarity"]),
+        (metrics(pearson_correlation=0.98), ["pearson_correlation"]),
+        (metrics(max_abs_diff=math.nan), ["max_abs_diff"]),
+    ],
+)
+def test_table_policy_checks(m, fails):
+    assert failing(evaluate(m, make_settings(verdict="table"))) == fails
+    # goldens without the precision floor fall back to the table, whatever the policy
+    assert failing(evaluate(m, make_settings(verdict="noise"), floor=None)) == fails
+
+
+def test_options_override_the_limits():
+    settings = make_settings(max_noise_ratio=2.0, max_token_noise_ratio=5.0, min_cosine=0.5, max_contribution_z=10.0)
+    assert noise_limits(settings, "float32") == (2.0, 5.0, 0.5)
+    checks = evaluate(metrics(cosine_similarity=0.6), settings, floor(noise_ratio=1.9, contribution_z=9.9), "float32")
+    assert failing(checks) == []
+    assert {c.name: c.limit for c in checks}["contribution_bias"] == 10.0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "limits"),
+    [("bfloat16", (1.5, 3.0, 0.99)), ("float16", (1.5, 3.0, 0.99)), ("float32", (1.5, 3.0, 0.9999))],
+)
+def test_default_limits_per_dtype(dtype, limits):
+    assert noise_limits(make_settings(), dtype) == limits
+
+
+@pytest.mark.parametrize(
+    ("verdict", "has_floor", "policy"),
+    [("noise", True, "noise"), ("noise", False, "table"), ("table", True, "table"), ("table", False, "table")],
+)
+def test_policy_in_force(verdict, has_floor, policy):
+    assert policy_in_force(make_settings(verdict=verdict), has_floor) == policy
+
+
+def test_describe_rule():
+    assert describe_rule(make_settings(), "float32") == (
+        "noise policy (float32): fail on NaN/Inf, cosine_similarity < 0.9999, noise_ratio > 1.5, token_noise_ratio > 3 "
+        "or contribution_bias > 6 (error against the float32/float64 evaluation, in units of the golden's own error); "
+        "goldens without the precision floor use the table policy"
+    )
+    assert describe_rule(make_settings(verdict="table", min_cosine=0.5), "bfloat16") == (
+        "table policy: fail on NaN/Inf, max_abs_diff > 0.01, mean_abs_diff > 0.001, similarity_percentage < 95, "
+        "cosine_similarity < 0.5, pearson_correlation < 0.99"
+    )
+
+
+def test_check_text():
+    (check,) = [c for c in evaluate(metrics(), make_settings(), floor(noise_ratio=2.5), "float32") if not c.ok]
+    assert check.describe() == "noise_ratio                       2.5   <= 1.5        FAIL"
+
+
+# -- statistics against the precision floor -----------------------------------------------------
+
+
+def layer_like(seed: int = 0, tokens: int = 16, width: int = 32, noise: float = 1e-3):
+    """(input, reference, golden): a layer's contribution, its exact value and a rounded one."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, width, generator=gen, dtype=torch.float64)
+    ref = x + 0.5 * torch.randn(tokens, width, generator=gen, dtype=torch.float64)
+    golden = ref + noise * torch.randn(tokens, width, generator=gen, dtype=torch.float64)
+    return x, ref, golden
+
+
+def test_a_target_equal_to_the_golden_is_exactly_one_noise_unit_away():
+    x, ref, golden = layer_like()
+    stats = floor_stats(golden, golden, ref, x)
+    assert stats.noise_ratio == pytest.approx(1.0)
+    assert stats.contribution_z == pytest.approx(0.0, abs=1e-9)
+    assert stats.delta_cosine == pytest.approx(1.0)
+    assert stats.tokens == 16
+
+
+def test_a_target_equal_to_the_reference_has_no_error():
+    x, ref, golden = layer_like()
+    stats = floor_stats(golden, ref, ref, x)
+    assert stats.noise_ratio == 0.0 and stats.token_noise_ratio == 0.0 and stats.target_error == 0.0
+
+
+def test_a_bias_along_the_contribution_stands_out_where_noise_of_the_same_size_does_not():
+    x, ref, golden = layer_like(noise=1e-3)
+    gen = torch.Generator().manual_seed(7)
+    other_rounding = ref + 1e-3 * torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    scaled = golden + 1e-3 * (ref - x)  # 0.1% more of the layer's contribution
+    noisy = floor_stats(golden, other_rounding, ref, x)
+    biased = floor_stats(golden, scaled, ref, x)
+    assert abs(noisy.contribution_z) < 4
+    assert abs(biased.contribution_z) > 10
+    assert noisy.noise_ratio == pytest.approx(1.0, rel=0.2)  # another rounding of the same size
+
+
+def test_a_bug_on_one_token_shows_in_the_token_ratio():
+    x, ref, golden = layer_like(tokens=32)
+    target = golden.clone()
+    target[5] += 0.05
+    stats = floor_stats(golden, target, ref, x)
+    assert stats.worst_token == 5
+    assert stats.token_noise_ratio > 20 * stats.noise_ratio / math.sqrt(32)
+
+
+def test_kept_tokens_leave_the_others_out():
+    x, ref, golden = layer_like(tokens=8)
+    target = golden.clone()
+    target[3] += 1.0
+    keep = torch.ones(8, dtype=torch.bool)
+    keep[3] = False
+    assert floor_stats(golden, target, ref, x, keep).noise_ratio == pytest.approx(1.0)
+    none = floor_stats(golden, target, ref, x, torch.zeros(8, dtype=torch.bool))
+    assert (none.tokens, none.noise_ratio, none.worst_token) == (0, 0.0, -1)
+
+
+def test_without_the_input_there_is_no_contribution_statistic():
+    _, ref, golden = layer_like()
+    stats = floor_stats(golden, golden, ref)
+    assert stats.contribution_z is None and stats.delta_cosine is None
+
+
+# -- the judge ---------------------------------------------------------------------------------
+
+
+def test_identical_outputs_pass_every_check():
+    x, ref, golden = layer_like()
+    outcome = judge(3, golden.float(), golden.float(), make_settings(), "float32", reference=ref, hidden_in=x.float())
+    assert outcome.passed and outcome.layer == 3
+    assert all(c.ok for c in outcome.checks)
+    assert outcome.tolerance == {"atol": 0.0, "rtol": 0.0}
+    assert (outcome.shape, outcome.golden_dtype, outcome.target_dtype) == ((16, 32), "float32", "float32")
+
+
+def test_a_scaled_contribution_fails_the_floor_checks():
+    x, ref, golden = layer_like()
+    target = golden + 0.01 * (ref - x)
+    outcome = judge(0, golden, target, make_settings(), "float32", reference=ref, hidden_in=x)
+    assert not outcome.passed
+    assert {"noise_ratio", "contribution_bias"} <= set(failing(outcome.checks))
+    assert outcome.tolerance["atol"] == pytest.approx(float((target - golden).abs().max()))
+
+
+def test_without_a_floor_the_table_decides():
+    golden = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    outcome = judge(0, golden, golden + 0.02, make_settings(), "bfloat16")
+    assert outcome.floor is None
+    assert failing(outcome.checks) == ["max_abs_diff", "mean_abs_diff", "similarity_percentage"]
+
+
+def test_a_shape_mismatch_names_both_shapes():
+    with pytest.raises(AssertionError) as info:
+        judge(7, torch.zeros(2, 3), torch.zeros(3, 2), make_settings(), "float32")
+    assert str(info.value) == (
+        "layer 7: the target's output has shape (3, 2), the golden (2, 3); the port returns something else than the "
+        "reference layer"
+    )
+
+
+ROUTER = "mlp.gate"
+
+
+def golden_tensors(output: torch.Tensor, reference: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A golden of 3 tokens whose router chose between 4 experts; token 1's choice between
+    experts 1 and 3 is a near tie (exact scores 1e-4 apart), token 2's is not."""
+    return {
+        "output": output,
+        FLOOR_KEY: reference,
+        f"routing.{ROUTER}.indices": torch.tensor([[0, 1], [2, 1], [0, 3]]),
+        f"routing.{ROUTER}.logits": torch.zeros(3, 4),
+        f"routing.{ROUTER}.scores": torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 1.0, 2.0, 0.999], [2.0, 0.0, 0.0, 1.0]]),
+        f"ref_routing.{ROUTER}.scores": torch.tensor(
+            [[3.0, 2.0, 0.0, 0.0], [0.0, 1.0, 2.0, 1.0 - 1e-4], [2.0, 0.0, 0.0, 1.0]], dtype=torch.float64
+        ),
+    }
+
+
+def routed(*rows) -> dict[str, torch.Tensor]:
+    return {f"routing.{ROUTER}.indices": torch.tensor(rows)}
+
+
+@pytest.mark.parametrize(
+    ("settings", "excluded", "counted"),
+    [
+        (make_settings(), [], False),  # near-tie token left out of the floor statistics only
+        (make_settings(exclude_near_ties=True), [1], False),  # and out of the metrics
+        (make_settings(strict_routing=True), [], True),  # counted
+    ],
+)
+def test_near_tie_flips_are_told_apart(settings, excluded, counted):
+    _, ref, golden = layer_like(tokens=3, width=8)
+    target = golden.clone()
+    target[1] += 1.0  # token 1 went to another expert: its output differs a lot
+    tensors = golden_tensors(golden, ref)
+    outcome = judge_golden(2, tensors, "output", target, routed([0, 1], [2, 3], [0, 3]), settings, "float32")
+    (routing,) = outcome.routing
+    assert (routing.flipped, routing.near_tie_flipped, routing.near_tie_tokens) == (1, 1, (1,))
+    assert outcome.excluded_tokens == excluded
+    assert ("noise_ratio" in failing(outcome.checks)) == counted
+
+
+def test_a_flip_without_a_near_tie_is_reported_as_one():
+    _, ref, golden = layer_like(tokens=3, width=8)
+    tensors = golden_tensors(golden, ref)
+    outcome = judge_golden(0, tensors, "output", golden, routed([0, 1], [2, 1], [0, 1]), make_settings(), "float32")
+    (routing,) = outcome.routing
+    assert (routing.flipped, routing.near_tie_flipped, routing.flipped_tokens) == (1, 0, (2,))
+    assert routing.describe().endswith("1 flipped without a near tie (a routing bug?)")
+
+
+def test_routers_the_target_did_not_run_are_left_out():
+    _, ref, golden = layer_like(tokens=3, width=8)
+    outcome = judge_golden(0, golden_tensors(golden, ref), "output", golden, {}, make_settings(), "float32")
+    assert outcome.routing == [] and outcome.passed
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"), [("bfloat16", 8 * 2**-7), ("float16", 8 * 2**-10), ("float32", 8 * 2**-23)]
+)
+def test_tie_tolerance(dtype, expected):
+    assert tie_tolerance(make_settings(), dtype) == pytest.approx(expected)
+    assert tie_tolerance(make_settings(router_tie_tolerance=2), dtype) == pytest.approx(expected / 4)

@@ -1,0 +1,191 @@
+"""Table tests of what people and CI read: the reported fields, JUnit properties, failure
+text, the summary table and the report files; and the next-step commands."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+from pytest_layerparity.compare.judge import judge, judge_golden
+from pytest_layerparity.compare.metrics import METRIC_NAMES
+from pytest_layerparity.options import make_settings
+from pytest_layerparity.report.fields import CSV_COLUMNS, FIELD_NAMES, FIELDS, PLOTTED, SUMMARY_COLUMNS
+from pytest_layerparity.report.files import isolated_layer, write_reports
+from pytest_layerparity.report.properties import properties, reported_metrics
+from pytest_layerparity.report.text import failure_text, summary_lines
+from pytest_layerparity.store.commands import Commands, extract_command, rerun_command
+
+
+def outcome_of(scale: float, layer: int = 2):
+    gen = torch.Generator().manual_seed(layer)
+    x = torch.randn(1, 6, 8, generator=gen, dtype=torch.float64)
+    ref = x + torch.randn(1, 6, 8, generator=gen, dtype=torch.float64)
+    golden = (ref + 1e-4 * torch.randn(1, 6, 8, generator=gen, dtype=torch.float64)).float()
+    target = golden + scale * (ref - x).float()
+    return judge(layer, golden, target, make_settings(), "float32", reference=ref, hidden_in=x.float())
+
+
+# -- the fields table ---------------------------------------------------------------------------
+
+
+def test_the_five_metrics_come_first_in_their_order():
+    assert FIELD_NAMES[:5] == METRIC_NAMES
+    assert len(set(FIELD_NAMES)) == len(FIELD_NAMES)
+
+
+def test_derived_lists_follow_the_table():
+    assert ("nodeid", "layers", "verdict", *(f.name for f in FIELDS if f.csv)) == CSV_COLUMNS
+    assert set(PLOTTED) <= set(FIELD_NAMES)
+    assert [title for title, _, _ in SUMMARY_COLUMNS] == [
+        "max_abs_diff",
+        "mean_abs_diff",
+        "cosine",
+        "pearson",
+        "similar%",
+        "noise_ratio",
+        "token_ratio",
+        "routing",
+    ]
+
+
+# -- properties ---------------------------------------------------------------------------------
+
+
+def test_properties_carry_every_metric_and_the_floor_statistics():
+    outcome = outcome_of(0.0)
+    props = dict(properties(outcome))
+    for name in (*METRIC_NAMES, "nan_count", "inf_count", "has_nan", "has_inf", "worst_index", "noise_ratio"):
+        assert name in props, name
+    assert props["has_nan"] is False and props["nan_count"] == 0
+    assert props["noise_ratio"] == outcome.floor.noise_ratio
+    assert props["contribution_bias"] == abs(outcome.floor.contribution_z)
+    assert "routing_agreement" not in props  # no routers
+
+
+def test_prefixed_properties_for_chains():
+    names = [name for name, _ in properties(outcome_of(0.0), prefix="layer_4.")]
+    assert names and all(name.startswith("layer_4.") for name in names)
+
+
+def test_routing_properties():
+    golden = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    tensors = {
+        "output": golden,
+        "routing.gate.indices": torch.tensor([[0, 1], [2, 3], [0, 3]]),
+        "routing.gate.logits": torch.tensor([[5.0, 4.0, 0.0, 0.0], [0.0, 0.0, 5.0, 4.0], [5.0, 0.0, 0.0, 4.0]]),
+    }
+    target_routing = {"routing.gate.indices": torch.tensor([[0, 1], [2, 3], [0, 1]])}
+    outcome = judge_golden(0, tensors, "output", golden, target_routing, make_settings(), "bfloat16")
+    props = dict(properties(outcome))
+    assert props["routing_agreement"] == pytest.approx(2 / 3)
+    assert (props["routing_flipped"], props["routing_near_tie_flipped"]) == (1, 0)
+
+
+def test_reported_metrics_keep_known_fields_only():
+    props = {"max_abs_diff": 1.0, "layers": "3", "verdict": "pass", "layer_3.noise_ratio": 2.0, "noise_ratio": 1.1}
+    assert reported_metrics(props) == {"max_abs_diff": 1.0, "noise_ratio": 1.1}
+
+
+# -- failure text ---------------------------------------------------------------------------------
+
+
+def test_failure_text_says_everything_a_failing_layer_should():
+    outcome = outcome_of(0.01)
+    assert not outcome.passed
+    text = failure_text(outcome, "on xla:0", "pytest --xla -k layer_2 --op-compare")
+    lines = text.splitlines()
+    assert lines[0] == "layer 2 on xla:0: output differs from the golden"
+    assert lines[1] == "  shape (1, 6, 8), golden float32, target float32"
+    assert lines[2].split() == ["metric", "value", "threshold"]
+    rows = lines[3 : 3 + len(outcome.checks)]
+    assert [row.split()[0] for row in rows] == [c.name for c in outcome.checks]
+    assert [row.split()[-1] for row in rows] == ["ok" if c.ok else "FAIL" for c in outcome.checks]
+    assert lines[3 + len(outcome.checks)].startswith("  worst element: index (0, ")
+    assert any(line.startswith("  precision floor: ||golden - ref|| = ") for line in lines)
+    assert any(line.startswith("  minimum passing tolerance: atol ") and "--max-noise-ratio" in line for line in lines)
+    assert lines[-1] == "  drill in: pytest --xla -k layer_2 --op-compare"
+
+
+# -- summary and files ----------------------------------------------------------------------------
+
+
+def entries():
+    def entry(layers: str, verdict: str, **metrics):
+        return {
+            "nodeid": f"layerparity::test_layer_parity[layer_{layers}]",
+            "layers": layers,
+            "verdict": verdict,
+            "metrics": metrics,
+            "message": "" if verdict == "pass" else "layer failed\n  details",
+        }
+
+    return [
+        entry("0", "pass", max_abs_diff=1e-6, cosine_similarity=1.0, noise_ratio=1.01),
+        entry("1", "fail", max_abs_diff=0.5, cosine_similarity=0.9, noise_ratio=300.0),
+        {**entry("2", "error"), "nodeid": "layerparity::test_layer_parity[layer_2]"},
+        {**entry("0-2", "fail", noise_ratio=5.0), "nodeid": "layerparity::test_chain_parity[layers_0-2]"},
+    ]
+
+
+def test_summary_lines():
+    lines = summary_lines(entries())
+    assert lines[0].split() == ["test", "verdict", *(title for title, _, _ in SUMMARY_COLUMNS)]
+    assert lines[1].split()[:4] == ["test_layer_parity[layer_0]", "pass", "1e-06", "-"]
+    assert lines[2].split()[:2] == ["test_layer_parity[layer_1]", "fail"]
+    assert lines[-1] == "first failing: test_layer_parity[layer_1] (layers 1)"
+    assert summary_lines([]) == []
+
+
+@pytest.mark.parametrize(("layers", "expected"), [("3", 3), ("0-2", None), ("", None), ("12", 12)])
+def test_isolated_layer(layers, expected):
+    assert isolated_layer({"layers": layers}) == expected
+
+
+def test_report_files(tmp_path):
+    paths = write_reports(tmp_path, entries(), header=["layerparity: target xla, dtype float32"])
+    assert [p.name for p in paths] == ["report.json", "report.csv", "report.html"]
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert [t["layers"] for t in data["tests"]] == ["0", "1", "2", "0-2"]
+    with open(tmp_path / "report.csv", newline="") as handle:
+        rows = list(csv.reader(handle))
+    assert tuple(rows[0]) == CSV_COLUMNS and len(rows) == 5
+    assert rows[2][:3] == ["layerparity::test_layer_parity[layer_1]", "1", "fail"]
+    page = (tmp_path / "report.html").read_text()
+    assert page.count("<tr class='pass'>") == 1 and page.count("<tr class='fail'>") == 3
+    assert "First failing: test_layer_parity[layer_1] (layers 1)" in page
+    assert "layerparity: target xla, dtype float32" in page
+
+
+# -- commands ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("/g",), "pytest --gpu-golden --extract --golden-dir=/g"),
+        (("/g", "/m"), "pytest --gpu-golden --extract --model=/m --golden-dir=/g"),
+        (("/g", "/m", "3"), "pytest --gpu-golden --extract --model=/m --golden-dir=/g --layers 3"),
+        (("/my goldens", "/my model"), "pytest --gpu-golden --extract '--model=/my model' '--golden-dir=/my goldens'"),
+    ],
+)
+def test_extract_command(args, expected):
+    assert extract_command(*args) == expected
+
+
+@pytest.mark.parametrize(
+    ("target", "flags"),
+    [("xla", "--xla"), ("neuron", "--neuron"), ("cpu", "--target cpu"), ("cuda", "--target cuda"), (None, "--xla")],
+)
+def test_rerun_command(target, flags):
+    assert rerun_command(target, "/m", "/g", "5", "layer_5") == (
+        f"pytest {flags} --model=/m --golden-dir=/g --layers 5 -k layer_5 --op-compare -vv"
+    )
+
+
+def test_commands_of_a_session():
+    commands = Commands("/g", "/m", "neuron")
+    assert commands.extract("2") == "pytest --gpu-golden --extract --model=/m --golden-dir=/g --layers 2"
+    assert commands.rerun("2", "layer_2") == rerun_command("neuron", "/m", "/g", "2", "layer_2")
