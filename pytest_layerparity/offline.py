@@ -52,6 +52,7 @@ def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Set
             settings,
             dtype,
             hidden_in=g.tensors.get(hidden_input_name(spec)),
+            envelope=g.envelope,
         )
         entries.append(
             {

@@ -77,6 +77,14 @@ def tolerance(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    """A false-alarm rate: strictly between 0 and 0.5."""
+    value = _finite_float(text)
+    if not 0 < value < 0.5:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a probability between 0 and 0.5 (e.g. 0.001)")
+    return value
+
+
 def percentage(text: str) -> float:
     value = _finite_float(text)
     if not 0 <= value <= 100:
@@ -302,8 +310,9 @@ OPTIONS = (
     Option(
         "dtype",
         "--dtype",
-        f"Dtype of the reference run and the port: {', '.join(DTYPES)}. Default: float32 (the stored golden's dtype "
-        "when testing).",
+        f"Dtype of the reference run and the port: {', '.join(DTYPES)}. Default: the checkpoint's own (dtype or "
+        "torch_dtype in config.json, as transformers' 'auto' reads it; float32 when it names none); the stored "
+        "golden's dtype when testing.",
         type=dtype_name,
         default=None,
         ini=True,
@@ -392,6 +401,26 @@ OPTIONS = (
         metavar="Z",
     ),
     Option(
+        "false_alarm_rate",
+        "--false-alarm-rate",
+        "Noise policy: the probability that a correct layer fails, from which the limits are drawn out of the "
+        "layer's noise envelope. Default: 0.001.",
+        type=probability,
+        default=1e-3,
+        ini=True,
+        metavar="P",
+    ),
+    Option(
+        "envelope_samples",
+        "--envelope-samples",
+        "Perturbed runs (Monte Carlo arithmetic) of each layer that make its noise envelope, at extraction and "
+        "for each chained run; 0: none (fixed limits). Default: 12.",
+        type=non_negative_int,
+        default=12,
+        ini=True,
+        metavar="K",
+    ),
+    Option(
         "exclude_near_ties",
         "--exclude-near-ties",
         "Leave tokens whose MoE routing flipped on a near tie out of the output metrics.",
@@ -421,6 +450,14 @@ OPTIONS = (
         "--no-precision-floor",
         "Extraction: skip the higher-precision evaluation of each layer (the noise policy then falls back to the "
         "table policy for these goldens).",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        "force_regen",
+        "--force-regen",
+        "Extraction: replace the golden store with this extraction even when it holds goldens of another one; the "
+        "old store is kept aside (DIR.previous) until every extraction test has passed, and put back otherwise.",
         action="store_true",
         default=False,
     ),
@@ -633,10 +670,13 @@ class Settings:
     max_noise_ratio: float | None
     max_token_noise_ratio: float | None
     max_contribution_z: float | None
+    false_alarm_rate: float
+    envelope_samples: int
     exclude_near_ties: bool
     strict_routing: bool
     router_tie_tolerance: float
     no_precision_floor: bool
+    force_regen: bool
     device_map: str | None
     max_memory: str | None
     offload_folder: str | None
@@ -769,6 +809,14 @@ def check_combinations(settings: Settings) -> None:
     if len(chosen) > 1:
         raise pytest.UsageError(
             f"{' and '.join(chosen)} name different targets; choose one: --xla, --neuron or --target NAME"
+        )
+    if settings.envelope_samples == 1:
+        raise pytest.UsageError(
+            "--envelope-samples 1 cannot show a spread: give 2 or more perturbed runs (e.g. 12), or 0 for none"
+        )
+    if settings.force_regen and settings.mode != "extract":
+        raise pytest.UsageError(
+            "--force-regen replaces a golden store by a new extraction: use it with --gpu-golden --extract"
         )
     if settings.extract and not settings.gpu_golden:
         raise pytest.UsageError("--extract writes goldens from the reference run: use --gpu-golden --extract")

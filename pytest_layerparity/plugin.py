@@ -12,7 +12,7 @@ import pytest
 
 from . import hookspecs
 from .options import add_options, current_settings, read_settings, resolve_paths
-from .state import SESSION_KEY
+from .state import REGEN_KEY, SESSION_KEY
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -102,6 +102,7 @@ def _start_session(config: pytest.Config, settings: Settings) -> LayerParitySess
     """The session, with everything that can be refused before a test runs checked."""
     from .reference.inputs import check_prompt
     from .reference.model import ModelError
+    from .report.progress import for_pytest
     from .selection import SelectionError
     from .session import LayerParitySession
     from .store.golden import GoldenError
@@ -110,11 +111,21 @@ def _start_session(config: pytest.Config, settings: Settings) -> LayerParitySess
         return config.hook.pytest_layerparity_build_target_layer(**kwargs)
 
     session = LayerParitySession(settings, Path(config.rootpath), build_target_layer)
+    session.progress = for_pytest(config)
     try:
         session.selected_layers  # noqa: B018  parsed now: a bad spec is a usage error
         session.layer_ranges  # noqa: B018
         if settings.mode == "extract":
             check_prompt(settings, session.model.model_dir)
+            if not hasattr(config, "workerinput"):  # the controller decides for its workers
+                if settings.force_regen:
+                    from .store.regen import Regeneration
+
+                    regeneration = Regeneration(session.store.root)
+                    regeneration.start()
+                    config.stash[REGEN_KEY] = regeneration
+                else:
+                    session.reference.check_store_takes_extraction()
         else:
             session.check_store_matches_model()
     except (ModelError, SelectionError) as exc:
@@ -122,6 +133,17 @@ def _start_session(config: pytest.Config, settings: Settings) -> LayerParitySess
     except GoldenError as exc:
         raise pytest.UsageError(f"refusing the golden store: {exc}") from None
     return session
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    regeneration = session.config.stash.get(REGEN_KEY, None)
+    if regeneration is None:
+        return
+    complete = exitstatus == 0 and session.testsfailed == 0 and session.testscollected > 0
+    line = regeneration.finish(complete)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line(line)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

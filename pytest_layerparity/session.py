@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .options import Settings
-from .reference.model import ModelSource, model_dir_of
+from .reference.model import ModelSource, checkpoint_dtype, model_dir_of
+from .report.progress import SILENT, Progress
 from .selection import LayerRange, contiguous_runs, layer_key, parse_layer_ranges, parse_layers
 from .store.commands import Commands
 from .store.golden import GoldenEntry, GoldenStore
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     from .reference.floor import FloorEvaluator
     from .target.runner import BuildHook, TargetRun, TargetSide
 
-DEFAULT_DTYPE = "float32"
-
 
 class LayerParitySession:
     def __init__(self, settings: Settings, rootpath: Path, build_target_layer: BuildHook | None = None) -> None:
@@ -37,6 +36,7 @@ class LayerParitySession:
         self.rootpath = rootpath
         self._build_target_layer = build_target_layer
         self._backend: Backend | None = None
+        self.progress: Progress = SILENT  # the plugin shows bars on a terminal
 
     # -- wiring ---------------------------------------------------------------------------
 
@@ -84,13 +84,15 @@ class LayerParitySession:
 
     @cached_property
     def dtype_name(self) -> str:
-        """The dtype of the goldens: --dtype, else (testing) the stored goldens'."""
-        if self.settings.mode == "extract" or self.settings.dtype:
-            return self.settings.dtype or DEFAULT_DTYPE
-        manifest = self.store.read_manifest()
-        if manifest and isinstance(manifest.get("dtype"), str):
-            return manifest["dtype"]
-        return DEFAULT_DTYPE
+        """The dtype of the goldens: --dtype, else (testing) the stored goldens', else the
+        checkpoint's own."""
+        if self.settings.dtype:
+            return self.settings.dtype
+        if self.settings.mode != "extract":
+            manifest = self.store.read_manifest()
+            if manifest and isinstance(manifest.get("dtype"), str):
+                return manifest["dtype"]
+        return checkpoint_dtype(self.model.config_json)
 
     @cached_property
     def commands(self) -> Commands:
@@ -131,10 +133,15 @@ class LayerParitySession:
     def reference(self) -> ReferenceSide:
         from .reference.extract import ReferenceSide
 
-        return ReferenceSide(self.settings, self.model, self.store, self.dtype_name, self._floor, self.commands.extract)
+        return ReferenceSide(
+            self.settings, self.model, self.store, self.dtype_name, self._floor, self.commands.extract, self.progress
+        )
 
     @cached_property
     def target(self) -> TargetSide:
+        import torch
+
+        from .reference.envelope import PerturbedRunner
         from .target.runner import TargetSide
 
         return TargetSide(
@@ -146,6 +153,8 @@ class LayerParitySession:
             self._floor,
             self._build_target_layer,
             self.store.read_manifest(),
+            PerturbedRunner(self.model, getattr(torch, self.dtype_name), self.settings.envelope_samples),
+            self.progress,
         )
 
     @cached_property

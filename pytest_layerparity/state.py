@@ -11,3 +11,5 @@ if TYPE_CHECKING:
     pass
 
 SESSION_KEY = pytest.StashKey["LayerParitySession"]()
+#: A --force-regen in progress (the controller's).
+REGEN_KEY = pytest.StashKey["Regeneration"]()

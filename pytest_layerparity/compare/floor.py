@@ -33,6 +33,15 @@ class FloorStats:
     contribution_z: float | None = None  # (target - golden) along the layer's contribution, in noise units
     golden_contribution_z: float | None = None  # (golden - ref) along it: the golden's own bias
 
+    @property
+    def contribution_bias(self) -> float | None:
+        """The target's error along the layer's contribution relative to the floor (not the
+        golden), in noise units: 0 for a target that computes exactly, ``golden_contribution_z``
+        for one that rounds as the golden did."""
+        if self.contribution_z is None or self.golden_contribution_z is None:
+            return None
+        return self.contribution_z + self.golden_contribution_z
+
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 

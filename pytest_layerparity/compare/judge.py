@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .envelope import Envelope, EnvelopeLimits
 from .floor import FLOOR_KEY, FloorStats, floor_stats
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
 from .routing import RoutingAgreement, agreement, router_names
@@ -39,6 +40,8 @@ class LayerOutcome:
     routing: list[RoutingAgreement] = field(default_factory=list)
     excluded_tokens: list[int] = field(default_factory=list)
     tolerance: dict[str, float] = field(default_factory=dict)
+    envelope: EnvelopeLimits | None = None  # the limits the noise policy drew from the golden's envelope
+    tainted_tokens: list[int] = field(default_factory=list)  # left out after an earlier near-tie flip (chains)
 
     @property
     def passed(self) -> bool:
@@ -65,9 +68,13 @@ def judge(
     reference: torch.Tensor | None = None,
     hidden_in: torch.Tensor | None = None,
     routing: Sequence[RoutingAgreement] = (),
+    envelope: Envelope | None = None,
+    tainted: Sequence[int] = (),
 ) -> LayerOutcome:
     """Hold ``target`` against ``golden`` (and against the precision floor ``reference``,
-    the layer's input ``hidden_in`` and the routers' agreement, when given)."""
+    the layer's input ``hidden_in``, the routers' agreement and the layer's noise envelope,
+    when given). ``tainted``: tokens a chain already let diverge on a near-tie routing flip
+    in an earlier layer, left out of the statistics against the floor."""
     target_cpu = target.detach().to("cpu")
     if tuple(golden.shape) != tuple(target_cpu.shape):
         raise AssertionError(
@@ -78,22 +85,26 @@ def judge(
     near_ties = sorted({t for r in routing for t in r.near_tie_tokens})
     rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
     keep = None  # the verdict leaves near-tie routing flips out unless --strict-routing
-    if near_ties and golden.dim() > 1 and not settings.strict_routing:
+    tainted = sorted({t for t in tainted if 0 <= t < rows}) if not settings.strict_routing else []
+    if (near_ties or tainted) and golden.dim() > 1 and not settings.strict_routing:
         keep = torch.ones(rows, dtype=torch.bool)
-        keep[near_ties] = False
+        keep[sorted({*near_ties, *tainted})] = False
     excluded = near_ties if settings.exclude_near_ties and keep is not None else []
     g_cmp, t_cmp = golden, target_cpu
-    if excluded:
-        g_cmp = golden.reshape(-1, golden.shape[-1])[keep]
-        t_cmp = target_cpu.reshape(-1, golden.shape[-1])[keep]
+    if keep is not None and (excluded or tainted):  # tainted tokens leave the output metrics too
+        compared = torch.ones(rows, dtype=torch.bool)
+        compared[sorted({*excluded, *tainted})] = False
+        g_cmp = golden.reshape(-1, golden.shape[-1])[compared]
+        t_cmp = target_cpu.reshape(-1, golden.shape[-1])[compared]
     metrics = compare_tensors(g_cmp, t_cmp)
     floor = None
     if reference is not None and tuple(reference.shape) == tuple(golden.shape):
         floor = floor_stats(golden, target_cpu, reference, hidden_in, keep)
+    limits = envelope.limits(settings.false_alarm_rate) if envelope is not None and floor is not None else None
     return LayerOutcome(
         layer=layer,
         metrics=metrics,
-        checks=evaluate(metrics, settings, floor=floor, dtype=dtype),
+        checks=evaluate(metrics, settings, floor=floor, dtype=dtype, envelope=limits),
         shape=tuple(golden.shape),
         golden_dtype=dtype_name(golden),
         target_dtype=dtype_name(target_cpu),
@@ -101,6 +112,8 @@ def judge(
         routing=routing,
         excluded_tokens=excluded,
         tolerance=min_passing_tolerance(g_cmp, t_cmp),
+        envelope=limits,
+        tainted_tokens=tainted,
     )
 
 
@@ -129,10 +142,13 @@ def judge_golden(
     dtype: str,
     *,
     hidden_in: torch.Tensor | None = None,
+    envelope: Envelope | None = None,
+    tainted: Sequence[int] = (),
 ) -> LayerOutcome:
     """:func:`judge` on a golden's tensors: its output ``output_name``, its precision floor
     and recorded routing when it has them; ``hidden_in`` is the layer's input (the golden's
-    own unless a chain gives another)."""
+    own unless a chain gives another); ``envelope`` the golden's noise envelope (or a
+    chain's)."""
     return judge(
         layer,
         golden_tensors[output_name],
@@ -142,4 +158,6 @@ def judge_golden(
         reference=golden_tensors.get(FLOOR_KEY),
         hidden_in=hidden_in,
         routing=routing_agreements(golden_tensors, target_routing, settings, dtype),
+        envelope=envelope,
+        tainted=tainted,
     )

@@ -3,11 +3,13 @@
 Two policies:
 
 * ``noise`` (the default): fail on NaN/Inf, on a cosine below the limit, or when the target's
-  error against the precision floor (the layer evaluated in higher precision) is more than a
-  few times the golden's own rounding error, tensor-wide (``noise_ratio``) or on any one token
-  (``token_noise_ratio``), or along the layer's own contribution (``contribution_bias``).
-  Needs goldens that carry the precision floor; for goldens without it the ``table`` policy
-  applies.
+  error against the precision floor (the layer evaluated in higher precision), in units of the
+  golden's own rounding error, leaves what legitimate arithmetic does to this layer:
+  tensor-wide (``noise_ratio``), on any one token (``token_noise_ratio``) or along the layer's
+  own contribution (``contribution_bias``). The limits come from the golden's noise envelope
+  (``compare.envelope``: perturbed runs of the layer, at a stated false-alarm rate); goldens
+  with a floor but no envelope get the fixed limits below. Goldens without the floor get the
+  ``table`` policy.
 * ``table``: the seeds' fixed table (max/mean abs diff, similarity, cosine, Pearson).
 """
 
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..options import Settings
+    from .envelope import EnvelopeLimits
     from .floor import FloorStats
     from .metrics import Metrics
 
@@ -45,9 +48,13 @@ class Check:
     op: str  # "<=" (value must not exceed limit), ">=" (must reach limit), "==" for counts
     limit: float
     ok: bool
+    low: float | None = None  # op "in": the value must lie in [low, limit]
 
     def describe(self) -> str:
         verdict = "ok" if self.ok else "FAIL"
+        if self.low is not None:
+            bounds = f"[{_fmt(self.low)}, {_fmt(self.limit)}]"
+            return f"{self.name:<22} {_fmt(self.value):>14}   in {bounds:<20} {verdict}"
         return f"{self.name:<22} {_fmt(self.value):>14}   {self.op} {_fmt(self.limit):<10} {verdict}"
 
 
@@ -65,6 +72,10 @@ def _upper(name: str, value: float, limit: float) -> Check:
 
 def _lower(name: str, value: float, limit: float) -> Check:
     return Check(name, value, ">=", limit, not math.isnan(value) and value >= limit)
+
+
+def _within(name: str, value: float, low: float, high: float) -> Check:
+    return Check(name, value, "in", high, not math.isnan(value) and low <= value <= high, low=low)
 
 
 def noise_limits(settings: Settings, dtype: str) -> tuple[float, float, float]:
@@ -86,21 +97,38 @@ def contribution_limit(settings: Settings) -> float:
 
 
 def evaluate(
-    metrics: Metrics, settings: Settings, floor: FloorStats | None = None, dtype: str = "bfloat16"
+    metrics: Metrics,
+    settings: Settings,
+    floor: FloorStats | None = None,
+    dtype: str = "bfloat16",
+    envelope: EnvelopeLimits | None = None,
 ) -> list[Check]:
-    """Each metric against its threshold under the policy in force."""
+    """Each metric against its threshold under the policy in force (the noise policy's
+    limits from ``envelope`` when given; an explicit --max-* option still wins)."""
     non_finite = metrics.golden_nan + metrics.golden_inf + metrics.target_nan + metrics.target_inf
     checks = [Check("nan_inf_count", non_finite, "==", 0, non_finite == 0)]
     if policy_in_force(settings, floor is not None) == "noise":
         assert floor is not None
         max_ratio, max_token, min_cos = noise_limits(settings, dtype)
+        if envelope is not None:
+            if settings.max_noise_ratio is None:
+                max_ratio = envelope.max_noise_ratio
+            if settings.max_token_noise_ratio is None:
+                max_token = envelope.max_token_noise_ratio
         checks += [
             _lower("cosine_similarity", metrics.cosine_similarity, min_cos),
             _upper("noise_ratio", floor.noise_ratio, max_ratio),
             _upper("token_noise_ratio", floor.token_noise_ratio, max_token),
         ]
-        if floor.contribution_z is not None:
-            checks.append(_upper("contribution_bias", abs(floor.contribution_z), contribution_limit(settings)))
+        bias = floor.contribution_bias
+        if bias is not None:
+            assert floor.golden_contribution_z is not None
+            if envelope is not None and settings.max_contribution_z is None:
+                low, high = envelope.bias_low, envelope.bias_high
+            else:  # within a fixed number of noise units of the golden's own bias
+                low = floor.golden_contribution_z - contribution_limit(settings)
+                high = floor.golden_contribution_z + contribution_limit(settings)
+            checks.append(_within("contribution_bias", bias, low, high))
         return checks
     return [
         *checks,
@@ -121,10 +149,11 @@ def describe_rule(settings: Settings, dtype: str) -> str:
     if settings.verdict == "noise":
         ratio, token, cosine = noise_limits(settings, dtype)
         return (
-            f"noise policy ({dtype}): fail on NaN/Inf, cosine_similarity < {cosine:g}, "
-            f"noise_ratio > {ratio:g}, token_noise_ratio > {token:g} or contribution_bias > "
-            f"{contribution_limit(settings):g} "
-            "(error against the float32/float64 evaluation, in units of the golden's own error); "
+            f"noise policy ({dtype}): fail on NaN/Inf, cosine_similarity < {cosine:g}, or noise_ratio, "
+            "token_noise_ratio or contribution_bias (error against the float32/float64 evaluation, in units of "
+            "the golden's own error) outside the layer's noise envelope at false-alarm rate "
+            f"{settings.false_alarm_rate:g} per test; goldens without an envelope: noise_ratio > {ratio:g}, "
+            f"token_noise_ratio > {token:g}, |contribution_bias - golden's| > {contribution_limit(settings):g}; "
             "goldens without the precision floor use the table policy"
         )
     return (

@@ -15,11 +15,13 @@ from ..capture.calls import capture_calls
 from ..capture.routing import capture_routing
 from ..compare.floor import FLOOR_KEY
 from ..compare.judge import LayerOutcome, judge
+from ..report.progress import SILENT, Progress
 from ..selection import layer_key
-from ..store.callspec import CallRecord, primary_output_name
-from ..store.golden import GoldenError, GoldenStore
+from ..store.callspec import CallRecord, hidden_input_name, primary_output_name
+from ..store.golden import GoldenError, GoldenStore, describe_differences
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit
+from .envelope import PerturbedRunner
 from .floor import FloorEvaluator
 from .inputs import input_description, make_input_ids
 from .model import ModelError, ModelSource, build_skeleton, find_layer_list, layer_count_from_config
@@ -57,6 +59,7 @@ class ReferenceSide:
         dtype_name: str,
         floor: FloorEvaluator,
         extract_command: Callable[[str | None], str],
+        progress: Progress = SILENT,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -64,6 +67,7 @@ class ReferenceSide:
         self.dtype_name = dtype_name
         self.floor = floor
         self.extract_command = extract_command
+        self.progress = progress
         self.placement: dict[str, Any] | None = None  # accelerate's device map of the whole model
         self.audit: dict[str, list[tuple[str, str, tuple[int, ...]]]] = {}  # streamed unit -> odd tensors
         self._run: ReferenceRun | None = None
@@ -85,6 +89,13 @@ class ReferenceSide:
     def device_map(self) -> str:
         """'stream', or an accelerate device map for the whole model."""
         return choose_device_map(self.settings, self.model, self.dtype_name, self.golden_device)
+
+    @cached_property
+    def perturbed(self) -> PerturbedRunner:
+        """The perturbed runs that make each golden's noise envelope (on the reference's device)."""
+        return PerturbedRunner(
+            self.model, self.torch_dtype, self.settings.envelope_samples, self.golden_device, self.progress
+        )
 
     def run(self, layers: list[int], input_ids: torch.Tensor | None = None) -> ReferenceRun:
         """Run the whole reference model once, capturing ``layers``' calls (cached)."""
@@ -109,8 +120,11 @@ class ReferenceSide:
             lambda module, args, output: run.model_io.__setitem__("embeddings", output.detach().to("cpu", copy=True))
         )
         routing: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layers}
+        bar = self.progress.bar(len(layer_list), "layerparity: reference forward")
+        ticks = [layer.register_forward_hook(lambda *_: bar.update(1)) for layer in layer_list]
         try:
             with contextlib.ExitStack() as stack:
+                stack.callback(bar.close)
                 stack.enter_context(capture_calls({i: layer_list[i] for i in layers}, run.calls.__setitem__))
                 for i in layers:
                     stack.enter_context(capture_routing(layer_list[i], self.model.top_k, routing[i]))
@@ -131,6 +145,8 @@ class ReferenceSide:
                 output = model(input_ids=ids.to(device), use_cache=False)
         finally:
             handle.remove()
+            for tick in ticks:
+                tick.remove()
         for i, tensors in routing.items():
             if i in run.calls:
                 run.calls[i].tensors.update(tensors)
@@ -179,6 +195,20 @@ class ReferenceSide:
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         }
 
+    def check_store_takes_extraction(self) -> None:
+        """Refuse (before any test) to extract into a store that holds goldens of another
+        extraction (model, inputs, dtype), naming the difference and the fix."""
+        manifest = self.store.read_manifest()
+        if not manifest or not manifest.get("files"):
+            return
+        differences = describe_differences(manifest, self.header(), EXTRACTION_KEYS)
+        if differences:
+            raise GoldenError(
+                f"{self.store.manifest_path}: this store holds goldens of another extraction "
+                f"({'; '.join(differences)}); extract into another --golden-dir, or add --force-regen to replace "
+                "the store (the old one is kept until the new one is complete)"
+            )
+
     def extract_layer(self, index: int, layers: list[int]) -> dict[str, Any]:
         """Write the golden of layer ``index`` (running the reference once for ``layers``)."""
         run = self.run(layers)
@@ -190,22 +220,31 @@ class ReferenceSide:
                 self.store.write(MODEL_IO_KEY, run.model_io, {"kind": "model_io"}, omit_nonfinite=True)
             self._model_io_checked = True
         record = run.calls[index]
+        envelope = None
         if not self.settings.no_precision_floor:
             floor, floor_routing = self.floor.evaluate(index, record.spec, record.tensors)
             record.tensors[FLOOR_KEY] = floor
             record.tensors.update(floor_routing)
+            if self.settings.envelope_samples > 1:
+                envelope = self.perturbed.envelope(
+                    index,
+                    record.spec,
+                    record.tensors,
+                    record.tensors[primary_output_name(record.spec)],
+                    floor,
+                    record.tensors.get(hidden_input_name(record.spec)),
+                )
         floor_dtype = record.tensors[FLOOR_KEY].dtype if FLOOR_KEY in record.tensors else None
+        metadata: dict[str, Any] = {
+            "kind": "layer",
+            "layer": index,
+            "call": record.spec,
+            "ref_dtype": str(floor_dtype).removeprefix("torch.") if floor_dtype is not None else None,
+        }
+        if envelope is not None:
+            metadata["envelope"] = envelope.as_metadata()
         try:
-            path = self.store.write(
-                layer_key(index),
-                record.tensors,
-                {
-                    "kind": "layer",
-                    "layer": index,
-                    "call": record.spec,
-                    "ref_dtype": str(floor_dtype).removeprefix("torch.") if floor_dtype is not None else None,
-                },
-            )
+            path = self.store.write(layer_key(index), record.tensors, metadata)
         except ValueError as exc:
             raise GoldenError(f"layer {index}: the reference output is not usable as a golden: {exc}") from exc
         out = record.tensors[primary_output_name(record.spec)]

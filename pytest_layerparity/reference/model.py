@@ -86,6 +86,24 @@ def hidden_size_from_config(config: dict[str, Any]) -> int | None:
     return None
 
 
+#: The goldens' dtype when the checkpoint's config names none.
+FALLBACK_DTYPE = "float32"
+
+
+def checkpoint_dtype(config: dict[str, Any]) -> str:
+    """The dtype the checkpoint was saved in, as transformers' ``dtype="auto"`` reads it
+    (``dtype``, formerly ``torch_dtype``, in config.json; a multimodal config's text part),
+    else float32."""
+    for source in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = source.get(key) if isinstance(source, dict) else None
+            if isinstance(value, str):
+                name = value.removeprefix("torch.")
+                if name in ("bfloat16", "float16", "float32"):
+                    return name
+    return FALLBACK_DTYPE
+
+
 def torch_dtype(name: str):
     import torch
 

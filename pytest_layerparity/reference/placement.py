@@ -35,14 +35,22 @@ def load_whole_model(
         kwargs["max_memory"] = parse_max_memory(settings.max_memory)
     if settings.offload_folder:
         kwargs["offload_folder"] = settings.offload_folder
-    loaded = model_cls.from_pretrained(
-        str(model.model_dir),
-        config=model.hf_config,
-        dtype=dtype,
-        device_map=device_map,
-        trust_remote_code=model.trust_remote_code,
-        **kwargs,
-    ).eval()
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers' own load bars would open the session before its header
+    try:
+        loaded = model_cls.from_pretrained(
+            str(model.model_dir),
+            config=model.hf_config,
+            dtype=dtype,
+            device_map=device_map,
+            trust_remote_code=model.trust_remote_code,
+            **kwargs,
+        ).eval()
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return loaded, getattr(loaded, "hf_device_map", None)
 
 

@@ -30,6 +30,12 @@ FIELDS: tuple[Field, ...] = (
     Field("token_noise_ratio", (6, "token_ratio", 11), csv=True, plot=True),
     Field("contribution_bias", csv=True),
     Field("delta_cosine"),
+    # the limits drawn from the layer's noise envelope
+    Field("noise_ratio_limit", csv=True),
+    Field("token_noise_ratio_limit", csv=True),
+    Field("contribution_bias_low", csv=True),
+    Field("contribution_bias_high", csv=True),
+    Field("envelope_samples"),
     # mixture-of-experts routing
     Field("routing_agreement", (7, "routing", 8), csv=True),
     Field("routing_flipped", csv=True),

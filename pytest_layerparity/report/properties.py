@@ -33,10 +33,19 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
     noise = outcome.floor
     if noise is not None:
         out += [(f"{prefix}noise_ratio", noise.noise_ratio), (f"{prefix}token_noise_ratio", noise.token_noise_ratio)]
-        if noise.contribution_z is not None:
-            out.append((f"{prefix}contribution_bias", abs(noise.contribution_z)))
+        if noise.contribution_bias is not None:
+            out.append((f"{prefix}contribution_bias", noise.contribution_bias))
         if noise.delta_cosine is not None:
             out.append((f"{prefix}delta_cosine", noise.delta_cosine))
+    limits = outcome.envelope
+    if limits is not None:
+        out += [
+            (f"{prefix}noise_ratio_limit", limits.max_noise_ratio),
+            (f"{prefix}token_noise_ratio_limit", limits.max_token_noise_ratio),
+            (f"{prefix}contribution_bias_low", limits.bias_low),
+            (f"{prefix}contribution_bias_high", limits.bias_high),
+            (f"{prefix}envelope_samples", limits.samples),
+        ]
     routings = outcome.routing
     if routings:
         tokens = sum(r.tokens for r in routings)

@@ -40,6 +40,13 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
                 else ""
             )
         )
+    if outcome.envelope is not None:
+        lines.append(f"  {outcome.envelope.describe()}")
+    if outcome.tainted_tokens:
+        lines.append(
+            f"  left out of the statistics against the floor (routing flipped on a near tie earlier in the chain): "
+            f"tokens {outcome.tainted_tokens}"
+        )
     for routing in outcome.routing:
         lines.append(f"  {routing.describe()}")
         if routing.flipped and noise is not None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+from ..compare.envelope import Envelope
 from ..selection import parse_layer_key
 from .callspec import tensor_names
 from .commands import extract_command
@@ -52,6 +53,11 @@ class GoldenEntry:
     path: Path
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any]
+
+    @property
+    def envelope(self) -> Envelope | None:
+        """The layer's noise envelope (None when extracted without one; checked on load)."""
+        return Envelope.from_metadata(self.metadata.get("envelope"))
 
 
 def _file_name(key: str) -> str:
@@ -489,6 +495,10 @@ def _check_entry(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mappin
     missing = sorted(set(tensor_names(call)) - set(tensors))
     if missing:
         raise ValueError(f"{key}: its call refers to tensors the file does not hold ({', '.join(missing)})")
+    try:
+        Envelope.from_metadata(metadata.get("envelope"))
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 def check_finite(key: str, tensors: Mapping[str, torch.Tensor]) -> None:

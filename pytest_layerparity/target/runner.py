@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..capture.routing import capture_routing
 from ..compare.floor import FLOOR_KEY
 from ..compare.judge import LayerOutcome, judge_golden
+from ..report.progress import SILENT, Progress
 from ..selection import LayerRange, layer_key
 from ..store.callspec import decode_call, first_tensor, hidden_input_name, primary_output_name, replace_hidden_input
 from ..store.golden import GoldenEntry, GoldenStore
@@ -22,11 +23,16 @@ if TYPE_CHECKING:
     import torch
 
     from ..backends.base import Backend
+    from ..compare.envelope import Envelope
     from ..options import Settings
+    from ..reference.envelope import PerturbedRunner
     from ..reference.floor import FloorEvaluator
     from ..reference.model import ModelSource
 
 BuildHook = Callable[..., Any]
+#: The fewest perturbed chains without an upstream routing flip that make an envelope of
+#: their own for a target without one (below it, all chains do).
+MIN_CLEAN_CHAINS = 4
 
 
 @dataclass
@@ -50,6 +56,8 @@ class TargetSide:
         floor: FloorEvaluator,
         build_hook: BuildHook | None = None,
         manifest: dict[str, Any] | None = None,
+        perturbed: PerturbedRunner | None = None,
+        progress: Progress = SILENT,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -59,6 +67,8 @@ class TargetSide:
         self.floor = floor
         self.build_hook = build_hook
         self.manifest = manifest
+        self.perturbed = perturbed  # the perturbed reference runs that make a chain's noise envelope
+        self.progress = progress
 
     def build(self, index: int) -> torch.nn.Module:
         """Layer ``index`` as the port builds it (the hook), else the model's own layer,
@@ -90,9 +100,16 @@ class TargetSide:
         return TargetRun(out, routing)
 
     def judge(
-        self, index: int, entry: GoldenEntry, run: TargetRun, hidden_in: torch.Tensor | None = None
+        self,
+        index: int,
+        entry: GoldenEntry,
+        run: TargetRun,
+        hidden_in: torch.Tensor | None = None,
+        envelope: Envelope | None = None,
+        tainted: set[int] | None = None,
     ) -> LayerOutcome:
-        """Hold a target run against the golden entry: metrics, precision floor, routing."""
+        """Hold a target run against the golden entry: metrics, precision floor, routing, and
+        the noise envelope (the golden's own unless a chain measured one)."""
         spec = entry.metadata["call"]
         if hidden_in is None:
             hidden_in = entry.tensors.get(hidden_input_name(spec))
@@ -105,6 +122,8 @@ class TargetSide:
             self.settings,
             self.dtype_name,
             hidden_in=hidden_in,
+            envelope=envelope if envelope is not None else entry.envelope,
+            tainted=sorted(tainted or ()),
         )
 
     def parity_layer(self, index: int) -> LayerOutcome:
@@ -134,13 +153,26 @@ class TargetSide:
     def chain(self, layers: LayerRange | list[int]) -> list[LayerOutcome]:
         """Run the layers on the target from the golden input of the first, feeding each
         layer's own output forward (a chained run, as in a real forward pass), and judge
-        every layer's output against its golden. The precision floor of a chain is the same
-        chain evaluated in higher precision on the CPU, so accumulated drift is judged
-        against the golden's own accumulated rounding."""
+        every layer's output against its golden.
+
+        The precision floor of a chain is the same chain evaluated in higher precision on
+        the CPU, and its noise envelope is K chains of the reference layers in the golden's
+        dtype under Monte Carlo arithmetic: accumulated drift is judged against what
+        legitimate arithmetic accumulates over the same layers. A token whose routing
+        flipped on a near tie leaves the statistics of the later layers too (in the target
+        and in each perturbed chain alike): what follows a legitimate flip is legitimate."""
+        from ..reference.envelope import BASE_SEED, envelope_from_runs, flipped_tokens
+
         indices = layers.layers() if isinstance(layers, LayerRange) else list(layers)
         outcomes = []
         hidden = ref_hidden = None
+        samples = self.perturbed.samples if self.perturbed is not None and self.perturbed.samples > 1 else 0
+        sample_hidden: list[torch.Tensor | None] = [None] * samples
+        sample_flipped: list[set[int]] = [set() for _ in range(samples)]
+        tainted: set[int] = set()
+        bar = self.progress.bar(len(indices), f"layerparity: chain {indices[0]}-{indices[-1]}")
         for index in indices:
+            bar.update(1)
             entry = self.load_golden(index)
             spec = entry.metadata["call"]
             if ref_hidden is None:
@@ -148,8 +180,32 @@ class TargetSide:
             ref_in = ref_hidden
             run = self.run(self.build(index), entry, hidden)
             hidden = run.output
+            envelope = None
             if FLOOR_KEY in entry.tensors:
                 ref_hidden, _ = self.floor.evaluate(index, spec, entry.tensors, ref_hidden)
                 entry = replace(entry, tensors={**entry.tensors, FLOOR_KEY: ref_hidden})
-            outcomes.append(self.judge(index, entry, run, hidden_in=ref_in))
+                if samples:
+                    assert self.perturbed is not None
+                    # The target's drift so far is clean (no near-tie flip upstream) or not: it is
+                    # held to the perturbed chains in the same state (all of them when too few are).
+                    clean = [k for k in range(samples) if not sample_flipped[k]]
+                    layer = self.perturbed.layer(index)
+                    for k in range(samples):
+                        perturbed = self.perturbed.run(layer, spec, entry.tensors, BASE_SEED + k, sample_hidden[k])
+                        sample_hidden[k] = perturbed.output
+                        sample_flipped[k] |= flipped_tokens(entry.tensors, perturbed.routing)
+                    del layer
+                    chosen = clean if not tainted and len(clean) >= MIN_CLEAN_CHAINS else list(range(samples))
+                    envelope = envelope_from_runs(
+                        entry.tensors[primary_output_name(spec)],
+                        [sample_hidden[k] for k in chosen],
+                        ref_hidden,
+                        ref_in,
+                        [sample_flipped[k] for k in chosen],
+                    )
+            outcome = self.judge(index, entry, run, hidden_in=ref_in, envelope=envelope, tainted=tainted)
+            outcomes.append(outcome)
+            if not self.settings.strict_routing:
+                tainted |= {t for r in outcome.routing for t in r.near_tie_tokens}
+        bar.close()
         return outcomes

@@ -23,7 +23,7 @@ def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(
         [
-            "layerparity: reference device cpu (no CUDA visible), dtype float32, placement cpu",
+            "layerparity: reference device cpu (no CUDA visible), dtype bfloat16, placement cpu",
             "*test_extract_golden?layer_0? PASSED*",
             "*test_extract_golden?layer_2? PASSED*",
         ]
@@ -37,7 +37,7 @@ def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
     ]
     manifest = json.loads((store / "manifest.json").read_text())
     assert manifest["schema_version"] == 1
-    assert manifest["dtype"] == "float32" and manifest["reference_device"] == "cpu"
+    assert manifest["dtype"] == "bfloat16" and manifest["reference_device"] == "cpu"  # the checkpoint's own
     assert manifest["inputs"] == {"source": "random", "seed": 0, "batch_size": 2, "seq_len": 8, "prompt": None}
     assert manifest["model"]["num_layers"] == 6 and manifest["model"]["hidden_size"] == 64
     assert manifest["model"]["layer_module"] == "model.layers"
@@ -64,13 +64,36 @@ def test_extract_adds_layers_without_losing_others(fresh):
     assert set(manifest["files"]) == {"layer_0", "layer_4", "layer_5", "model_io"}
 
 
-def test_extract_into_a_store_of_another_input_is_refused(fresh):
+def test_extract_into_a_store_of_another_input_is_refused_once_at_start(fresh):
     fresh.runpytest("--gpu-golden", "--extract", "--layers", "0").assert_outcomes(passed=1)
     result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "1", "--seq-len", "16")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(
-        ["*this store holds goldens of another extraction (inputs.seq_len: store has 32, this run has 16)*"]
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: refusing the golden store: */store/manifest.json: this store holds goldens of another extraction "
+            "(inputs.seq_len: store has 32, this run has 16); extract into another --golden-dir, or add --force-regen "
+            "to replace the store (the old one is kept until the new one is complete)"
+        ]
     )
+    text = result.stdout.str() + result.stderr.str()
+    assert text.count("this store holds goldens of another extraction") == 1
+    assert "During handling" not in text
+
+
+def test_force_regen_replaces_the_store_and_keeps_nothing_aside(fresh):
+    fresh.runpytest("--gpu-golden", "--extract", "--layers", "0").assert_outcomes(passed=1)
+    result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "1", "--seq-len", "16", "--force-regen")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["--force-regen: */store replaced; the previous store was removed"])
+    manifest = json.loads((fresh.path / "store" / "manifest.json").read_text())
+    assert manifest["inputs"]["seq_len"] == 16 and set(manifest["files"]) == {"layer_1", "model_io"}
+    assert not (fresh.path / "store.previous").exists()
+
+
+def test_force_regen_is_for_extraction_only(fresh):
+    result = fresh.runpytest("--target", "cpu", "--force-regen")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --force-regen replaces a golden store by a new extraction*"])
 
 
 def test_reference_reproduces_its_goldens(fresh):
@@ -97,4 +120,4 @@ def test_committed_goldens_are_reproducible():
 
     manifest = json.loads((DEFAULT_GOLDENS / "manifest.json").read_text())
     assert set(manifest["files"]) == {f"layer_{i}" for i in range(6)} | {"model_io"}
-    assert manifest["dtype"] == "float32"
+    assert manifest["dtype"] == "bfloat16"

@@ -42,9 +42,9 @@ def test_xla_parity_passes_every_layer_of_the_default_model(project):
     result.assert_outcomes(passed=6)
     result.stdout.fnmatch_lines(
         [
-            "layerparity: target xla, dtype float32",
-            "layerparity: verdict: noise policy (float32): fail on NaN/Inf, cosine_similarity < 0.9999, noise_ratio "
-            "> 1.5, token_noise_ratio > 3 or contribution_bias > 6 *",
+            "layerparity: target xla, dtype bfloat16",
+            "layerparity: verdict: noise policy (bfloat16): fail on NaN/Inf, cosine_similarity < 0.99, or noise_ratio, "
+            "token_noise_ratio or contribution_bias * outside the layer's noise envelope at false-alarm rate 0.001 *",
             *[f"*test_layer_parity?layer_{i}? PASSED*" for i in range(6)],
             "*layerparity summary*",
         ]
@@ -68,12 +68,17 @@ def test_xla_parity_passes_every_layer_of_the_default_model(project):
             "token_noise_ratio",
             "contribution_bias",
             "routing_agreement",
+            "noise_ratio_limit",
+            "contribution_bias_low",
+            "contribution_bias_high",
         ):
             assert name in props, (case.get("name"), name)
         assert props["verdict"] == "pass"
-        assert float(props["max_abs_diff"]) < 1e-3
-        assert float(props["noise_ratio"]) < 1.5
-        assert float(props["routing_agreement"]) == 1.0
+        assert float(props["noise_ratio"]) <= float(props["noise_ratio_limit"])
+        assert float(props["contribution_bias_low"]) <= float(props["contribution_bias"])
+        assert float(props["contribution_bias"]) <= float(props["contribution_bias_high"])
+        assert props["envelope_samples"] == "12"
+        assert float(props["routing_agreement"]) > 0.9  # bf16 flips a near-tie token in some layers
 
 
 def test_planted_bug_fails_exactly_that_layer_on_xla(project):
@@ -84,12 +89,14 @@ def test_planted_bug_fails_exactly_that_layer_on_xla(project):
         [
             "*_ test_layer_parity?layer_3? _*",
             "layer 3 on xla:0*: output differs from the golden",
-            "  shape (1, 32, 64), golden float32, target float32",
-            "  noise_ratio * <= 1.5 * FAIL",
-            "  token_noise_ratio * <= 3 * FAIL",
+            "  shape (1, 32, 64), golden bfloat16, target bfloat16",
+            "  noise_ratio * <= * FAIL",
+            "  token_noise_ratio * <= * FAIL",
+            "  contribution_bias * in [[]*, *[]] * FAIL",
             "  worst element: index (0, *, *): golden *, target *",
             "  precision floor: ||golden - ref|| = *, ||target - ref|| = *; worst token * at *x its floor*",
-            "  routing (mlp.gate): all 32 tokens chose the same experts",
+            "  noise envelope from 12 perturbed runs of this layer: they reach noise_ratio *; limits at t=*",
+            "  routing (mlp.gate): *",
             "  minimum passing tolerance: atol * (with rtol 0); rtol * (with atol 0); --max-noise-ratio *",
             "  drill in: pytest --xla --model=* --golden-dir=* --layers 3 -k layer_3 --op-compare -vv",
             "FAILED layerparity::test_layer_parity[[]layer_3[]] - *",

@@ -233,7 +233,7 @@ def _stale_cases():
         pytest.param(
             {"model.hidden_size": 4096}, [], "model.hidden_size: store has 4096, this run has 64", id="hidden-size"
         ),
-        pytest.param({}, ["--dtype", "bfloat16"], "dtype: store has 'float32', this run has 'bfloat16'", id="dtype"),
+        pytest.param({}, ["--dtype", "float32"], "dtype: store has 'bfloat16', this run has 'float32'", id="dtype"),
     ]
 
 
@@ -296,11 +296,12 @@ def test_extraction_never_overwrites_a_store_of_an_unknown_schema(project):
     edit_manifest(goldens, lambda m: m.update(schema_version=2))
     before = {p.name: p.read_bytes() for p in goldens.iterdir()}
     result = project.runpytest("--gpu-golden", "--extract", "--layers", "0")
-    result.assert_outcomes(failed=1)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR  # refused once, before any test
     assert (
-        f"{goldens / 'manifest.json'}: schema version 2 is not one this pytest-layerparity reads (it reads 1); "
-        f"move {goldens} away (or delete it) and extract again: {extract_cmd(goldens, model=DEFAULT_MODEL)}"
-    ) in result.stdout.lines
+        f"ERROR: refusing the golden store: {goldens / 'manifest.json'}: schema version 2 is not one this "
+        f"pytest-layerparity reads (it reads 1); move {goldens} away (or delete it) and extract again: "
+        f"{extract_cmd(goldens, model=DEFAULT_MODEL)}"
+    ) in result.stderr.lines
     assert {p.name: p.read_bytes() for p in goldens.iterdir()} == before
 
 

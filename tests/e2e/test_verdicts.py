@@ -69,7 +69,8 @@ def test_correct_bf16_ports_of_other_architectures_pass(pytester, kind):
 
 
 PLANTS = {
-    "wrong norm epsilon": "wrong_norm_eps",
+    "positions off by one": "positions_off_by_one",
+    "square projection transposed": "out_proj_transposed",
     "rotary halves swapped": "rotary_halves_swapped",
     "one head's output dropped": "head_dropped",
     "wrong expert scaling": "expert_scaling",

@@ -134,9 +134,11 @@ def test_policy_in_force(verdict, has_floor, policy):
 
 def test_describe_rule():
     assert describe_rule(make_settings(), "float32") == (
-        "noise policy (float32): fail on NaN/Inf, cosine_similarity < 0.9999, noise_ratio > 1.5, token_noise_ratio > 3 "
-        "or contribution_bias > 6 (error against the float32/float64 evaluation, in units of the golden's own error); "
-        "goldens without the precision floor use the table policy"
+        "noise policy (float32): fail on NaN/Inf, cosine_similarity < 0.9999, or noise_ratio, token_noise_ratio or "
+        "contribution_bias (error against the float32/float64 evaluation, in units of the golden's own error) outside "
+        "the layer's noise envelope at false-alarm rate 0.001 per test; goldens without an envelope: "
+        "noise_ratio > 1.5, token_noise_ratio > 3, |contribution_bias - golden's| > 6; goldens without the precision "
+        "floor use the table policy"
     )
     assert describe_rule(make_settings(verdict="table", min_cosine=0.5), "bfloat16") == (
         "table policy: fail on NaN/Inf, max_abs_diff > 0.01, mean_abs_diff > 0.001, similarity_percentage < 95, "

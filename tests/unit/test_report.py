@@ -61,7 +61,7 @@ def test_properties_carry_every_metric_and_the_floor_statistics():
         assert name in props, name
     assert props["has_nan"] is False and props["nan_count"] == 0
     assert props["noise_ratio"] == outcome.floor.noise_ratio
-    assert props["contribution_bias"] == abs(outcome.floor.contribution_z)
+    assert props["contribution_bias"] == outcome.floor.contribution_z + outcome.floor.golden_contribution_z
     assert "routing_agreement" not in props  # no routers
 
 

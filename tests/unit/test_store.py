@@ -91,3 +91,43 @@ def test_not_json_manifest(store):
     store.manifest_path.write_text("{")
     with pytest.raises(GoldenError, match="the manifest is not valid JSON"):
         store.read_manifest()
+
+
+# -- --force-regen ------------------------------------------------------------------------------
+
+
+def _store(path, text):
+    path.mkdir()
+    (path / "manifest.json").write_text(text)
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_regeneration_keeps_the_old_store_until_the_new_one_is_complete(tmp_path, complete):
+    from pytest_layerparity.store.regen import Regeneration
+
+    root = tmp_path / "goldens"
+    _store(root, "old")
+    regen = Regeneration(root)
+    regen.start()
+    assert not root.exists() and (tmp_path / "goldens.previous" / "manifest.json").read_text() == "old"
+    _store(root, "new")
+    line = regen.finish(complete)
+    assert (root / "manifest.json").read_text() == ("new" if complete else "old")
+    assert not (tmp_path / "goldens.previous").exists()
+    assert ("replaced" if complete else "put back") in line
+    assert regen.finish(complete) is None  # once
+
+
+def test_regeneration_of_no_store_and_of_a_leftover(tmp_path):
+    from pytest_layerparity.store.regen import Regeneration
+
+    root = tmp_path / "goldens"
+    regen = Regeneration(root)
+    regen.start()
+    _store(root, "partial")
+    assert "there was no store before" in regen.finish(False)
+    assert (root / "manifest.json").read_text() == "partial"
+    _store(tmp_path / "goldens.previous", "stale leftover")
+    regen = Regeneration(root)
+    regen.start()  # the leftover of an interrupted regeneration is older than the store: it goes
+    assert (tmp_path / "goldens.previous" / "manifest.json").read_text() == "partial"

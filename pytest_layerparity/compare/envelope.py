@@ -1,0 +1,164 @@
+"""The noise envelope of a layer: what legitimate arithmetic does to each verdict statistic
+of that layer, and the limits a target is held to.
+
+At extraction the layer is run K times under Monte Carlo arithmetic (every rounded result
+perturbed within its rounding error, see ``reference.perturb``); each run is a legitimate
+implementation of the layer, and its statistics against the golden and the precision floor
+(``noise_ratio``, ``token_noise_ratio``, ``contribution_bias``) are one sample of what a
+correct port may show. The golden stores the samples; the verdict holds the target to
+prediction limits drawn from them at a stated false-alarm rate:
+
+* ratios (log-normal): ``exp(mean + q * sd * sqrt(1 + 1/K))`` of the samples' logarithms;
+* ``contribution_bias`` (the target's error along the layer's own contribution, relative to
+  the floor, in noise units): the span of {0 (the floor itself), the samples' mean, the
+  golden's own bias} widened by ``q * sd * sqrt(1 + 1/K)`` on each side, with ``sd`` at least
+  one noise unit;
+
+where ``q`` is the Student-t quantile with K - 1 degrees of freedom that leaves ``rate / 3``
+beyond each ratio's limit and ``rate / 6`` beyond each end of the bias's range (the rate split
+over the three statistics). Everything here is pure
+arithmetic on numbers: no torch, no model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+#: The statistics an envelope holds samples of, in order.
+STATISTICS = ("noise_ratio", "token_noise_ratio", "contribution_bias")
+#: The smallest spread of the bias a limit assumes, in noise units: the golden's own rounding
+#: error along one direction is one unit, so no legitimate spread is narrower.
+MIN_BIAS_SD = 1.0
+
+
+def _t_density(x: float, df: int) -> float:
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_c - (df + 1) / 2 * math.log1p(x * x / df))
+
+
+def _t_upper_tail(x: float, df: int) -> float:
+    """P(T > x) for x >= 0, by Simpson's rule on the density (accurate to ~1e-9 here)."""
+    steps = 600
+    h = x / steps
+    total = _t_density(0.0, df) + _t_density(x, df)
+    for i in range(1, steps):
+        total += (4 if i % 2 else 2) * _t_density(i * h, df)
+    return 0.5 - total * h / 3
+
+
+@functools.lru_cache(maxsize=64)
+def t_quantile(p: float, df: int) -> float:
+    """The Student-t quantile at probability ``p`` (0.5 <= p < 1) with ``df`` degrees of freedom."""
+    if not 0.5 <= p < 1 or df < 1:
+        raise ValueError(f"t_quantile needs 0.5 <= p < 1 and df >= 1, got p={p}, df={df}")
+    tail = 1 - p
+    lo, hi = 0.0, 1.0
+    while _t_upper_tail(hi, df) > tail:
+        lo, hi = hi, hi * 2
+        if hi > 1e7:
+            return hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if _t_upper_tail(mid, df) > tail:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mean, sd
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """K legitimate runs' statistics of one layer (one value per run and statistic)."""
+
+    noise_ratio: tuple[float, ...]
+    token_noise_ratio: tuple[float, ...]
+    contribution_bias: tuple[float, ...]
+    golden_bias: float  # the golden's own bias along the contribution, in noise units
+    method: str = "mca"  # how the runs were perturbed
+
+    @property
+    def samples(self) -> int:
+        return len(self.noise_ratio)
+
+    def as_metadata(self) -> dict[str, Any]:
+        return {
+            "method": self.method,
+            "samples": self.samples,
+            "golden_bias": self.golden_bias,
+            **{name: [float(v) for v in getattr(self, name)] for name in STATISTICS},
+        }
+
+    @classmethod
+    def from_metadata(cls, data: Mapping[str, Any] | None) -> Envelope | None:
+        """The envelope a golden's metadata holds, or None (goldens extracted without one).
+        Raises ValueError on a malformed one."""
+        if not data:
+            return None
+        try:
+            values = {name: tuple(float(v) for v in data[name]) for name in STATISTICS}
+            golden_bias = float(data["golden_bias"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed noise envelope ({exc!r})") from exc
+        if len({len(v) for v in values.values()}) != 1 or len(values["noise_ratio"]) < 2:
+            raise ValueError("malformed noise envelope: needs at least 2 samples of each statistic")
+        if any(not math.isfinite(v) for vs in values.values() for v in vs):
+            raise ValueError("malformed noise envelope: non-finite samples")
+        return cls(golden_bias=golden_bias, method=str(data.get("method", "mca")), **values)
+
+    def limits(self, false_alarm_rate: float) -> EnvelopeLimits:
+        """The prediction limits at ``false_alarm_rate`` per test."""
+        k = self.samples
+        per_statistic = false_alarm_rate / len(STATISTICS)
+        q_ratio = t_quantile(1 - per_statistic, k - 1)
+        q_bias = t_quantile(1 - per_statistic / 2, k - 1)
+        widen = math.sqrt(1 + 1 / k)
+
+        def ratio_limit(values: Sequence[float]) -> float:
+            mean, sd = _mean_sd([math.log(max(v, 1e-300)) for v in values])
+            return math.exp(mean + q_ratio * sd * widen)
+
+        mean, sd = _mean_sd(self.contribution_bias)
+        half = q_bias * max(sd, MIN_BIAS_SD) * widen
+        centres = (0.0, mean, self.golden_bias)
+        return EnvelopeLimits(
+            max_noise_ratio=ratio_limit(self.noise_ratio),
+            max_token_noise_ratio=ratio_limit(self.token_noise_ratio),
+            bias_low=min(centres) - half,
+            bias_high=max(centres) + half,
+            reached={name: max(abs(v) for v in getattr(self, name)) for name in STATISTICS},
+            samples=k,
+            quantile=q_bias,
+        )
+
+
+@dataclass(frozen=True)
+class EnvelopeLimits:
+    """What a target of one layer is held to (from its :class:`Envelope`)."""
+
+    max_noise_ratio: float
+    max_token_noise_ratio: float
+    bias_low: float
+    bias_high: float
+    reached: dict[str, float]  # the largest (absolute) value each statistic took in the legitimate runs
+    samples: int
+    quantile: float
+
+    def describe(self) -> str:
+        return (
+            f"noise envelope from {self.samples} perturbed runs of this layer: they reach noise_ratio "
+            f"{self.reached['noise_ratio']:.3g}, token_noise_ratio {self.reached['token_noise_ratio']:.3g}, "
+            f"|contribution_bias| {self.reached['contribution_bias']:.3g}; limits at t={self.quantile:.2f}: "
+            f"noise_ratio <= {self.max_noise_ratio:.3g}, token_noise_ratio <= {self.max_token_noise_ratio:.3g}, "
+            f"contribution_bias in [{self.bias_low:.3g}, {self.bias_high:.3g}]"
+        )

@@ -1,0 +1,155 @@
+"""The noise envelope, measured: a layer run K times in the golden's dtype under Monte Carlo
+arithmetic (``reference.perturb``), each run's statistics against the golden and the
+precision floor taken as one legitimate sample (``compare.envelope``). Extraction stores
+the envelope with each golden; chained runs measure one along the chain.
+
+One layer is loaded at a time (in the golden's dtype, on the device the reference ran on),
+so the envelope keeps extraction's memory bound."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from ..capture.routing import capture_routing
+from ..compare.envelope import Envelope
+from ..compare.floor import floor_stats
+from ..compare.routing import agreement, router_names
+from ..report.progress import SILENT, Progress
+from ..store.callspec import decode_call, first_tensor, replace_hidden_input
+from .model import ModelSource, build_skeleton, give_back_memory, load_layer
+from .perturb import PerturbedArithmetic
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+#: Seeds of the perturbed runs: run k of any layer uses BASE_SEED + k.
+BASE_SEED = 1000
+
+
+@dataclass
+class PerturbedRun:
+    """One perturbed run of a layer: its output (CPU) and its routers' decisions."""
+
+    output: torch.Tensor
+    routing: dict[str, torch.Tensor]
+
+
+def flipped_tokens(golden: Mapping[str, torch.Tensor], routing: Mapping[str, torch.Tensor]) -> set[int]:
+    """Tokens whose experts in ``routing`` differ from the golden's, for any router."""
+    out: set[int] = set()
+    for name in router_names(dict(golden)):
+        found = agreement(name, dict(golden), dict(routing), 0.0)
+        if found is not None:
+            out.update(found.flipped_tokens)
+    return out
+
+
+def envelope_from_runs(
+    golden: torch.Tensor,
+    runs: Sequence[torch.Tensor],
+    reference: torch.Tensor,
+    hidden_in: torch.Tensor | None,
+    left_out: Sequence[set[int]] | None = None,
+) -> Envelope:
+    """The envelope of the perturbed outputs ``runs`` against ``golden`` and its floor
+    ``reference``; ``left_out[k]``: tokens run k leaves out of its statistics (those whose
+    routing flipped: legitimate arithmetic flips near ties, and what follows is legitimate)."""
+    import torch
+
+    rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
+    stats = []
+    for k, out in enumerate(runs):
+        keep = None
+        drop = left_out[k] if left_out is not None else set()
+        if drop and golden.dim() > 1:
+            keep = torch.ones(rows, dtype=torch.bool)
+            keep[sorted(drop)] = False
+        stats.append(floor_stats(golden, out, reference, hidden_in, keep))
+    ref_only = floor_stats(golden, golden, reference, hidden_in)
+    return Envelope(
+        noise_ratio=tuple(s.noise_ratio for s in stats),
+        token_noise_ratio=tuple(s.token_noise_ratio for s in stats),
+        contribution_bias=tuple(s.contribution_bias or 0.0 for s in stats),
+        golden_bias=ref_only.golden_contribution_z or 0.0,
+    )
+
+
+class PerturbedRunner:
+    """Runs the layers of one model in the golden's dtype under Monte Carlo arithmetic, K
+    times each, on ``device``."""
+
+    def __init__(
+        self,
+        model: ModelSource,
+        golden_dtype: torch.dtype,
+        samples: int,
+        device: str = "cpu",
+        progress: Progress = SILENT,
+    ) -> None:
+        self.model = model
+        self.dtype = golden_dtype
+        self.samples = samples
+        self.device = device
+        self.progress = progress
+
+    @cached_property
+    def skeleton(self) -> PreTrainedModel:
+        return build_skeleton(copy.deepcopy(self.model.hf_config), self.dtype, self.model.trust_remote_code)
+
+    def layer(self, index: int) -> torch.nn.Module:
+        """Layer ``index`` as the reference runs it, in the golden's dtype, on the device."""
+        return (
+            load_layer(self.skeleton, self.model.checkpoint, self.model.layer_list[0], index, self.dtype)
+            .eval()
+            .to(self.device)
+        )
+
+    def run(
+        self,
+        layer: torch.nn.Module,
+        spec: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        seed: int,
+        hidden: torch.Tensor | None = None,
+    ) -> PerturbedRun:
+        """One perturbed run of ``layer`` on the call ``spec``/``tensors`` (hidden states
+        replaced by ``hidden`` when given)."""
+        import torch
+
+        call = dict(tensors) if hidden is None else replace_hidden_input(spec, dict(tensors), hidden)
+        args, kwargs = decode_call(spec, call, self.device)
+        routing: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), capture_routing(layer, self.model.top_k, routing), PerturbedArithmetic(seed):
+            out = first_tensor(layer(*args, **kwargs))
+        return PerturbedRun(out.detach().to("cpu", copy=True), routing)
+
+    def envelope(
+        self,
+        index: int,
+        spec: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        golden: torch.Tensor,
+        reference: torch.Tensor,
+        hidden_in: torch.Tensor | None,
+    ) -> Envelope:
+        """The envelope of layer ``index`` on its golden call (what extraction stores)."""
+        layer = self.layer(index)
+        runs = []
+        with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
+            for k in range(self.samples):
+                runs.append(self.run(layer, spec, tensors, BASE_SEED + k))
+                bar.update(1)
+        del layer
+        give_back_memory()
+        return envelope_from_runs(
+            golden,
+            [r.output for r in runs],
+            reference,
+            hidden_in,
+            [flipped_tokens(tensors, r.routing) for r in runs],
+        )

@@ -1,0 +1,211 @@
+"""Table tests of the noise envelope (compare.envelope), the verdict held against it
+(compare.verdict, compare.judge) and the envelope measured from perturbed runs
+(reference.envelope.envelope_from_runs). Hand-made numbers and small tensors; no model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pytest_layerparity.compare.envelope import MIN_BIAS_SD, Envelope, t_quantile
+from pytest_layerparity.compare.floor import FloorStats
+from pytest_layerparity.compare.judge import judge
+from pytest_layerparity.compare.metrics import Metrics
+from pytest_layerparity.compare.verdict import evaluate
+from pytest_layerparity.options import make_settings
+from pytest_layerparity.reference.envelope import envelope_from_runs
+from pytest_layerparity.report.properties import properties
+from pytest_layerparity.report.text import failure_text
+
+
+@pytest.mark.parametrize(
+    ("p", "df", "expected"),
+    [(0.975, 1, 12.7062), (0.975, 3, 3.1824), (0.975, 15, 2.1314), (0.995, 11, 3.1058), (0.9995, 11, 4.4370)],
+)
+def test_t_quantile_matches_the_tables(p, df, expected):
+    assert t_quantile(p, df) == pytest.approx(expected, abs=2e-3)
+
+
+@pytest.mark.parametrize(("p", "df"), [(0.4, 5), (1.0, 5), (0.9, 0)])
+def test_t_quantile_refuses_what_it_cannot_give(p, df):
+    with pytest.raises(ValueError):
+        t_quantile(p, df)
+
+
+def envelope(ratios=(1.0, 1.1, 0.9, 1.05), tokens=(2.0, 2.2, 1.8, 2.1), biases=(1.0, -1.0, 2.0, 0.0), golden=0.5):
+    return Envelope(tuple(ratios), tuple(tokens), tuple(biases), golden)
+
+
+def test_the_ratio_limit_is_the_log_normal_prediction_limit():
+    env = envelope()
+    limits = env.limits(1e-3)
+    logs = [math.log(v) for v in env.noise_ratio]
+    mean = sum(logs) / 4
+    sd = math.sqrt(sum((v - mean) ** 2 for v in logs) / 3)
+    q = t_quantile(1 - 1e-3 / 3, 3)
+    assert limits.max_noise_ratio == pytest.approx(math.exp(mean + q * sd * math.sqrt(1 + 1 / 4)))
+    assert limits.max_noise_ratio > max(env.noise_ratio)
+
+
+def test_the_bias_range_spans_zero_the_runs_mean_and_the_golden():
+    limits = envelope(biases=(10.0, 10.5, 9.5, 10.0), golden=-3.0).limits(1e-3)
+    half = t_quantile(1 - 1e-3 / 6, 3) * MIN_BIAS_SD * math.sqrt(1.25)  # the runs' spread is below one unit
+    assert limits.bias_low == pytest.approx(-3.0 - half)
+    assert limits.bias_high == pytest.approx(10.0 + half)
+
+
+@pytest.mark.parametrize("rate", [1e-2, 1e-3, 1e-4])
+def test_a_lower_false_alarm_rate_widens_every_limit(rate):
+    tight, wide = envelope().limits(rate), envelope().limits(rate / 10)
+    assert wide.max_noise_ratio > tight.max_noise_ratio
+    assert wide.max_token_noise_ratio > tight.max_token_noise_ratio
+    assert wide.bias_low < tight.bias_low and wide.bias_high > tight.bias_high
+
+
+def test_the_envelope_round_trips_through_metadata():
+    env = envelope()
+    assert Envelope.from_metadata(env.as_metadata()) == env
+    assert Envelope.from_metadata(None) is None and Envelope.from_metadata({}) is None
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"noise_ratio": [1.0]},
+        {"token_noise_ratio": [1.0, 2.0, 3.0]},
+        {"contribution_bias": [1.0, float("nan"), 0.0, 0.0]},
+        {"golden_bias": "x"},
+        {"noise_ratio": None},
+    ],
+)
+def test_a_malformed_envelope_is_refused(broken):
+    data = {**envelope().as_metadata(), **broken}
+    with pytest.raises(ValueError, match="envelope"):
+        Envelope.from_metadata(data)
+
+
+# -- the verdict against the envelope -----------------------------------------------------------
+
+
+def metrics() -> Metrics:
+    return Metrics(0.0, 0.0, 100.0, 1.0, 1.0, 4, 0, 0, 0, 0, (0,), 1.0, 1.0, 0.0)
+
+
+def stats(ratio=1.0, token=1.0, bias=0.0, golden=0.5) -> FloorStats:
+    return FloorStats(ratio, token, 0, 1e-3, 1e-3, 1.0, 4, bias - golden, golden)
+
+
+@pytest.mark.parametrize(
+    ("floor", "fails"),
+    [
+        (stats(), []),
+        (stats(ratio=1.3), []),
+        (stats(ratio=50.0), ["noise_ratio"]),
+        (stats(token=40.0), ["token_noise_ratio"]),
+        (stats(bias=9.0), []),  # far beyond the fixed limit of 6 from the golden, inside this layer's envelope
+        (stats(bias=600.0), ["contribution_bias"]),
+        (stats(bias=-600.0), ["contribution_bias"]),
+    ],
+)
+def test_each_statistic_against_its_envelope_limit(floor, fails):
+    limits = envelope(biases=(4.0, -2.0, 6.0, 1.0)).limits(1e-3)
+    checks = evaluate(metrics(), make_settings(), floor, "bfloat16", envelope=limits)
+    assert [c.name for c in checks if not c.ok] == fails
+
+
+def test_without_an_envelope_the_fixed_limits_hold():
+    checks = evaluate(metrics(), make_settings(), stats(bias=9.0), "bfloat16")
+    assert [c.name for c in checks if not c.ok] == ["contribution_bias"]
+
+
+def test_an_explicit_limit_wins_over_the_envelope():
+    limits = envelope().limits(1e-3)
+    settings = make_settings(max_noise_ratio=1.2, max_contribution_z=1.0)
+    checks = {c.name: c for c in evaluate(metrics(), settings, stats(ratio=1.3, bias=2.0), "bfloat16", limits)}
+    assert not checks["noise_ratio"].ok and checks["noise_ratio"].limit == 1.2
+    assert not checks["contribution_bias"].ok and (
+        checks["contribution_bias"].low,
+        checks["contribution_bias"].limit,
+    ) == (
+        -0.5,
+        1.5,
+    )
+    assert checks["token_noise_ratio"].limit == pytest.approx(limits.max_token_noise_ratio)
+
+
+def test_a_range_check_says_its_range():
+    limits = envelope().limits(1e-3)
+    (check,) = [c for c in evaluate(metrics(), make_settings(), stats(bias=99.0), "bfloat16", limits) if not c.ok]
+    assert check.describe().startswith("contribution_bias                  99   in [")
+    assert check.describe().endswith("FAIL")
+
+
+# -- measured from perturbed runs, and the judge ------------------------------------------------
+
+
+def layer_like(seed=0, tokens=16, width=32, noise=1e-3):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, width, generator=gen, dtype=torch.float64)
+    ref = x + 0.5 * torch.randn(tokens, width, generator=gen, dtype=torch.float64)
+    golden = ref + noise * torch.randn(tokens, width, generator=gen, dtype=torch.float64)
+    return x, ref, golden
+
+
+def other_roundings(ref, count, seed=100, noise=1e-3):
+    gen = torch.Generator().manual_seed(seed)
+    return [ref + noise * torch.randn(ref.shape, generator=gen, dtype=torch.float64) for _ in range(count)]
+
+
+def test_runs_of_the_same_size_of_noise_make_an_envelope_near_one():
+    x, ref, golden = layer_like()
+    env = envelope_from_runs(golden, other_roundings(ref, 12), ref, x)
+    assert env.samples == 12
+    assert all(0.7 < r < 1.4 for r in env.noise_ratio)
+    assert all(abs(b) < 5 for b in env.contribution_bias)
+    assert env.golden_bias == pytest.approx(
+        float((golden - ref).flatten() @ (ref - x).flatten())
+        / float((ref - x).norm())
+        * math.sqrt(golden.numel())
+        / float((golden - ref).norm())
+    )
+
+
+def test_a_flipped_token_of_a_run_is_left_out_of_its_statistics():
+    x, ref, golden = layer_like()
+    runs = other_roundings(ref, 4)
+    runs[0][3] += 5.0  # a routing flip on token 3: a large, legitimate difference
+    with_flip = envelope_from_runs(golden, runs, ref, x)
+    without = envelope_from_runs(golden, runs, ref, x, [{3}, set(), set(), set()])
+    assert with_flip.noise_ratio[0] > 100
+    assert without.noise_ratio[0] < 1.5
+
+
+def test_the_judge_holds_a_correct_target_inside_and_a_scaled_one_outside():
+    x, ref, golden = layer_like()
+    env = envelope_from_runs(golden, other_roundings(ref, 12), ref, x)
+    target = other_roundings(ref, 1, seed=999)[0]
+    settings = make_settings()
+    good = judge(0, golden, target, settings, "float32", reference=ref, hidden_in=x, envelope=env)
+    assert good.passed and good.envelope is not None and good.envelope.samples == 12
+    bad = judge(0, golden, target + 1e-3 * (ref - x), settings, "float32", reference=ref, hidden_in=x, envelope=env)
+    assert "contribution_bias" in [c.name for c in bad.checks if not c.ok]
+    text = failure_text(bad, "on cpu", "next")
+    assert "noise envelope from 12 perturbed runs of this layer" in text
+    props = dict(properties(bad))
+    assert props["contribution_bias"] == pytest.approx(bad.floor.contribution_bias)
+    assert props["contribution_bias_high"] == pytest.approx(bad.envelope.bias_high)
+    assert props["envelope_samples"] == 12
+
+
+def test_tainted_tokens_leave_the_statistics_unless_routing_is_strict():
+    x, ref, golden = layer_like()
+    target = golden.clone()
+    target[5] += 1.0  # diverged after an earlier near-tie flip in a chain
+    loose = judge(0, golden, target, make_settings(), "float32", reference=ref, hidden_in=x, tainted=[5, 99])
+    assert loose.passed and loose.tainted_tokens == [5]
+    strict = judge(
+        0, golden, target, make_settings(strict_routing=True), "float32", reference=ref, hidden_in=x, tainted=[5]
+    )
+    assert not strict.passed and strict.tainted_tokens == []

@@ -1,0 +1,75 @@
+"""Monte Carlo arithmetic (reference.perturb): each mode perturbs what rounds, within the
+bounds it promises, leaves exact ops alone and applies an in-place op once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_layerparity.reference.perturb import PerturbedArithmetic, another_rounding, stochastic_round
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in ulps of b's dtype at b."""
+    spacing = (torch.nextafter(b, torch.full_like(b, float("inf"))) - b).abs().double()
+    return (a.double() - b.double()).abs() / spacing
+
+
+@pytest.mark.parametrize(("wide", "narrow"), [(torch.float32, torch.bfloat16), (torch.float64, torch.float32)])
+def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(wide, narrow):
+    x = torch.full((20000,), 1.0, dtype=wide) + 0.3 * float(torch.finfo(narrow).eps)
+    out = stochastic_round(x, narrow, torch.Generator().manual_seed(0))
+    low = x.to(narrow)  # nearest is the lower neighbour here
+    high = torch.nextafter(low, torch.full_like(low, 2.0))
+    assert bool(((out == low) | (out == high)).all())
+    assert (out == high).double().mean().item() == pytest.approx(0.3, abs=0.02)
+    spread = 5 * float(torch.finfo(narrow).eps) * (0.25 / x.numel()) ** 0.5  # five standard errors
+    assert out.double().mean().item() == pytest.approx(x.double().mean().item(), abs=spread)
+
+
+def test_another_rounding_of_an_elementwise_result_is_stochastic_rounding():
+    wide = torch.full((20000,), 1.0) + 0.3 * 2**-7
+    result = wide.to(torch.bfloat16)
+    out = another_rounding(result, wide, torch.Generator().manual_seed(1))
+    assert (out != result).double().mean().item() == pytest.approx(0.3, abs=0.02)
+
+
+def test_another_rounding_keeps_the_size_of_an_accumulation_error():
+    wide = torch.linspace(1, 2, 4096, dtype=torch.float64)
+    result = (wide + 5 * 2**-24 * wide).to(torch.float32)  # 5 ulp off, as a long reduction may be
+    out = another_rounding(result, wide, torch.Generator().manual_seed(2))
+    err = (out.double() - wide).abs() / (wide * 2**-24)
+    assert err.mean().item() == pytest.approx(5.0, abs=0.6)
+    assert ((out.double() - wide) < 0).double().mean().item() == pytest.approx(0.5, abs=0.05)  # sign drawn anew
+
+
+@pytest.mark.parametrize("mode", ["jitter", "stochastic", "random"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_mode_stays_within_its_bound_and_varies_with_the_seed(mode, dtype):
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
+    b = torch.randn(64, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    plain = a * b
+    with PerturbedArithmetic(10, mode) as p:
+        one = a * b
+    with PerturbedArithmetic(11, mode):
+        two = a * b
+    assert p.ops == 1 and not torch.equal(one, two) and not torch.equal(one, plain)
+    exact = a.double() * b.double()
+    u = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}[dtype]
+    relative = ((one.double() - exact).abs() / exact.abs()).max().item() / u
+    assert relative <= {"jitter": 3.0, "stochastic": 2.0, "random": 3.0}[mode]  # one ulp is at most 2u relative
+
+
+def test_exact_ops_are_left_alone_and_in_place_ops_apply_once():
+    x = torch.randn(8, 8, dtype=torch.bfloat16)
+    with PerturbedArithmetic(5) as p:
+        moved = torch.cat([x.t(), x[:2]]).clone()
+        y = x.clone()
+        y.add_(1.0)
+    assert p.ops == 1 and torch.equal(moved, torch.cat([x.t(), x[:2]]))
+    assert ((y.double() - (x.double() + 1.0)).abs() < 0.1).all()  # added once, not twice
+
+
+def test_an_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="jitter"):
+        PerturbedArithmetic(0, "sometimes")
