@@ -240,7 +240,8 @@ def layerparity_golden(request: pytest.FixtureRequest, layerparity_session: Laye
     try:
         return [layerparity_session.load_golden(i) for i in layers]
     except GoldenError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        message = str(exc)
+    pytest.fail(message, pytrace=False)  # outside the except: the message is printed once
 
 
 @pytest.fixture

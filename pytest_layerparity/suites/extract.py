@@ -14,19 +14,21 @@ def test_extract_golden(layerparity_case, layerparity_session, layerparity_recor
     from ..store.golden import GoldenError
 
     session = layerparity_session
+    failure = None  # failed outside the except blocks, so that the message is printed once
     try:
         info = session.extract_layer(layerparity_case)
     except (GoldenError, ModelError) as exc:
-        pytest.fail(str(exc), pytrace=False)
+        failure = str(exc)
     except OSError as exc:
         # the store turns its own write failures into GoldenError; this is anything else
         # (the model folder, a cache, the lock file) that could not be read or written
         where = f"{exc.filename}: " if exc.filename else ""
-        pytest.fail(
+        failure = (
             f"layer {layerparity_case}: {where}{exc.strerror or exc}; nothing was recorded for this layer; "
-            f"fix that, then run: {session.commands.extract(str(layerparity_case))}",
-            pytrace=False,
+            f"fix that, then run: {session.commands.extract(str(layerparity_case))}"
         )
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
     layerparity_record("layers", str(layerparity_case))
     layerparity_record("placement", session.reference.placement_summary())
     layerparity_record("verdict", "written")

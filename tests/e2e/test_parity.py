@@ -155,6 +155,9 @@ def test_missing_golden_errors_with_the_extraction_command(project):
     result.stdout.fnmatch_lines(
         ["*no golden for layer_5; extract it with: pytest --gpu-golden --extract --model=* --golden-dir=* --layers 5*"]
     )
+    text = result.stdout.str()
+    assert "During handling" not in text
+    assert text.count("no golden for layer_5; extract it with") == 1  # printed once
 
 
 def test_store_of_another_model_is_refused_before_any_layer_runs(project):
