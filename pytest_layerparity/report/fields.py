@@ -28,7 +28,7 @@ FIELDS: tuple[Field, ...] = (
     # against the precision floor
     Field("noise_ratio", (5, "noise_ratio", 11), csv=True, plot=True),
     Field("token_noise_ratio", (6, "token_ratio", 11), csv=True, plot=True),
-    Field("contribution_bias", csv=True),
+    Field("contribution_bias", csv=True, plot=True),
     Field("delta_cosine"),
     # the limits drawn from the layer's noise envelope
     Field("noise_ratio_limit", csv=True),

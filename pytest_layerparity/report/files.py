@@ -5,6 +5,7 @@ self-contained)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,24 +44,75 @@ def isolated_layer(entry: dict[str, Any]) -> int | None:
     return int(layers) if layers.isdigit() else None
 
 
-def _per_layer_series(entries: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
-    """metric -> [(layer, value)] from the isolated layer tests."""
+#: Panels drawn as 1 - value on a log axis (they sit at 0.9999... otherwise).
+COMPLEMENTED = ("cosine_similarity", "pearson_correlation")
+#: Panels on a log axis.
+LOGARITHMIC = ("max_abs_diff", "mean_abs_diff", *COMPLEMENTED)
+#: The band each panel is held to: (lower field or None, upper field), when the entries carry them.
+BANDS = {
+    "noise_ratio": (None, "noise_ratio_limit"),
+    "token_noise_ratio": (None, "token_noise_ratio_limit"),
+    "contribution_bias": ("contribution_bias_low", "contribution_bias_high"),
+}
+
+
+def _per_layer_series(entries: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+    """field -> [(layer, value)] from the isolated layer tests."""
     series: dict[str, list[tuple[int, float]]] = {}
     for entry in entries:
         layer = isolated_layer(entry)
         if layer is None:
             continue
-        for metric in PLOTTED:
+        for metric in names:
             value = (entry.get("metrics") or {}).get(metric)
             if isinstance(value, (int, float)):
                 series.setdefault(metric, []).append((layer, float(value)))
     return {k: sorted(v) for k, v in series.items()}
 
 
+@dataclass(frozen=True)
+class Panel:
+    """One panel of the plot across layers (what is drawn, as data)."""
+
+    label: str
+    points: list[tuple[int, float]]
+    log: bool
+    band: list[tuple[int, float, float]]  # (layer, low, high) of the noise envelope
+    failing: list[tuple[int, float]]
+
+
+def panels(entries: list[dict[str, Any]]) -> list[Panel]:
+    """The panels of the plot: one per plotted metric the entries carry."""
+    band_fields = tuple(f for pair in BANDS.values() for f in pair if f)
+    series = _per_layer_series(entries, (*PLOTTED, *band_fields))
+    failed = {isolated_layer(e) for e in entries if e["verdict"] in ("fail", "error")} - {None}
+    out = []
+    for name in (m for m in PLOTTED if m in series):
+        points = series[name]
+        if name in COMPLEMENTED:
+            points = [(x, max(1.0 - y, 1e-16)) for x, y in points]
+        low, high = BANDS.get(name, (None, None))
+        band = []
+        if high and high in series:
+            lows = dict(series[low]) if low and low in series else {}
+            band = [(x, lows.get(x, 0.0), y) for x, y in series[high]]
+        out.append(
+            Panel(
+                label=f"1 - {name}" if name in COMPLEMENTED else name,
+                points=points,
+                log=name in LOGARITHMIC,
+                band=band,
+                failing=[(x, y) for x, y in points if x in failed],
+            )
+        )
+    return out
+
+
 def plot_png(entries: list[dict[str, Any]]) -> bytes | None:
-    """A PNG with one panel per metric across layers, or None without matplotlib or data."""
-    series = _per_layer_series(entries)
-    if not series:
+    """A PNG of :func:`panels` (failing layers marked, the envelope as a band, 1 - cosine on
+    a log axis), or None without matplotlib or data."""
+    drawn = panels(entries)
+    if not drawn:
         return None
     try:
         import matplotlib
@@ -71,17 +123,18 @@ def plot_png(entries: list[dict[str, Any]]) -> bytes | None:
         return None
     import io
 
-    names = [m for m in PLOTTED if m in series]
-    fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.2 * len(names)), sharex=True, squeeze=False)
-    failed = {isolated_layer(e) for e in entries if e["verdict"] in ("fail", "error")} - {None}
-    for ax, name in zip(axes[:, 0], names, strict=False):
-        xs, ys = zip(*series[name], strict=False)
-        ax.plot(xs, ys, marker="o", color="#3465a4")
-        bad = [(x, y) for x, y in series[name] if x in failed]
-        if bad:
-            ax.scatter(*zip(*bad, strict=False), color="#cc0000", zorder=3, label="fails")
-            ax.legend(loc="best", fontsize=8)
-        ax.set_ylabel(name, fontsize=8)
+    fig, axes = plt.subplots(len(drawn), 1, figsize=(8, 2.2 * len(drawn)), sharex=True, squeeze=False)
+    for ax, panel in zip(axes[:, 0], drawn, strict=False):
+        ax.plot(*zip(*panel.points, strict=False), marker="o", color="#3465a4", label="isolated")
+        if panel.band:
+            xs, lows, highs = zip(*panel.band, strict=False)
+            ax.fill_between(xs, lows, highs, color="#8ae234", alpha=0.3, step="mid", label="noise envelope")
+        if panel.failing:
+            ax.scatter(*zip(*panel.failing, strict=False), color="#cc0000", zorder=3, label="fails")
+        if panel.log:
+            ax.set_yscale("log")
+        ax.set_ylabel(panel.label, fontsize=8)
+        ax.legend(loc="best", fontsize=7)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("decoder layer")
     fig.tight_layout()

@@ -189,3 +189,23 @@ def test_commands_of_a_session():
     commands = Commands("/g", "/m", "neuron")
     assert commands.extract("2") == "pytest --gpu-golden --extract --model=/m --golden-dir=/g --layers 2"
     assert commands.rerun("2", "layer_2") == rerun_command("neuron", "/m", "/g", "2", "layer_2")
+
+
+def test_plot_panels_show_the_envelope_failures_and_one_minus_cosine_on_a_log_axis():
+    from pytest_layerparity.report.files import panels, plot_png
+
+    rows = entries()
+    rows[0]["metrics"].update(
+        noise_ratio_limit=1.6, contribution_bias=-1.0, contribution_bias_low=-9.0, contribution_bias_high=8.0
+    )
+    rows[1]["metrics"].update(noise_ratio_limit=1.7)
+    drawn = {p.label: p for p in panels(rows)}
+    assert set(drawn) == {"max_abs_diff", "1 - cosine_similarity", "noise_ratio", "contribution_bias"}
+    cosine = drawn["1 - cosine_similarity"]
+    assert cosine.log and cosine.points == [(0, 1e-16), (1, pytest.approx(0.1))]
+    assert drawn["noise_ratio"].band == [(0, 0.0, 1.6), (1, 0.0, 1.7)]  # the chain's entry (0-2) is not a layer
+    assert drawn["contribution_bias"].band == [(0, -9.0, 8.0)] and not drawn["contribution_bias"].log
+    assert drawn["noise_ratio"].failing == [(1, 300.0)]
+    png = plot_png(rows)
+    assert png is not None and png.startswith(b"\x89PNG")
+    assert panels([rows[3]]) == [] and plot_png([rows[3]]) is None
