@@ -12,6 +12,7 @@ some tokens and that a tensor-wide norm averages away.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,16 @@ class FloorStats:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+def token_mask(rows: int, left_out: Iterable[int]) -> torch.Tensor | None:
+    """A boolean mask over ``rows`` tokens that leaves ``left_out`` out, or None when none is."""
+    drop = sorted(set(left_out))
+    if not drop:
+        return None
+    keep = torch.ones(rows, dtype=torch.bool)
+    keep[drop] = False
+    return keep
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

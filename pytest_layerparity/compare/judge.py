@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .envelope import Envelope, EnvelopeLimits
-from .floor import FLOOR_KEY, FloorStats, floor_stats
+from .floor import FLOOR_KEY, FloorStats, floor_stats, token_mask
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
 from .routing import RoutingAgreement, agreement, router_names
 from .verdict import Check, evaluate
@@ -86,14 +86,12 @@ def judge(
     rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
     keep = None  # the verdict leaves near-tie routing flips out unless --strict-routing
     tainted = sorted({t for t in tainted if 0 <= t < rows}) if not settings.strict_routing else []
-    if (near_ties or tainted) and golden.dim() > 1 and not settings.strict_routing:
-        keep = torch.ones(rows, dtype=torch.bool)
-        keep[sorted({*near_ties, *tainted})] = False
+    if golden.dim() > 1 and not settings.strict_routing:
+        keep = token_mask(rows, [*near_ties, *tainted])
     excluded = near_ties if settings.exclude_near_ties and keep is not None else []
     g_cmp, t_cmp = golden, target_cpu
-    if keep is not None and (excluded or tainted):  # tainted tokens leave the output metrics too
-        compared = torch.ones(rows, dtype=torch.bool)
-        compared[sorted({*excluded, *tainted})] = False
+    compared = token_mask(rows, [*excluded, *tainted]) if keep is not None else None
+    if compared is not None:  # tainted tokens leave the output metrics too
         g_cmp = golden.reshape(-1, golden.shape[-1])[compared]
         t_cmp = target_cpu.reshape(-1, golden.shape[-1])[compared]
     metrics = compare_tensors(g_cmp, t_cmp)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing
 from ..compare.envelope import Envelope
-from ..compare.floor import floor_stats
+from ..compare.floor import floor_stats, token_mask
 from ..compare.routing import agreement, router_names
 from ..report.progress import SILENT, Progress
 from ..store.callspec import decode_call, first_tensor, replace_hidden_input
@@ -59,17 +59,11 @@ def envelope_from_runs(
     """The envelope of the perturbed outputs ``runs`` against ``golden`` and its floor
     ``reference``; ``left_out[k]``: tokens run k leaves out of its statistics (those whose
     routing flipped: legitimate arithmetic flips near ties, and what follows is legitimate)."""
-    import torch
-
     rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
     stats = []
     for k, out in enumerate(runs):
-        keep = None
-        drop = left_out[k] if left_out is not None else set()
-        if drop and golden.dim() > 1:
-            keep = torch.ones(rows, dtype=torch.bool)
-            keep[sorted(drop)] = False
-        stats.append(floor_stats(golden, out, reference, hidden_in, keep))
+        drop = left_out[k] if left_out is not None and golden.dim() > 1 else ()
+        stats.append(floor_stats(golden, out, reference, hidden_in, token_mask(rows, drop)))
     ref_only = floor_stats(golden, golden, reference, hidden_in)
     return Envelope(
         noise_ratio=tuple(s.noise_ratio for s in stats),
@@ -101,6 +95,11 @@ class PerturbedRunner:
     def skeleton(self) -> PreTrainedModel:
         return build_skeleton(copy.deepcopy(self.model.hf_config), self.dtype, self.model.trust_remote_code)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether there are runs to make (an envelope needs two or more)."""
+        return self.samples > 1
+
     def layer(self, index: int) -> torch.nn.Module:
         """Layer ``index`` as the reference runs it, in the golden's dtype, on the device."""
         return (
@@ -128,6 +127,25 @@ class PerturbedRunner:
             out = first_tensor(layer(*args, **kwargs))
         return PerturbedRun(out.detach().to("cpu", copy=True), routing)
 
+    def runs(
+        self,
+        index: int,
+        spec: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        hidden: Sequence[torch.Tensor | None] | None = None,
+    ) -> list[PerturbedRun]:
+        """The K perturbed runs of layer ``index`` on its golden call (run k on ``hidden[k]``
+        when given, for chains), with the layer loaded once and given back after."""
+        layer = self.layer(index)
+        runs = []
+        with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
+            for k in range(self.samples):
+                runs.append(self.run(layer, spec, tensors, BASE_SEED + k, hidden[k] if hidden is not None else None))
+                bar.update(1)
+        del layer
+        give_back_memory()
+        return runs
+
     def envelope(
         self,
         index: int,
@@ -138,14 +156,7 @@ class PerturbedRunner:
         hidden_in: torch.Tensor | None,
     ) -> Envelope:
         """The envelope of layer ``index`` on its golden call (what extraction stores)."""
-        layer = self.layer(index)
-        runs = []
-        with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
-            for k in range(self.samples):
-                runs.append(self.run(layer, spec, tensors, BASE_SEED + k))
-                bar.update(1)
-        del layer
-        give_back_memory()
+        runs = self.runs(index, spec, tensors)
         return envelope_from_runs(
             golden,
             [r.output for r in runs],

@@ -225,7 +225,7 @@ class ReferenceSide:
             floor, floor_routing = self.floor.evaluate(index, record.spec, record.tensors)
             record.tensors[FLOOR_KEY] = floor
             record.tensors.update(floor_routing)
-            if self.settings.envelope_samples > 1:
+            if self.perturbed.enabled:
                 envelope = self.perturbed.envelope(
                     index,
                     record.spec,

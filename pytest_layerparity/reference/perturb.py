@@ -167,6 +167,7 @@ def unit_roundoff(dtype: torch.dtype) -> float:
 
 
 def _may_round(func: Any) -> bool:
+    """Whether ``func`` is an op that may round at all (not data movement or exact arithmetic)."""
     name = func.overloadpacket.__name__
     return not (name in EXACT_OPS or name.rstrip("_") in EXACT_OPS or getattr(func, "is_view", False))
 
@@ -183,9 +184,7 @@ def _rounds(func: Any, args: tuple, out: Any) -> bool:
             and out.is_floating_point()
             and _UNIT_ROUNDOFF.get(out.dtype, 0) > _UNIT_ROUNDOFF.get(source.dtype, 0)
         )
-    if name in EXACT_OPS or name.rstrip("_") in EXACT_OPS:
-        return False
-    return not getattr(func, "is_view", False)
+    return _may_round(func)
 
 
 def stochastic_round(exact: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:

@@ -161,12 +161,12 @@ class TargetSide:
         legitimate arithmetic accumulates over the same layers. A token whose routing
         flipped on a near tie leaves the statistics of the later layers too (in the target
         and in each perturbed chain alike): what follows a legitimate flip is legitimate."""
-        from ..reference.envelope import BASE_SEED, envelope_from_runs, flipped_tokens
+        from ..reference.envelope import envelope_from_runs, flipped_tokens
 
         indices = layers.layers() if isinstance(layers, LayerRange) else list(layers)
         outcomes = []
         hidden = ref_hidden = None
-        samples = self.perturbed.samples if self.perturbed is not None and self.perturbed.samples > 1 else 0
+        samples = self.perturbed.samples if self.perturbed is not None and self.perturbed.enabled else 0
         sample_hidden: list[torch.Tensor | None] = [None] * samples
         sample_flipped: list[set[int]] = [set() for _ in range(samples)]
         tainted: set[int] = set()
@@ -189,12 +189,9 @@ class TargetSide:
                     # The target's drift so far is clean (no near-tie flip upstream) or not: it is
                     # held to the perturbed chains in the same state (all of them when too few are).
                     clean = [k for k in range(samples) if not sample_flipped[k]]
-                    layer = self.perturbed.layer(index)
-                    for k in range(samples):
-                        perturbed = self.perturbed.run(layer, spec, entry.tensors, BASE_SEED + k, sample_hidden[k])
+                    for k, perturbed in enumerate(self.perturbed.runs(index, spec, entry.tensors, sample_hidden)):
                         sample_hidden[k] = perturbed.output
                         sample_flipped[k] |= flipped_tokens(entry.tensors, perturbed.routing)
-                    del layer
                     chosen = clean if not tainted and len(clean) >= MIN_CLEAN_CHAINS else list(range(samples))
                     envelope = envelope_from_runs(
                         entry.tensors[primary_output_name(spec)],
@@ -205,7 +202,8 @@ class TargetSide:
                     )
             outcome = self.judge(index, entry, run, hidden_in=ref_in, envelope=envelope, tainted=tainted)
             outcomes.append(outcome)
-            if not self.settings.strict_routing:
-                tainted |= {t for r in outcome.routing for t in r.near_tie_tokens}
+            tainted |= {
+                t for r in outcome.routing for t in r.near_tie_tokens
+            }  # the judge drops it under --strict-routing
         bar.close()
         return outcomes

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from test_judge import layer_like  # the same hand-made layer as the judge's table tests
 
 from pytest_layerparity.compare.envelope import MIN_BIAS_SD, Envelope, t_quantile
 from pytest_layerparity.compare.floor import FloorStats
@@ -143,14 +144,6 @@ def test_a_range_check_says_its_range():
 
 
 # -- measured from perturbed runs, and the judge ------------------------------------------------
-
-
-def layer_like(seed=0, tokens=16, width=32, noise=1e-3):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, width, generator=gen, dtype=torch.float64)
-    ref = x + 0.5 * torch.randn(tokens, width, generator=gen, dtype=torch.float64)
-    golden = ref + noise * torch.randn(tokens, width, generator=gen, dtype=torch.float64)
-    return x, ref, golden
 
 
 def other_roundings(ref, count, seed=100, noise=1e-3):
