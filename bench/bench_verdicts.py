@@ -350,11 +350,12 @@ def session(model, store, extra, hook=None, **values):
     return LayerParitySession(make_settings(model=str(model), golden_dir=str(store), **options, **values), ROOT, hook)
 
 
-def extract(model, store, extra, dtype, layers, samples):
+def extract(model, store, extra, dtype, layers, samples, golden_device="auto"):
     s = session(
         model,
         store,
         extra,
+        golden_device=golden_device,
         gpu_golden=True,
         extract=True,
         dtype=dtype,
@@ -388,7 +389,19 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=12, help="K, perturbed runs per layer")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--skip-sweep", action="store_true")
+    parser.add_argument("--skip-k", action="store_true", help="leave out the choice of K")
+    parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
+    parser.add_argument(
+        "--golden-device", default="cpu", help="where the goldens are made (cpu, cuda, auto); default cpu"
+    )
+    parser.add_argument(
+        "--port-target",
+        default="xla",
+        help="where the isolated and chained correct ports and the planted bugs run (xla, cuda, cpu)",
+    )
     args = parser.parse_args()
+    target = args.port_target
+    label = {"xla": "torch-xla", "cuda": "CUDA"}.get(target, target)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     work = Path(tempfile.mkdtemp(prefix="verdicts-"))
     started = time.time()
@@ -397,6 +410,8 @@ def main() -> None:
     misses, alarms, sweep = [], [], defaultdict(dict)
     timing = []
     for name, model, extra in models(work, args.layers):
+        if args.models and name.split(" ")[0] not in args.models.split(","):
+            continue
         split = (
             "calibration"
             if name in CALIBRATION_MODELS
@@ -409,9 +424,9 @@ def main() -> None:
         mid = count // 2
         for dtype in args.dtypes.split(","):
             store = work / f"{name}-{dtype}".replace(" ", "_")
-            timing.append((name, dtype, extract(model, store, extra, dtype, layers, args.samples)))
+            timing.append((name, dtype, extract(model, store, extra, dtype, layers, args.samples, args.golden_device)))
             runs = {
-                "isolated (torch-xla)": session(model, store, extra, target="xla"),
+                f"isolated ({label})": session(model, store, extra, target=target),
                 "isolated (computed wider, CPU)": session(
                     model, store, extra, wider_port, target="cpu", experts_implementation="eager"
                 ),
@@ -423,29 +438,32 @@ def main() -> None:
                     if not outcome.passed:
                         correct[(split, kind)][1] += 1
                         alarms.append(f"{name} {dtype} layer {i} {kind}: {failing(outcome)}")
-            chain = runs["isolated (torch-xla)"].parity_range(layers)
-            correct[(split, "chain (torch-xla)")][0] += 1
+            chain = runs[f"isolated ({label})"].parity_range(layers)
+            correct[(split, f"chain ({label})")][0] += 1
             bad = [o for o in chain if not o.passed]
             if bad:
-                correct[(split, "chain (torch-xla)")][1] += 1
+                correct[(split, f"chain ({label})")][1] += 1
                 alarms.append(f"{name} {dtype} chain: layer {bad[0].layer} {failing(bad[0])}")
             print(f"{name} {dtype}: correct ports done ({time.time() - started:.0f} s)", flush=True)
             for bug, (plant, bug_split) in BUGS.items():
                 probe = session(model, store, extra, target="cpu").model.load_layer(mid, getattr(torch, dtype))
                 if plant(probe, session(model, store, extra).model.layer_config) is None:
                     continue
-                outcome = session(model, store, extra, planted(plant, mid), target="xla").parity_layer(mid)
+                outcome = session(model, store, extra, planted(plant, mid), target=target).parity_layer(mid)
                 caught[(split, bug_split)][0] += 1
                 caught[(split, bug_split)][1] += not outcome.passed
                 if outcome.passed:
                     misses.append(f"{name} {dtype} {bug}")
             if not args.skip_sweep and name in DECODERS:
                 for eps in (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05):
-                    outcome = session(model, store, extra, planted(scaled_out_proj(1 + eps), mid), target="xla")
+                    outcome = session(model, store, extra, planted(scaled_out_proj(1 + eps), mid), target=target)
                     sweep[dtype].setdefault(name, []).append((eps, not outcome.parity_layer(mid).passed))
             print(f"{name} {dtype}: bugs done ({time.time() - started:.0f} s)", flush=True)
 
-    print(f"\nall cases in {time.time() - started:.0f} s; K = {args.samples}, false-alarm rate 0.001 per test")
+    print(
+        f"\nall cases in {time.time() - started:.0f} s; K = {args.samples}, false-alarm rate 0.001 per test; "
+        f"goldens made on {args.golden_device}, ports on {label}"
+    )
     print("\ncorrect ports (a failure is a false alarm)")
     print(f"{'split':<13} {'kind':<34} {'tests':>6} {'false alarms':>13}")
     total = [0, 0]
@@ -478,19 +496,20 @@ def main() -> None:
     print("\nextraction time with the envelope (K perturbed runs per layer), per model and dtype")
     for name, dtype, seconds in timing:
         print(f"  {name:<18} {dtype:<9} {seconds:6.1f} s")
-    choose_k(work, args.samples)
+    if not args.skip_k:
+        choose_k(work, args.golden_device)
 
 
-def choose_k(work: Path, samples: int) -> None:
+def choose_k(work: Path, golden_device: str) -> None:
     """The extraction time of a plain forward vs with the envelope, and how the limits
     spread over draws of K runs (from 48 runs of each layer of a calibration model)."""
     from tiny_models import make
 
     model = make("llama", work / "k-llama", num_layers=4)
-    plain = extract(model, work / "k-plain", {}, "bfloat16", range(4), 0)
-    timed = {k: extract(model, work / f"k-{k}", {}, "bfloat16", range(4), k) for k in (6, 12, 24)}
-    extract(model, work / "k-48", {}, "bfloat16", range(4), 48)
-    print("\nchoosing K (llama, bfloat16, 4 layers)")
+    plain = extract(model, work / "k-plain", {}, "bfloat16", range(4), 0, golden_device)
+    timed = {k: extract(model, work / f"k-{k}", {}, "bfloat16", range(4), k, golden_device) for k in (6, 12, 24)}
+    extract(model, work / "k-48", {}, "bfloat16", range(4), 48, golden_device)
+    print(f"\nchoosing K (llama, bfloat16, 4 layers, goldens made on {golden_device})")
     print(
         f"  extraction: plain {plain:.1f} s; "
         + ", ".join(f"K={k} {t:.1f} s ({t / plain:.1f}x)" for k, t in timed.items())

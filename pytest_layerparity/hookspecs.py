@@ -20,3 +20,17 @@ def pytest_layerparity_build_target_layer(layer_idx: int, reference_layer: Any, 
     Return None to fall through to the default (the reference layer moved to ``device``).
     This is where a port such as ``NeuronMiniMaxM2DecoderLayer`` is plugged in.
     """
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_layerparity_build_target_model(model_config: Any, device: Any, settings: Any) -> Any:
+    """Return the whole model under test on ``device``, as a step function
+    ``step(input_ids, past) -> (logits, past)`` (see ``pytest_layerparity.target.model``):
+    called with the prompt's token ids and ``past=None``, then with each decode token
+    ([batch, 1]) and the ``past`` it returned last (your own KV cache state), returning the
+    next-token logits of every position it was given. ``settings`` are the session's options.
+
+    Return None to fall through to the default: the model's own transformers implementation
+    in the golden's dtype, on ``device``, with each decoder layer that
+    ``pytest_layerparity_build_target_layer`` returns put in place of the model's own.
+    """

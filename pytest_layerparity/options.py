@@ -283,6 +283,27 @@ OPTIONS = (
         metavar="N",
     ),
     Option(
+        "decode_steps",
+        "--decode-steps",
+        "Extraction: after the prompt, run N greedy decode steps (one token each, with the KV cache) and store "
+        "every selected layer's call in each step, for the decode-step tests. 0: prompt only. Default: 2.",
+        type=non_negative_int,
+        default=2,
+        ini=True,
+        metavar="N",
+    ),
+    Option(
+        "logits_topk",
+        "--logits-topk",
+        "Extraction: keep the model's next-token logits at every prompt and decode position as the top-K ids and "
+        "logits plus the log-sum-exp, with their noise envelope, for test_model_parity (whole model, not under "
+        "--device-map stream). 0: no whole-model golden. Default: 16.",
+        type=non_negative_int,
+        default=16,
+        ini=True,
+        metavar="K",
+    ),
+    Option(
         "batch_size",
         "--batch-size",
         "Sequences in the golden input. Default: 1.",
@@ -657,6 +678,8 @@ class Settings:
     layer_ranges: str | None
     layer_module: str | None
     seq_len: int
+    decode_steps: int
+    logits_topk: int
     batch_size: int
     seed: int
     prompt: str | None
@@ -777,9 +800,48 @@ def resolve_paths(settings: Settings, config: pytest.Config) -> Settings:
     return replace(settings, **changes)
 
 
+INI_FILES = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+
+
+def check_ini_not_lost(config: pytest.Config) -> None:
+    """Refuse a run whose ini file pytest skipped because of how a path option was written.
+
+    pytest chooses its rootdir and ini file before plugins' options are known, so in
+    ``--golden-dir /data/goldens`` it takes ``/data/goldens`` for a test path, looks for an
+    ini above it, and (finding none) runs without the project's ``layerparity_*`` settings.
+    """
+    if config.inipath is not None:
+        return
+    by_flag = {opt.flag: opt for opt in OPTIONS if opt.dest in PATH_OPTIONS}
+    args = list(config.invocation_params.args)
+    split = [
+        (flag, args[i + 1])
+        for i, flag in enumerate(args[:-1])
+        if flag in by_flag and Path(config.invocation_params.dir, args[i + 1]).exists()
+    ]
+    if not split:
+        return
+    start = Path(config.invocation_params.dir)
+    for folder in (start, *start.parents):
+        for name in INI_FILES:
+            ini = folder / name
+            try:
+                text = ini.read_text(errors="replace") if ini.is_file() else ""
+            except OSError:
+                continue
+            if "layerparity_" in text:
+                flag, value = split[0]
+                raise pytest.UsageError(
+                    f"pytest read no ini file: it took {value} (the value of {flag}) for a test path when it "
+                    "chose its rootdir, which it does before plugins' options are known, so the layerparity "
+                    f"settings in {ini} were not read; write {flag}={value}, or add -c {ini}"
+                )
+
+
 def current_settings(config: pytest.Config) -> Settings:
     """The session's settings: every option read (command line over ini over default), paths
     made absolute, contradictions refused."""
+    check_ini_not_lost(config)
     settings = resolve_paths(read_settings(config), config)
     check_combinations(settings)
     return settings

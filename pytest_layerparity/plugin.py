@@ -110,7 +110,10 @@ def _start_session(config: pytest.Config, settings: Settings) -> LayerParitySess
     def build_target_layer(**kwargs: Any) -> Any:
         return config.hook.pytest_layerparity_build_target_layer(**kwargs)
 
-    session = LayerParitySession(settings, Path(config.rootpath), build_target_layer)
+    def build_target_model(**kwargs: Any) -> Any:
+        return config.hook.pytest_layerparity_build_target_model(**kwargs)
+
+    session = LayerParitySession(settings, Path(config.rootpath), build_target_layer, build_target_model)
     session.progress = for_pytest(config)
     try:
         session.selected_layers  # noqa: B018  parsed now: a bad spec is a usage error
@@ -167,9 +170,13 @@ def pytest_make_collect_report(
         if session is not None:
             import importlib
 
+            from .reference.extract import MODEL_LOGITS_KEY
             from .suites import suite_modules
 
-            for name in suite_modules(session.settings, bool(session.layer_ranges)):
+            parity = session.settings.mode == "parity"
+            has_decode = parity and session.store.has_decode()
+            has_model = parity and session.settings.layers == "all" and session.store.has(MODEL_LOGITS_KEY)
+            for name in suite_modules(session.settings, bool(session.layer_ranges), has_decode, has_model):
                 module = importlib.import_module(name)
                 assert module.__file__ is not None
                 report.result.append(pytest.Module.from_parent(collector, path=Path(module.__file__), nodeid=NODEID))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 _PART = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 _LAYER_KEY = re.compile(r"layer_(\d+)")
+_DECODE_KEY = re.compile(r"layer_(\d+)\.decode_(\d+)")
 _NUMBER = re.compile(r"\d+")
 
 
@@ -21,6 +22,25 @@ def parse_layer_key(key: str) -> int | None:
     """``layer_17`` -> 17; None for any other key (``model_io``, ``layers_0-5``)."""
     match = _LAYER_KEY.fullmatch(key)
     return int(match.group(1)) if match else None
+
+
+def decode_key(index: int, step: int) -> str:
+    """``(17, 0)`` -> ``layer_17.decode_0``: the golden of layer 17's first decode step."""
+    return f"layer_{index}.decode_{step}"
+
+
+def parse_decode_key(key: str) -> tuple[int, int] | None:
+    """``layer_17.decode_0`` -> (17, 0); None for any other key."""
+    match = _DECODE_KEY.fullmatch(key)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def golden_layer(key: str) -> int | None:
+    """The layer a golden belongs to: ``layer_17`` and ``layer_17.decode_0`` -> 17."""
+    index = parse_layer_key(key)
+    if index is None and (decode := parse_decode_key(key)) is not None:
+        index = decode[0]
+    return index
 
 
 def case_order(test_id: str) -> tuple[str, list[int]]:

@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING, Any
 from .options import Settings
 from .reference.model import ModelSource, checkpoint_dtype, model_dir_of
 from .report.progress import SILENT, Progress
-from .selection import LayerRange, contiguous_runs, layer_key, parse_layer_ranges, parse_layers
+from .selection import (
+    LayerRange,
+    contiguous_runs,
+    golden_layer,
+    layer_key,
+    parse_layer_ranges,
+    parse_layers,
+)
 from .store.commands import Commands
 from .store.golden import GoldenEntry, GoldenStore
 from .store.identity import check_store_matches
@@ -31,10 +38,17 @@ if TYPE_CHECKING:
 
 
 class LayerParitySession:
-    def __init__(self, settings: Settings, rootpath: Path, build_target_layer: BuildHook | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        rootpath: Path,
+        build_target_layer: BuildHook | None = None,
+        build_target_model: BuildHook | None = None,
+    ) -> None:
         self.settings = settings
         self.rootpath = rootpath
         self._build_target_layer = build_target_layer
+        self._build_target_model = build_target_model
         self._backend: Backend | None = None
         self.progress: Progress = SILENT  # the plugin shows bars on a terminal
 
@@ -134,7 +148,13 @@ class LayerParitySession:
         from .reference.extract import ReferenceSide
 
         return ReferenceSide(
-            self.settings, self.model, self.store, self.dtype_name, self._floor, self.commands.extract, self.progress
+            self.settings,
+            self.model,
+            self.store,
+            self.dtype_name,
+            self._floor_evaluator(),
+            self.commands.extract,
+            self.progress,
         )
 
     @cached_property
@@ -150,15 +170,15 @@ class LayerParitySession:
             self.dtype_name,
             self.backend,
             self.load_golden,
-            self._floor,
+            self._floor_evaluator(),
             self._build_target_layer,
+            self._build_target_model,
             self.store.read_manifest(),
             PerturbedRunner(self.model, getattr(torch, self.dtype_name), self.settings.envelope_samples),
             self.progress,
         )
 
-    @cached_property
-    def _floor(self) -> FloorEvaluator:
+    def _floor_evaluator(self) -> FloorEvaluator:
         import torch
 
         from .reference.floor import FloorEvaluator
@@ -186,6 +206,15 @@ class LayerParitySession:
                 f"layerparity: reference device {ref.golden_device}{why}, dtype {self.dtype_name}, "
                 f"placement {ref.device_map}{streaming}"
             )
+            if s.mode == "extract":
+                whole = (
+                    "no whole-model logits (not under --device-map stream)"
+                    if ref.device_map == "stream" and s.logits_topk
+                    else f"the whole model's logits (top {s.logits_topk})"
+                    if s.logits_topk
+                    else "no whole-model logits"
+                )
+                lines.append(f"layerparity: goldens: the prompt, {s.decode_steps} decode steps per layer, {whole}")
         else:
             lines.append(f"layerparity: target {s.target_name}, dtype {self.dtype_name}")
         lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
@@ -193,8 +222,12 @@ class LayerParitySession:
 
     # -- the fixture API ------------------------------------------------------------------
 
-    def load_golden(self, index: int) -> GoldenEntry:
-        return self.store.load(layer_key(index), missing_hint=f"extract it with: {self.commands.extract(str(index))}")
+    def load_golden(self, index: int | str) -> GoldenEntry:
+        """Layer ``index``'s prompt golden, or the golden stored under a key (``layer_3.decode_0``)."""
+        key = layer_key(index) if isinstance(index, int) else index
+        layer = golden_layer(key)
+        hint = f"extract it with: {self.commands.extract(None if layer is None else str(layer))}"
+        return self.store.load(key, missing_hint=hint)
 
     def build_target(self, index: int) -> torch.nn.Module:
         return self.target.build(index)

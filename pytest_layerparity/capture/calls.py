@@ -8,12 +8,14 @@ from typing import Any
 
 import torch
 
-from ..store.callspec import CallRecord, encode_call, encode_output
+from ..store.callspec import CallRecord, encode_call, encode_output, record_cache_update
 
 
 @contextmanager
 def capture_calls(modules: Mapping[int, torch.nn.Module], sink: Callable[[int, CallRecord], None]) -> Iterator[None]:
     """Record each module's call while the block runs; ``sink(index, record)`` gets each one.
+    A KV cache passed to module ``index`` is recorded as that layer's past keys and values,
+    and what the call appended to it beside the output.
 
     Hooks are always removed, also when the forward raises.
     """
@@ -23,7 +25,7 @@ def capture_calls(modules: Mapping[int, torch.nn.Module], sink: Callable[[int, C
     def pre_hook(index: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             record = CallRecord()
-            encode_call(args, kwargs, record)
+            encode_call(args, kwargs, record, cache_layer=index)
             pending[index] = record
 
         return hook
@@ -32,6 +34,7 @@ def capture_calls(modules: Mapping[int, torch.nn.Module], sink: Callable[[int, C
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             record = pending.pop(index)
             encode_output(output, record)
+            record_cache_update(args, kwargs, index, record)
             sink(index, record)
 
         return hook

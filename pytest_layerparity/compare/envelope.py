@@ -126,7 +126,7 @@ class Envelope:
 
         def ratio_limit(values: Sequence[float]) -> float:
             mean, sd = _mean_sd([math.log(max(v, 1e-300)) for v in values])
-            return math.exp(mean + q_ratio * sd * widen)
+            return math.exp(min(mean + q_ratio * sd * widen, 700.0))  # no OverflowError on a degenerate sample
 
         mean, sd = _mean_sd(self.contribution_bias)
         half = q_bias * max(sd, MIN_BIAS_SD) * widen

@@ -10,6 +10,7 @@ own scripts call the same function.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -159,3 +160,40 @@ def judge_golden(
         envelope=envelope,
         tainted=tainted,
     )
+
+
+def judge_appended_kv(
+    golden_tensors: Mapping[str, torch.Tensor],
+    appended: tuple[torch.Tensor, torch.Tensor] | None,
+    settings: Settings,
+    dtype: str,
+) -> list[Check]:
+    """The checks of the keys and values a decode step appended to the layer's KV cache,
+    against the golden's (``cache.new_keys``/``new_values``): cosine similarity and, where the
+    golden holds their precision floor (``ref_cache.*``), the noise ratio, with the limits of
+    the dtype's fixed policy. No checks when the golden recorded no cache update."""
+    from .verdict import noise_limits
+
+    if "cache.new_keys" not in golden_tensors:
+        return []
+    if appended is None:
+        return [Check("kv_cache_appended", 0, "==", 1, False)]
+    max_ratio, _, min_cosine = noise_limits(settings, dtype)
+    checks = []
+    for part, target in zip(("keys", "values"), appended, strict=True):
+        golden = golden_tensors[f"cache.new_{part}"]
+        if tuple(target.shape) != tuple(golden.shape):
+            checks.append(Check(f"new_{part}_positions", target.shape[-2], "==", golden.shape[-2], False))
+            continue
+        reference = golden_tensors.get(f"ref_cache.new_{part}")
+        m = compare_tensors(golden, target, reference=reference)
+        cosine = m.cosine_similarity
+        checks.append(
+            Check(f"new_{part}_cosine", cosine, ">=", min_cosine, not math.isnan(cosine) and cosine >= min_cosine)
+        )
+        if reference is not None and m.noise_ratio is not None:
+            ratio = m.noise_ratio
+            checks.append(
+                Check(f"new_{part}_noise_ratio", ratio, "<=", max_ratio, not math.isnan(ratio) and ratio <= max_ratio)
+            )
+    return checks

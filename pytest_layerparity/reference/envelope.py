@@ -55,15 +55,21 @@ def envelope_from_runs(
     reference: torch.Tensor,
     hidden_in: torch.Tensor | None,
     left_out: Sequence[set[int]] | None = None,
-) -> Envelope:
+) -> Envelope | None:
     """The envelope of the perturbed outputs ``runs`` against ``golden`` and its floor
     ``reference``; ``left_out[k]``: tokens run k leaves out of its statistics (those whose
-    routing flipped: legitimate arithmetic flips near ties, and what follows is legitimate)."""
+    routing flipped: legitimate arithmetic flips near ties, and what follows is legitimate).
+    A run that leaves out every token (a decode step's one token flipped) says nothing and
+    is skipped; None when fewer than two runs are left."""
     rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
     stats = []
     for k, out in enumerate(runs):
         drop = left_out[k] if left_out is not None and golden.dim() > 1 else ()
+        if len(set(drop) & set(range(rows))) == rows:
+            continue
         stats.append(floor_stats(golden, out, reference, hidden_in, token_mask(rows, drop)))
+    if len(stats) < 2:
+        return None
     ref_only = floor_stats(golden, golden, reference, hidden_in)
     return Envelope(
         noise_ratio=tuple(s.noise_ratio for s in stats),
@@ -154,8 +160,9 @@ class PerturbedRunner:
         golden: torch.Tensor,
         reference: torch.Tensor,
         hidden_in: torch.Tensor | None,
-    ) -> Envelope:
-        """The envelope of layer ``index`` on its golden call (what extraction stores)."""
+    ) -> Envelope | None:
+        """The envelope of layer ``index`` on its golden call (what extraction stores; None
+        when fewer than two runs kept a token)."""
         runs = self.runs(index, spec, tensors)
         return envelope_from_runs(
             golden,

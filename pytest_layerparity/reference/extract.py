@@ -16,7 +16,7 @@ from ..capture.routing import capture_routing
 from ..compare.floor import FLOOR_KEY
 from ..compare.judge import LayerOutcome, judge
 from ..report.progress import SILENT, Progress
-from ..selection import layer_key
+from ..selection import decode_key, layer_key
 from ..store.callspec import CallRecord, hidden_input_name, primary_output_name
 from ..store.golden import GoldenError, GoldenStore, describe_differences
 from ..store.identity import EXTRACTION_KEYS
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .streaming import Unit
 
 MODEL_IO_KEY = "model_io"
+MODEL_LOGITS_KEY = "model_logits"
 
 
 @dataclass
@@ -45,6 +46,10 @@ class ReferenceRun:
     calls: dict[int, CallRecord] = field(default_factory=dict)
     model_io: dict[str, torch.Tensor] = field(default_factory=dict)
     layer_path: str = ""
+    decode_calls: dict[tuple[int, int], CallRecord] = field(default_factory=dict)  # (layer, step) -> call
+    decode_skipped: str | None = None  # why there are no decode steps, when asked for
+    decode_logits: list[torch.Tensor] = field(default_factory=list)  # each decode step's logits (CPU)
+    model_golden: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # whole-model golden and metadata
 
 
 class ReferenceSide:
@@ -116,18 +121,19 @@ class ReferenceSide:
         )
         device = self.golden_device if streaming else input_device(model)
         embeddings = model.get_input_embeddings()
-        handle = embeddings.register_forward_hook(
-            lambda module, args, output: run.model_io.__setitem__("embeddings", output.detach().to("cpu", copy=True))
-        )
+
+        def record_embeddings(module: Any, args: Any, output: torch.Tensor) -> None:  # the prompt's (the first call)
+            if "embeddings" not in run.model_io:
+                run.model_io["embeddings"] = output.detach().to("cpu", copy=True)
+
+        handle = embeddings.register_forward_hook(record_embeddings)
         routing: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layers}
-        bar = self.progress.bar(len(layer_list), "layerparity: reference forward")
+        steps = self.settings.decode_steps
+        bar = self.progress.bar(len(layer_list) * (1 + (steps + 1 if steps else 0)), "layerparity: reference forward")
         ticks = [layer.register_forward_hook(lambda *_: bar.update(1)) for layer in layer_list]
         try:
             with contextlib.ExitStack() as stack:
                 stack.callback(bar.close)
-                stack.enter_context(capture_calls({i: layer_list[i] for i in layers}, run.calls.__setitem__))
-                for i in layers:
-                    stack.enter_context(capture_routing(layer_list[i], self.model.top_k, routing[i]))
                 stack.enter_context(torch.no_grad())
                 if streaming:
                     from .streaming import streamed
@@ -142,7 +148,13 @@ class ReferenceSide:
                             on_unit=self._audit_unit,
                         )
                     )
-                output = model(input_ids=ids.to(device), use_cache=False)
+                with contextlib.ExitStack() as capture:
+                    capture.enter_context(capture_calls({i: layer_list[i] for i in layers}, run.calls.__setitem__))
+                    for i in layers:
+                        capture.enter_context(capture_routing(layer_list[i], self.model.top_k, routing[i]))
+                    output = model(input_ids=ids.to(device), use_cache=False)
+                if steps:
+                    self._decode(model, layer_list, layers, ids.to(device), run)
         finally:
             handle.remove()
             for tick in ticks:
@@ -155,9 +167,78 @@ class ReferenceSide:
             logits = output.last_hidden_state
         run.model_io["input_ids"] = ids.cpu()
         run.model_io["logits"] = logits.detach().to("cpu", copy=True)
+        whole = not streaming and self.settings.logits_topk and getattr(output, "logits", None) is not None
+        if whole and all(bool(t.isfinite().all()) for t in (run.model_io["logits"], *run.decode_logits)):
+            run.model_golden = self._model_golden(model, run, device)  # (NaN logits: the layers' goldens say where)
         self._run = run
         del model
         return run
+
+    def _decode(
+        self, model: PreTrainedModel, layer_list: Any, layers: list[int], ids: torch.Tensor, run: ReferenceRun
+    ) -> None:
+        """The decode steps after the prompt: the prompt once more with the KV cache, then
+        ``--decode-steps`` greedy tokens, one forward each, recording every selected layer's
+        call (its past keys and values included) per step."""
+        import torch
+
+        output = model(input_ids=ids, use_cache=True)
+        cache = getattr(output, "past_key_values", None)
+        if cache is None or getattr(output, "logits", None) is None:
+            run.decode_skipped = f"{type(model).__name__} returns no KV cache and logits: no decode steps"
+            return
+        tokens = []
+        for step in range(self.settings.decode_steps):
+            token = output.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(token.cpu())
+            routing: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layers}
+            with contextlib.ExitStack() as capture:
+                capture.enter_context(
+                    capture_calls(
+                        {i: layer_list[i] for i in layers},
+                        lambda i, record, step=step: run.decode_calls.__setitem__((i, step), record),
+                    )
+                )
+                for i in layers:
+                    capture.enter_context(capture_routing(layer_list[i], self.model.top_k, routing[i]))
+                output = model(input_ids=token, past_key_values=cache, use_cache=True)
+            run.decode_logits.append(output.logits.detach().to("cpu", copy=True))
+            for i, tensors in routing.items():
+                if (i, step) in run.decode_calls:
+                    run.decode_calls[(i, step)].tensors.update(tensors)
+        run.model_io["decode_ids"] = torch.cat(tokens, dim=-1)
+
+    def _model_golden(
+        self, model: PreTrainedModel, run: ReferenceRun, device: Any
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The whole model's golden: the next-token logits of the prompt and of each decode
+        step, compact (top-k, log-sum-exp), with the envelope of K perturbed runs of the same
+        teacher-forced procedure the target gets."""
+        import torch
+
+        from ..compare.logits import ModelEnvelope, compact_logits, logits_stats
+        from ..target.model import hf_step, teacher_forced
+        from .envelope import BASE_SEED
+        from .perturb import PerturbedArithmetic
+
+        logits = torch.cat([run.model_io["logits"].float(), *(t.float() for t in run.decode_logits)], dim=1)
+        golden = compact_logits(logits, self.settings.logits_topk)
+        golden["input_ids"] = run.model_io["input_ids"]
+        decode_ids = run.model_io.get("decode_ids")
+        if decode_ids is not None:
+            golden["decode_ids"] = decode_ids
+        metadata: dict[str, Any] = {"kind": "model_logits", "topk": self.settings.logits_topk}
+        samples = self.settings.envelope_samples if not self.settings.no_precision_floor else 0
+        if samples > 1:
+            stats = []
+            with self.progress.bar(samples, "layerparity: noise envelope of the whole model", "run") as bar:
+                for k in range(samples):
+                    with PerturbedArithmetic(BASE_SEED + k):
+                        perturbed = teacher_forced(hf_step(model), golden["input_ids"], decode_ids, device)
+                    stats.append(logits_stats(golden, perturbed))
+                    bar.update(1)
+            metadata["envelope"] = ModelEnvelope.from_stats(stats).as_metadata()
+        return golden, metadata
 
     def _load(self, streaming: bool) -> PreTrainedModel:
         if streaming:
@@ -217,9 +298,23 @@ class ReferenceSide:
             self._header_written = True
         if not self._model_io_checked:
             if not self.store.verifies(MODEL_IO_KEY):  # absent or damaged: (re)write it; NaN logits are left out
-                self.store.write(MODEL_IO_KEY, run.model_io, {"kind": "model_io"}, omit_nonfinite=True)
+                io = run.model_io
+                if run.model_golden is not None:  # the whole model's logits are kept compact there
+                    io = {k: v for k, v in io.items() if k != "logits"}
+                self.store.write(MODEL_IO_KEY, io, {"kind": "model_io"}, omit_nonfinite=True)
+            if run.model_golden is not None and not self.store.verifies(MODEL_LOGITS_KEY):
+                self.store.write(MODEL_LOGITS_KEY, *run.model_golden)
             self._model_io_checked = True
-        record = run.calls[index]
+        info = self._write_golden(index, layer_key(index), run.calls[index])
+        steps = sorted(step for (i, step) in run.decode_calls if i == index)
+        for step in steps:
+            self._write_golden(index, decode_key(index, step), run.decode_calls[(index, step)], step)
+        info["decode_steps"] = len(steps)
+        return info
+
+    def _write_golden(self, index: int, key: str, record: CallRecord, step: int | None = None) -> dict[str, Any]:
+        """Write one golden of layer ``index`` (the prompt's call, or decode step ``step``'s)
+        with its precision floor and noise envelope."""
         envelope = None
         if not self.settings.no_precision_floor:
             floor, floor_routing = self.floor.evaluate(index, record.spec, record.tensors)
@@ -236,17 +331,20 @@ class ReferenceSide:
                 )
         floor_dtype = record.tensors[FLOOR_KEY].dtype if FLOOR_KEY in record.tensors else None
         metadata: dict[str, Any] = {
-            "kind": "layer",
+            "kind": "layer" if step is None else "decode",
             "layer": index,
             "call": record.spec,
             "ref_dtype": str(floor_dtype).removeprefix("torch.") if floor_dtype is not None else None,
         }
+        if step is not None:
+            metadata["step"] = step
         if envelope is not None:
             metadata["envelope"] = envelope.as_metadata()
         try:
-            path = self.store.write(layer_key(index), record.tensors, metadata)
+            path = self.store.write(key, record.tensors, metadata)
         except ValueError as exc:
-            raise GoldenError(f"layer {index}: the reference output is not usable as a golden: {exc}") from exc
+            what = f"layer {index}" if step is None else f"layer {index}, decode step {step}"
+            raise GoldenError(f"{what}: the reference output is not usable as a golden: {exc}") from exc
         out = record.tensors[primary_output_name(record.spec)]
         return {
             "shape": list(out.shape),

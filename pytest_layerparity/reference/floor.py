@@ -11,12 +11,16 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing, ref_routing
-from ..store.callspec import decode_call, first_tensor, replace_hidden_input
+from ..store.callspec import appended_kv, decode_call, first_tensor, replace_hidden_input
 from .model import ModelSource, build_skeleton, give_back_memory, load_layer
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
+
+
+REF_NEW_KEYS = "ref_cache.new_keys"
+REF_NEW_VALUES = "ref_cache.new_values"
 
 
 def floor_dtype(golden_dtype: torch.dtype) -> torch.dtype:
@@ -49,7 +53,8 @@ class FloorEvaluator:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Layer ``index`` on the call ``spec``/``tensors`` (hidden states replaced by
         ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
-        routers' exact logits and scores (``ref_routing.*``)."""
+        routers' exact logits and scores (``ref_routing.*``), and for a decode step the keys
+        and values the layer appended to its KV cache (``ref_cache.new_keys``/``new_values``)."""
         import torch
 
         layer = load_layer(self.skeleton, self.model.checkpoint, self.model.layer_list[0], index, self.dtype).eval()
@@ -60,6 +65,10 @@ class FloorEvaluator:
         routing: dict[str, torch.Tensor] = {}
         with torch.no_grad(), capture_routing(layer, self.model.top_k, routing):
             out = first_tensor(layer(*args, **kwargs))
+        extras = ref_routing(routing)
+        appended = appended_kv(args, kwargs, spec, upcast)
+        if appended is not None:
+            extras[REF_NEW_KEYS], extras[REF_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)
         del layer, args, kwargs, upcast
         give_back_memory()
-        return out.detach().to("cpu", self.dtype), ref_routing(routing)
+        return out.detach().to("cpu", self.dtype), extras

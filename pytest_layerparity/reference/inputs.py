@@ -29,13 +29,21 @@ def check_prompt(settings: Settings, model_dir: Path) -> None:
 def input_description(settings: Settings) -> dict[str, Any]:
     """The ``inputs`` of a store's manifest (what a later run must match)."""
     if settings.prompt is not None:
-        return {"source": "prompt", "prompt": settings.prompt, "seed": None, "batch_size": 1, "seq_len": None}
+        return {
+            "source": "prompt",
+            "prompt": settings.prompt,
+            "seed": None,
+            "batch_size": 1,
+            "seq_len": None,
+            "decode_steps": settings.decode_steps,
+        }
     return {
         "source": "random",
         "prompt": None,
         "seed": settings.seed,
         "batch_size": settings.batch_size,
         "seq_len": settings.seq_len,
+        "decode_steps": settings.decode_steps,
     }
 
 

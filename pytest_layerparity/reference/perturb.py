@@ -223,6 +223,48 @@ def another_rounding(
     return stochastic_round(point, result.dtype, generator)
 
 
+def _widen(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in _WIDER:
+        return value.detach().to(_WIDER[value.dtype])
+    return value
+
+
+# Fused attention kernels (what scaled_dot_product_attention dispatches to). Called with wider
+# inputs, some refuse and some (cuDNN's) return wrong values instead: their wider result is
+# computed with the math attention instead (see attention_reference).
+FUSED_ATTENTION_OPS = frozenset(
+    {
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    }
+)
+
+
+def attention_reference(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """The attention output of a fused attention op (``func`` called with ``args`` and
+    ``kwargs``), computed one precision wider by the math attention: the reference its first
+    result is perturbed around. Arguments are read by name from the op's schema."""
+    named = dict(kwargs)
+    for argument, value in zip(func._schema.arguments, args, strict=False):
+        named[argument.name] = value
+    query, key, value = (_widen(named[n]) for n in ("query", "key", "value"))
+    mask = named.get("attn_mask", named.get("attn_bias"))
+    output, _ = torch.ops.aten._scaled_dot_product_attention_math(
+        query,
+        key,
+        value,
+        _widen(mask),
+        0.0,
+        bool(named.get("is_causal", False)),
+        scale=named.get("scale"),
+        enable_gqa=query.shape[-3] != key.shape[-3],
+    )
+    return output
+
+
 class PerturbedArithmetic(TorchDispatchMode):
     """While active, rounded floating-point results are rounded another legitimate way (see
     the module's docstring for the two ``mode``s). ``systematic`` scales the per-op bias of
@@ -257,14 +299,10 @@ class PerturbedArithmetic(TorchDispatchMode):
     def _wider_results(self, func: Any, args: tuple, kwargs: dict) -> list[Any] | None:
         """The op's results computed from its inputs widened one step, or None when it
         cannot be (an op that insists on its dtypes)."""
-
-        def widen(value: Any) -> Any:
-            if isinstance(value, torch.Tensor) and value.dtype in _WIDER:
-                return value.detach().to(_WIDER[value.dtype])
-            return value
-
+        if func.overloadpacket.__name__ in FUSED_ATTENTION_OPS:
+            return [attention_reference(func, args, kwargs)]
         try:
-            exact = func(*tree_map(widen, args), **tree_map(widen, kwargs))
+            exact = func(*tree_map(_widen, args), **tree_map(_widen, kwargs))
         except (RuntimeError, TypeError, NotImplementedError):
             return None
         return tree_flatten(exact)[0]

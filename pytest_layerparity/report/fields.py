@@ -46,6 +46,27 @@ FIELDS: tuple[Field, ...] = (
     Field("worst_index"),
     Field("worst_golden"),
     Field("worst_target"),
+    # decode steps: the steps judged, those that failed, and the keys and values appended
+    Field("decode_steps", csv=True),
+    Field("failing_steps"),
+    Field("new_keys_cosine", csv=True),
+    Field("new_keys_noise_ratio", csv=True),
+    Field("new_values_cosine", csv=True),
+    Field("new_values_noise_ratio", csv=True),
+    Field("new_keys_positions"),
+    Field("new_values_positions"),
+    Field("kv_cache_appended"),
+    # the whole model's next-token distributions
+    Field("positions", csv=True),
+    Field("top1_agreement", csv=True),
+    Field("topk_overlap", csv=True),
+    Field("kl_divergence", csv=True),
+    Field("kl_divergence_mean"),
+    Field("kl_divergence_max"),
+    Field("kl_divergence_limit", csv=True),
+    Field("first_divergence", csv=True),
+    Field("near_tie_flips", csv=True),
+    Field("greedy_flips_outside_ties", csv=True),
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)

@@ -168,7 +168,9 @@ def write_report_html(
             f"class='{cls}'><td>{html.escape(entry['nodeid'].split('::')[-1])}</td><td>{html.escape(str(entry['layers']))}</td>"
             f"<td>{html.escape(entry['verdict'])}</td>{cells}</tr>{detail}"
         )
-    first = next((e for e in entries if e["verdict"] in ("fail", "error")), None)
+    from .text import first_failing
+
+    first = first_failing(entries)
     summary = (
         f"<p class='bad'>First failing: {html.escape(first['nodeid'].split('::')[-1])} (layers "
         f"{html.escape(str(first['layers']))})</p>"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from .fields import SUMMARY_COLUMNS
@@ -86,13 +87,32 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
     return "\n".join(lines)
 
 
+#: The order in which failing tests are considered for "first failing": a layer alone (its
+#: prompt, then its decode steps), then chained ranges, then tests of no layer (the model).
+_FIRST_FAILING_GROUPS = (("test_layer_parity", "test_layer_decode_parity"), ("test_chain_parity",))
+
+
+def first_failing(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The failing (or erroring) test of the lowest layer, isolated tests before chains and
+    the prompt before the decode steps; tests of no layer (the whole model) last."""
+
+    def order(entry: dict[str, Any]) -> tuple[int, int, int]:
+        name = entry["nodeid"].split("::")[-1].split("[")[0]
+        group = next((g for g, names in enumerate(_FIRST_FAILING_GROUPS) if name in names), len(_FIRST_FAILING_GROUPS))
+        rank = _FIRST_FAILING_GROUPS[group].index(name) if group < len(_FIRST_FAILING_GROUPS) else 0
+        numbers = re.findall(r"\d+", str(entry["layers"]))
+        return (group, int(numbers[0]) if numbers else 0, rank)
+
+    failing = [e for e in entries if e["verdict"] in ("fail", "error")]
+    return min(failing, key=order) if failing else None
+
+
 def summary_lines(entries: list[dict[str, Any]]) -> list[str]:
     """One row per test: the layers, the verdict and the main metrics; the first failing layer."""
     if not entries:
         return []
     columns = SUMMARY_COLUMNS
     lines = [f"{'test':<38} {'verdict':<8} " + " ".join(f"{title:>{width}}" for title, _, width in columns)]
-    first_fail = None
     for entry in entries:
         metrics = entry.get("metrics") or {}
         name = entry["nodeid"].split("::")[-1]
@@ -101,8 +121,7 @@ def summary_lines(entries: list[dict[str, Any]]) -> list[str]:
             value = metrics.get(key)
             cells.append(f"{value:>{width}.4g}" if isinstance(value, (int, float)) else f"{'-':>{width}}")
         lines.append(f"{name:<38} {entry['verdict']:<8} " + " ".join(cells))
-        if entry["verdict"] in ("fail", "error") and first_fail is None:
-            first_fail = entry
+    first_fail = first_failing(entries)
     if first_fail is not None:
         lines.append(f"first failing: {first_fail['nodeid'].split('::')[-1]} (layers {first_fail['layers']})")
     return lines

@@ -7,7 +7,14 @@ A spec node is one of::
     {"v": <json scalar>}       None, bool, int, float (non-finite floats as strings), str
     {"tuple": [...]} / {"list": [...]} / {"dict": {...}}
     {"dtype": "bfloat16"} / {"device": "cpu"}
-    {"dropped": "DynamicCache"}  an object that cannot be stored; replayed as None
+    {"cache": {"layer": 3, "keys": "kwargs.past_key_values.keys", "values": ...}}
+                               a KV cache (transformers' Cache) as the layer saw it: that
+                               layer's past keys and values, replayed as a fresh DynamicCache
+                               holding them (no keys: an empty cache)
+    {"dropped": "SomeObject"}  an object that cannot be stored; replayed as None
+
+A call that updated a KV cache also records, under ``spec["cache_update"]``, the keys and
+values the layer appended (``{"layer": 3, "keys": "cache.new_keys", "values": ...}``).
 """
 
 from __future__ import annotations
@@ -42,8 +49,33 @@ def _decode_scalar(value: Any) -> Any:
     return value
 
 
-def encode(value: Any, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Encode ``value`` into a spec node, storing tensors into ``tensors`` (as CPU copies)."""
+def is_kv_cache(value: Any) -> bool:
+    """A transformers KV cache (``Cache`` and its subclasses: a list of per-layer ``layers``)."""
+    return type(value).__name__.endswith("Cache") and isinstance(getattr(value, "layers", None), list)
+
+
+def cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer ``layer``'s keys and values in ``cache`` (None while it holds none)."""
+    if layer >= len(cache.layers):
+        return None
+    entry = cache.layers[layer]
+    keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
+    if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.numel() == 0:
+        return None
+    return keys, values
+
+
+def encode(value: Any, name: str, tensors: dict[str, torch.Tensor], cache_layer: int | None = None) -> dict[str, Any]:
+    """Encode ``value`` into a spec node, storing tensors into ``tensors`` (as CPU copies).
+    A KV cache is stored as layer ``cache_layer``'s past keys and values."""
+    if cache_layer is not None and is_kv_cache(value):
+        node: dict[str, Any] = {"layer": cache_layer}
+        past = cached_kv(value, cache_layer)
+        if past is not None:
+            node["keys"], node["values"] = f"{name}.keys", f"{name}.values"
+            tensors[node["keys"]] = past[0].detach().to("cpu", copy=True)
+            tensors[node["values"]] = past[1].detach().to("cpu", copy=True)
+        return {"cache": node}
     if isinstance(value, torch.Tensor):
         tensors[name] = value.detach().to("cpu", copy=True)
         return {"t": name}
@@ -79,7 +111,81 @@ def decode(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device:
         return getattr(torch, node["dtype"])
     if "device" in node:
         return torch.device(device) if device is not None else torch.device(node["device"])
+    if "cache" in node:
+        return past_cache(node["cache"], tensors, device)
     return None
+
+
+def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Device | None = None) -> Any:
+    """A fresh DynamicCache holding layer ``node["layer"]``'s stored past keys and values
+    (what the layer is called with in a decode step; other layers' entries stay empty)."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    if "keys" in node:
+        keys, values = tensors[node["keys"]], tensors[node["values"]]
+        if device is not None:
+            keys, values = keys.to(device), values.to(device)
+        cache.update(keys, values, int(node["layer"]))
+    return cache
+
+
+def find_kv_cache(value: Any) -> Any:
+    """The first KV cache in a (nested) call's arguments, or None."""
+    if is_kv_cache(value):
+        return value
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = find_kv_cache(item)
+            if found is not None:
+                return found
+    return None
+
+
+def record_cache_update(args: Any, kwargs: Any, layer: int, record: CallRecord) -> None:
+    """After a call: store the keys and values layer ``layer`` appended to the call's KV
+    cache (its entries beyond the past the spec stored), if the call had a cache."""
+    cache = find_kv_cache([args, kwargs])
+    now = cached_kv(cache, layer) if cache is not None else None
+    if now is None:
+        return
+    past = _cache_node(record.spec)
+    length = record.tensors[past["keys"]].shape[-2] if past is not None and "keys" in past else 0
+    record.tensors["cache.new_keys"] = now[0][..., length:, :].detach().to("cpu", copy=True)
+    record.tensors["cache.new_values"] = now[1][..., length:, :].detach().to("cpu", copy=True)
+    record.spec["cache_update"] = {"layer": layer, "keys": "cache.new_keys", "values": "cache.new_values"}
+
+
+def _cache_node(spec: Any) -> dict[str, Any] | None:
+    if isinstance(spec, dict):
+        if isinstance(spec.get("cache"), dict):
+            return spec["cache"]
+        spec = list(spec.values())
+    if isinstance(spec, list):
+        for child in spec:
+            found = _cache_node(child)
+            if found is not None:
+                return found
+    return None
+
+
+def appended_kv(
+    args: Any, kwargs: Any, spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """After replaying a call that stored a ``cache_update``: the keys and values the layer
+    appended to the cache it was given (None when the call stored none)."""
+    update = spec.get("cache_update")
+    if not update:
+        return None
+    cache = find_kv_cache([args, kwargs])
+    now = cached_kv(cache, int(update["layer"])) if cache is not None else None
+    if now is None:
+        raise ValueError(f"the layer appended nothing to layer {update['layer']}'s entry of the KV cache it was given")
+    past = _cache_node({"args": spec["args"], "kwargs": spec["kwargs"]})
+    length = tensors[past["keys"]].shape[-2] if past is not None and "keys" in past else 0
+    return now[0][..., length:, :], now[1][..., length:, :]
 
 
 def tensor_names(node: Any) -> Iterator[str]:
@@ -96,9 +202,12 @@ def tensor_names(node: Any) -> Iterator[str]:
             yield from tensor_names(child)
 
 
-def encode_call(args: Sequence[Any], kwargs: Mapping[str, Any], record: CallRecord) -> None:
-    record.spec["args"] = [encode(v, f"args.{i}", record.tensors) for i, v in enumerate(args)]
-    record.spec["kwargs"] = {k: encode(v, f"kwargs.{k}", record.tensors) for k, v in kwargs.items()}
+def encode_call(
+    args: Sequence[Any], kwargs: Mapping[str, Any], record: CallRecord, cache_layer: int | None = None
+) -> None:
+    """Encode a call; a KV cache among its arguments is stored as layer ``cache_layer``'s entry."""
+    record.spec["args"] = [encode(v, f"args.{i}", record.tensors, cache_layer) for i, v in enumerate(args)]
+    record.spec["kwargs"] = {k: encode(v, f"kwargs.{k}", record.tensors, cache_layer) for k, v in kwargs.items()}
 
 
 def encode_output(output: Any, record: CallRecord) -> None:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 from ..compare.envelope import Envelope
-from ..selection import parse_layer_key
+from ..selection import golden_layer, parse_decode_key, parse_layer_key
 from .callspec import tensor_names
 from .commands import extract_command
 
@@ -64,6 +64,9 @@ def _file_name(key: str) -> str:
     index = parse_layer_key(key)
     if index is not None:
         return f"layer_{index:05d}.safetensors"
+    decode = parse_decode_key(key)
+    if decode is not None:
+        return f"layer_{decode[0]:05d}.decode_{decode[1]:03d}.safetensors"
     return f"{key}.safetensors"
 
 
@@ -167,7 +170,7 @@ class GoldenStore:
     # -- hints ------------------------------------------------------------------------
 
     def extract_command(self, key: str | None = None) -> str:
-        index = parse_layer_key(key or "")
+        index = golden_layer(key or "")
         return extract_command(self.root, self.model_dir, None if index is None else str(index))
 
     def regen_hint(self, key: str | None = None) -> str:
@@ -349,6 +352,15 @@ class GoldenStore:
         manifest = self.read_manifest()
         return sorted(manifest["files"]) if manifest else []
 
+    def decode_steps(self, index: int) -> list[int]:
+        """The decode steps this store holds goldens of for layer ``index``."""
+        decoded = [parse_decode_key(key) for key in self.keys()]
+        return sorted(d[1] for d in decoded if d is not None and d[0] == index)
+
+    def has_decode(self) -> bool:
+        """Whether the store holds decode-step goldens (of any layer)."""
+        return any(parse_decode_key(key) is not None for key in self.keys())
+
     def has(self, key: str) -> bool:
         manifest = self.read_manifest()
         return bool(manifest) and key in manifest["files"]
@@ -483,7 +495,10 @@ def _read_metadata(payload: bytes) -> dict[str, Any]:
 def _check_entry(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
     """A layer entry must hold its call spec, be the golden of that layer, and hold every
     tensor its call refers to (else replaying it would fail deep inside the test)."""
-    index = parse_layer_key(key)
+    if key == "model_logits":
+        _check_model_logits(key, tensors, metadata)
+        return
+    index = golden_layer(key)
     if index is None:
         return
     call = metadata.get("call")
@@ -497,6 +512,25 @@ def _check_entry(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mappin
         raise ValueError(f"{key}: its call refers to tensors the file does not hold ({', '.join(missing)})")
     try:
         Envelope.from_metadata(metadata.get("envelope"))
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+
+
+def _check_model_logits(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
+    """The whole model's golden must hold its compact logits for every position it fed."""
+    from ..compare.logits import ModelEnvelope
+
+    missing = sorted({"topk_ids", "topk_logits", "logsumexp", "input_ids"} - set(tensors))
+    if missing:
+        raise ValueError(f"{key}: the whole model's golden lacks {', '.join(missing)}")
+    fed = tensors["input_ids"].shape[-1] + (tensors["decode_ids"].shape[-1] if "decode_ids" in tensors else 0)
+    if tensors["topk_ids"].shape[:-1] != tensors["logsumexp"].shape or tensors["logsumexp"].shape[-1] != fed:
+        raise ValueError(
+            f"{key}: the whole model's golden holds logits of {tuple(tensors['logsumexp'].shape)} "
+            f"positions for {fed} tokens fed"
+        )
+    try:
+        ModelEnvelope.from_metadata(metadata.get("envelope"))
     except ValueError as exc:
         raise ValueError(f"{key}: {exc}") from None
 

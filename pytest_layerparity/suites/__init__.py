@@ -1,6 +1,7 @@
 """The tests the plugin adds, one module per kind. Each module declares ``CASES``, what its
 test is parametrised over: ``"layers"`` (the selected layers), ``"ranges"``
-(``--layer-ranges``) or ``"chains"`` (the contiguous runs of the selected layers)."""
+(``--layer-ranges``), ``"chains"`` (the contiguous runs of the selected layers) or
+``"model"`` (one case: the whole model)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..options import Settings
 
-CASE_KINDS = ("layers", "ranges", "chains")
+CASE_KINDS = ("layers", "ranges", "chains", "model")
 _BY_MODE = {"parity": "parity", "extract": "extract", "verify": "verify"}
 
 
-def suite_modules(settings: Settings, has_ranges: bool) -> list[str]:
-    """The suite modules a session collects (dotted names)."""
+def suite_modules(settings: Settings, has_ranges: bool, has_decode: bool = False, has_model: bool = False) -> list[str]:
+    """The suite modules a session collects (dotted names); ``has_decode``: the store holds
+    decode-step goldens; ``has_model``: it holds the whole model's and all layers are selected."""
     assert settings.mode is not None
     names = [_BY_MODE[settings.mode]]
+    if settings.mode == "parity" and has_decode:
+        names.append("decode")
+    if settings.mode == "parity" and has_model:
+        names.append("model")
     if has_ranges:
         names.append("ranges")
     if settings.chain:

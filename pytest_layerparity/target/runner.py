@@ -14,8 +14,15 @@ from ..capture.routing import capture_routing
 from ..compare.floor import FLOOR_KEY
 from ..compare.judge import LayerOutcome, judge_golden
 from ..report.progress import SILENT, Progress
-from ..selection import LayerRange, layer_key
-from ..store.callspec import decode_call, first_tensor, hidden_input_name, primary_output_name, replace_hidden_input
+from ..selection import LayerRange, decode_key, layer_key
+from ..store.callspec import (
+    appended_kv,
+    decode_call,
+    first_tensor,
+    hidden_input_name,
+    primary_output_name,
+    replace_hidden_input,
+)
 from ..store.golden import GoldenEntry, GoldenStore
 from ..store.identity import EXTRACTION_KEYS
 
@@ -24,6 +31,7 @@ if TYPE_CHECKING:
 
     from ..backends.base import Backend
     from ..compare.envelope import Envelope
+    from ..compare.logits import ModelOutcome
     from ..options import Settings
     from ..reference.envelope import PerturbedRunner
     from ..reference.floor import FloorEvaluator
@@ -41,6 +49,7 @@ class TargetRun:
 
     output: torch.Tensor
     routing: dict[str, torch.Tensor]
+    appended_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # a decode step's new keys and values
 
 
 class TargetSide:
@@ -52,9 +61,10 @@ class TargetSide:
         model: ModelSource,
         dtype_name: str,
         backend: Backend,
-        load_golden: Callable[[int], GoldenEntry],
+        load_golden: Callable[[int | str], GoldenEntry],
         floor: FloorEvaluator,
         build_hook: BuildHook | None = None,
+        build_model_hook: BuildHook | None = None,
         manifest: dict[str, Any] | None = None,
         perturbed: PerturbedRunner | None = None,
         progress: Progress = SILENT,
@@ -63,9 +73,10 @@ class TargetSide:
         self.model = model
         self.dtype_name = dtype_name
         self.backend = backend
-        self.load_golden = load_golden
+        self.load_golden = load_golden  # a layer's prompt golden, or a golden by its key
         self.floor = floor
         self.build_hook = build_hook
+        self.build_model_hook = build_model_hook
         self.manifest = manifest
         self.perturbed = perturbed  # the perturbed reference runs that make a chain's noise envelope
         self.progress = progress
@@ -96,8 +107,9 @@ class TargetSide:
         with torch.no_grad(), capture_routing(module, self.model.top_k, routing):
             output = module(*args, **kwargs)
         out = first_tensor(output)
+        appended = appended_kv(args, kwargs, spec, tensors)
         self.backend.sync()
-        return TargetRun(out, routing)
+        return TargetRun(out, routing, appended)
 
     def judge(
         self,
@@ -132,6 +144,50 @@ class TargetSide:
         if self.settings.save_outputs:
             self.save_output(index, entry, run)
         return self.judge(index, entry, run)
+
+    def parity_decode(self, index: int, steps: list[int]) -> list[LayerOutcome]:
+        """Layer ``index`` in each decode step: fed the step's golden call (the one-token
+        hidden state and the layer's past keys and values as a KV cache), judged on its
+        output like a prompt test, and on the keys and values it appended to the cache."""
+        from ..compare.judge import judge_appended_kv
+
+        module = self.build(index)
+        outcomes = []
+        for step in steps:
+            entry = self.load_golden(decode_key(index, step))
+            run = self.run(module, entry)
+            outcome = self.judge(index, entry, run)
+            outcome.checks.extend(judge_appended_kv(entry.tensors, run.appended_kv, self.settings, self.dtype_name))
+            outcomes.append(outcome)
+        return outcomes
+
+    def parity_model(self, entry: GoldenEntry) -> ModelOutcome:
+        """The whole model on the target, teacher-forced through the golden's prompt and decode
+        tokens, against the golden's next-token distributions (see ``compare.logits``)."""
+        import torch
+
+        from ..compare.judge import tie_tolerance
+        from ..compare.logits import ModelEnvelope, judge_logits
+        from .model import default_target_model, teacher_forced
+
+        device = self.backend.device
+        step = None
+        if self.build_model_hook is not None:
+            step = self.build_model_hook(model_config=self.model.layer_config, device=device, settings=self.settings)
+        if step is None:
+            step = default_target_model(
+                self.model, getattr(torch, self.dtype_name), device, self.backend.sync, self.build_hook
+            )
+        logits = teacher_forced(step, entry.tensors["input_ids"], entry.tensors.get("decode_ids"), device)
+        self.backend.sync()
+        return judge_logits(
+            entry.tensors,
+            logits,
+            self.dtype_name,
+            tie_tolerance(self.settings, self.dtype_name),
+            self.settings.false_alarm_rate,
+            ModelEnvelope.from_metadata(entry.metadata.get("envelope")),
+        )
 
     @cached_property
     def output_store(self) -> GoldenStore:

@@ -3,18 +3,32 @@ model and torch-xla's CPU device."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from support import DEFAULT_GOLDENS, DEFAULT_MODEL
+from support import DEFAULT_MODEL, copy_goldens
 
 
 @pytest.fixture
 def project(pytester: pytest.Pytester) -> pytest.Pytester:
     """A pytester folder whose ini points the plugin at the embedded default model and a
-    copy of its committed goldens (so tests may damage them)."""
-    goldens = pytester.path / "goldens"
-    shutil.copytree(DEFAULT_GOLDENS, goldens)
+    copy of its committed prompt goldens (so tests may damage them; the decode-step tests
+    use ``decode_project``)."""
+    copy_goldens(pytester.path / "goldens", decode=False)
+    pytester.makeini(
+        f"""
+        [pytest]
+        layerparity_model = {DEFAULT_MODEL}
+        layerparity_golden_dir = goldens
+        layerparity_decode_steps = 0
+        layerparity_logits_topk = 0
+        """
+    )
+    return pytester
+
+
+@pytest.fixture
+def decode_project(pytester: pytest.Pytester) -> pytest.Pytester:
+    """Like ``project``, with the committed decode-step goldens too."""
+    copy_goldens(pytester.path / "goldens")
     pytester.makeini(
         f"""
         [pytest]

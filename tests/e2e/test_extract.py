@@ -30,20 +30,30 @@ def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
     )
     store = fresh.path / "store"
     assert sorted(p.name for p in store.glob("*.safetensors")) == [
-        "layer_00000.safetensors",
-        "layer_00001.safetensors",
-        "layer_00002.safetensors",
+        *(f"layer_0000{i}{step}.safetensors" for i in range(3) for step in (".decode_000", ".decode_001", "")),
         "model_io.safetensors",
+        "model_logits.safetensors",
     ]
     manifest = json.loads((store / "manifest.json").read_text())
     assert manifest["schema_version"] == 1
     assert manifest["dtype"] == "bfloat16" and manifest["reference_device"] == "cpu"  # the checkpoint's own
-    assert manifest["inputs"] == {"source": "random", "seed": 0, "batch_size": 2, "seq_len": 8, "prompt": None}
+    assert manifest["inputs"] == {
+        "source": "random",
+        "seed": 0,
+        "batch_size": 2,
+        "seq_len": 8,
+        "prompt": None,
+        "decode_steps": 2,
+    }
     assert manifest["model"]["num_layers"] == 6 and manifest["model"]["hidden_size"] == 64
     assert manifest["model"]["layer_module"] == "model.layers"
     assert len(manifest["model"]["config_sha256"]) == 64
     assert {"torch", "transformers"} <= set(manifest["versions"])
-    assert set(manifest["files"]) == {"layer_0", "layer_1", "layer_2", "model_io"}
+    assert set(manifest["files"]) == {
+        *(f"layer_{i}{step}" for i in range(3) for step in ("", ".decode_0", ".decode_1")),
+        "model_io",
+        "model_logits",
+    }
     layer = load_file(store / "layer_00001.safetensors")
     # the whole call: hidden states, rotary cos/sin, position ids, and the output
     assert layer["args.0"].shape == (2, 8, 64)
@@ -51,7 +61,16 @@ def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
     assert "kwargs.position_ids" in layer
     assert layer["output"].shape == (2, 8, 64)
     io = load_file(store / "model_io.safetensors")
-    assert io["input_ids"].shape == (2, 8) and io["logits"].shape == (2, 8, 1024)
+    assert io["input_ids"].shape == (2, 8) and io["decode_ids"].shape == (2, 2) and "logits" not in io
+    # the whole model's next-token logits, compact: 8 prompt and 2 decode positions, top 16
+    logits = load_file(store / "model_logits.safetensors")
+    assert logits["topk_ids"].shape == (2, 10, 16) and logits["logsumexp"].shape == (2, 10)
+    assert torch.equal(logits["decode_ids"], io["decode_ids"])
+    # a decode step: the new token's hidden state, the layer's past keys and values, what it appended
+    step = load_file(store / "layer_00001.decode_001.safetensors")
+    assert step["args.0"].shape == (2, 1, 64) and step["output"].shape == (2, 1, 64)
+    assert step["kwargs.past_key_values.keys"].shape == (2, 2, 9, 16)  # 8 prompt tokens and the first step's
+    assert step["cache.new_keys"].shape == step["cache.new_values"].shape == (2, 2, 1, 16)
     assert torch.equal(load_file(store / "layer_00000.safetensors")["args.0"], io["embeddings"])
     # layer 1's input is layer 0's output
     assert torch.equal(layer["args.0"], load_file(store / "layer_00000.safetensors")["output"])
@@ -61,7 +80,16 @@ def test_extract_adds_layers_without_losing_others(fresh):
     fresh.runpytest("--gpu-golden", "--extract", "--layers", "0").assert_outcomes(passed=1)
     fresh.runpytest("--gpu-golden", "--extract", "--layers", "4-5").assert_outcomes(passed=2)
     manifest = json.loads((fresh.path / "store" / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"layer_0", "layer_4", "layer_5", "model_io"}
+    assert {k for k in manifest["files"] if ".decode_" not in k} == {
+        "layer_0",
+        "layer_4",
+        "layer_5",
+        "model_io",
+        "model_logits",
+    }
+    assert {k for k in manifest["files"] if ".decode_" in k} == {
+        f"layer_{i}.decode_{s}" for i in (0, 4, 5) for s in (0, 1)
+    }
 
 
 def test_extract_into_a_store_of_another_input_is_refused_once_at_start(fresh):
@@ -86,7 +114,8 @@ def test_force_regen_replaces_the_store_and_keeps_nothing_aside(fresh):
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["--force-regen: */store replaced; the previous store was removed"])
     manifest = json.loads((fresh.path / "store" / "manifest.json").read_text())
-    assert manifest["inputs"]["seq_len"] == 16 and set(manifest["files"]) == {"layer_1", "model_io"}
+    assert manifest["inputs"]["seq_len"] == 16
+    assert set(manifest["files"]) == {"layer_1", "layer_1.decode_0", "layer_1.decode_1", "model_io", "model_logits"}
     assert not (fresh.path / "store.previous").exists()
 
 
@@ -119,5 +148,8 @@ def test_committed_goldens_are_reproducible():
     from support import DEFAULT_GOLDENS
 
     manifest = json.loads((DEFAULT_GOLDENS / "manifest.json").read_text())
-    assert set(manifest["files"]) == {f"layer_{i}" for i in range(6)} | {"model_io"}
+    assert set(manifest["files"]) == {f"layer_{i}{s}" for i in range(6) for s in ("", ".decode_0", ".decode_1")} | {
+        "model_io",
+        "model_logits",
+    }
     assert manifest["dtype"] == "bfloat16"

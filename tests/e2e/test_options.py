@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 
@@ -88,6 +90,22 @@ def test_no_model_configured(pytester):
     result.stderr.fnmatch_lines(
         ["*no model given: pass --model DIR (a HuggingFace model folder) or set layerparity_model in your pytest ini*"]
     )
+
+
+def test_path_option_that_hides_the_ini_is_a_usage_error(project, tmp_path_factory):
+    # pytest picks its ini before plugins' options are known: the value of "--golden-dir DIR",
+    # outside the project, is taken for a test path and the project's ini goes unread.
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "goldens"
+    shutil.copytree(project.path / "goldens", elsewhere)
+    result = project.runpytest("--target", "cpu", "--layers", "0", "--golden-dir", str(elsewhere))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            f"*pytest read no ini file: it took {elsewhere} (the value of --golden-dir) for a test path*"
+            f"write --golden-dir={elsewhere}, or add -c {project.path / 'tox.ini'}"
+        ]
+    )
+    project.runpytest("--target", "cpu", "--layers", "0", f"--golden-dir={elsewhere}").assert_outcomes(passed=1)
 
 
 def test_bad_ini_value_is_a_usage_error(project):

@@ -66,8 +66,12 @@ def pytest_configure(config):
 
 @pytest.fixture
 def fresh(pytester: pytest.Pytester) -> pytest.Pytester:
-    """A pytester folder pointing the plugin at the default model and an empty store."""
-    pytester.makeini(f"[pytest]\nlayerparity_model = {DEFAULT_MODEL}\nlayerparity_golden_dir = store\n")
+    """A pytester folder pointing the plugin at the default model and an empty store, for the
+    layers' prompt goldens alone (what these tests are about: one file per layer)."""
+    pytester.makeini(
+        f"[pytest]\nlayerparity_model = {DEFAULT_MODEL}\nlayerparity_golden_dir = store\n"
+        "layerparity_decode_steps = 0\nlayerparity_logits_topk = 0\n"
+    )
     return pytester
 
 

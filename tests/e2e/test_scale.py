@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from support import DEFAULT_MODEL
 
 from pytest_layerparity.options import parse_max_memory, size_bytes
@@ -23,10 +24,16 @@ def _extract(pytester, store, *args):
 def test_streaming_goldens_equal_whole_model_goldens_bit_for_bit(pytester):
     _extract(pytester, "stream", "--device-map", "stream")
     _extract(pytester, "whole", "--device-map", "cpu")
-    files = sorted(p.name for p in (pytester.path / "stream").glob("*.safetensors"))
-    assert len(files) == 7
+    files = sorted(p.name for p in (pytester.path / "stream").glob("layer_*.safetensors"))
+    assert len(files) == 18  # 6 layers: the prompt and 2 decode steps each
     for name in files:
         assert (pytester.path / "stream" / name).read_bytes() == (pytester.path / "whole" / name).read_bytes(), name
+    # model_io: the same inputs; only the whole model keeps its logits apart (model_logits, not streamed)
+    streamed, whole = (load_file(pytester.path / d / "model_io.safetensors") for d in ("stream", "whole"))
+    for name in ("input_ids", "embeddings", "decode_ids"):
+        assert torch.equal(streamed[name], whole[name]), name
+    assert (pytester.path / "whole" / "model_logits.safetensors").exists()
+    assert not (pytester.path / "stream" / "model_logits.safetensors").exists()
 
 
 def test_header_names_the_placement(pytester):
@@ -54,7 +61,7 @@ def test_single_layer_test_opens_only_the_shards_of_that_layer(pytester):
     goldens = pytester.path / "goldens"
     shutil.copytree(DEFAULT_MODEL.parent / "goldens" / "minimax_m2_tiny", goldens)
     result = pytester.runpytest("--target", "cpu", f"--model={model}", f"--golden-dir={goldens}", "-k", "layer_2")
-    result.assert_outcomes(passed=1, deselected=5)
+    result.assert_outcomes(passed=2, deselected=11)  # layer 2's prompt and decode-step tests
 
 
 @pytest.mark.parametrize(

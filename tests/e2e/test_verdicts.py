@@ -38,14 +38,14 @@ def test_correct_bf16_port_passes_isolated_and_chained_on_xla(pytester, bf16_sto
     token routes to another expert); the default verdict passes it and says why."""
     _ini(pytester, DEFAULT_MODEL, bf16_store)
     result = pytester.runpytest("--xla", "--chain", "--parity-report", "rep")
-    result.assert_outcomes(passed=7)
+    result.assert_outcomes(passed=14)  # 6 layers, 6 layers' decode steps, the chain, the whole model
     report = json.loads((pytester.path / "rep" / "report.json").read_text())
     flips = [
         t["metrics"].get("routing_near_tie_flipped", 0) for t in report["tests"] if "test_layer_parity" in t["nodeid"]
     ]
     assert sum(flips) >= 1  # near-tie routing flips happen, and are told apart from bugs
     table = pytester.runpytest("--xla", "--layers", "1", "--verdict", "table")
-    table.assert_outcomes(failed=1)
+    table.assert_outcomes(failed=2)  # the prompt and the decode steps
     table.stdout.fnmatch_lines(["  max_abs_diff * <= 0.01 * FAIL"])
 
 
@@ -65,7 +65,7 @@ def test_correct_bf16_ports_of_other_architectures_pass(pytester, kind):
         session.extract_layer(i)
     _ini(pytester, model, store)
     result = pytester.runpytest("--xla", "--chain")
-    result.assert_outcomes(passed=4)
+    result.assert_outcomes(passed=8)  # 3 layers, their decode steps, the chain, the whole model
 
 
 PLANTS = {
@@ -95,9 +95,13 @@ def test_planted_bugs_fail_that_layer(pytester, bf16_store, bug):
         """
     )
     _ini(pytester, DEFAULT_MODEL, bf16_store)
-    result = pytester.runpytest("--target", "cpu", "--layers", "1-3")
-    result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines(["FAILED layerparity::test_layer_parity[[]layer_2[]]*"])
+    result = pytester.runpytest("--target", "cpu", "--layers", "1-3", "-rA")
+    failed = sorted(line.split()[1] for line in result.stdout.lines if line.startswith("FAILED "))
+    expected = ["layerparity::test_layer_parity[layer_2]"]
+    if bug != "positions off by one":  # rolling the positions of a one-token decode step changes nothing
+        expected.insert(0, "layerparity::test_layer_decode_parity[layer_2]")
+    assert failed == expected
+    result.assert_outcomes(passed=6 - len(failed), failed=len(failed))
 
 
 def test_bisect_names_the_planted_layer(pytester, bf16_store):
@@ -114,7 +118,7 @@ def test_bisect_names_the_planted_layer(pytester, bf16_store):
     )
     _ini(pytester, DEFAULT_MODEL, bf16_store)
     result = pytester.runpytest("--target", "cpu", "--bisect", "-k", "bisect")
-    result.assert_outcomes(failed=1, deselected=6)
+    result.assert_outcomes(failed=1, deselected=13)
     result.stdout.fnmatch_lines(
         [
             "bisect 0-5: the chain first leaves tolerance at layer 4 (* chained range runs: 0-5 FAIL, *)",
@@ -139,11 +143,16 @@ def test_reports_csv_html_and_offline_compare(pytester, bf16_store):
     )
     _ini(pytester, DEFAULT_MODEL, bf16_store)
     result = pytester.runpytest("--target", "cpu", "--parity-report", "rep", "--save-outputs", "out")
-    result.assert_outcomes(passed=5, failed=1)
+    result.assert_outcomes(passed=11, failed=2)  # layer 3 fails in the prompt and in its decode steps
     rep = pytester.path / "rep"
     csv_text = (rep / "report.csv").read_text()
     assert csv_text.splitlines()[0].startswith("nodeid,layers,verdict,max_abs_diff,mean_abs_diff")
-    assert len(csv_text.splitlines()) == 7
+    assert len(csv_text.splitlines()) == 14
+    report = {t["nodeid"].split("::")[-1]: t for t in json.loads((rep / "report.json").read_text())["tests"]}
+    decode = report["test_layer_decode_parity[layer_3]"]
+    assert decode["verdict"] == "fail" and decode["metrics"]["decode_steps"] == 2
+    model = report["test_model_parity"]["metrics"]
+    assert model["kl_divergence"] >= 0 and model["kl_divergence_limit"] > 0 and model["positions"] > 0
     page = (rep / "report.html").read_text()
     assert "First failing: test_layer_parity[layer_3] (layers 3)" in page
     assert "data:image/png;base64," in page

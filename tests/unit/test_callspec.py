@@ -8,6 +8,7 @@ import torch
 from pytest_layerparity.capture.calls import capture_calls
 from pytest_layerparity.store.callspec import (
     CallRecord,
+    appended_kv,
     decode_call,
     encode_call,
     encode_output,
@@ -76,3 +77,64 @@ def test_output_tree_and_device_decoding():
     assert kwargs["dtype"] is torch.bfloat16 and kwargs["device"] == torch.device("cpu")
     assert kwargs["ids"][1] == 2 and torch.equal(kwargs["ids"][0], torch.ones(1))
     assert primary_output_name(record.spec) == "output.last"
+
+
+class _Attention(torch.nn.Module):
+    """A layer that appends its keys and values to a transformers KV cache, as attention does."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+
+    def forward(self, hidden_states, past_key_values=None):
+        k = hidden_states.unsqueeze(1) * 2
+        v = hidden_states.unsqueeze(1) * 3
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        return hidden_states + k.sum(-2).squeeze(1) + v.mean(-2).squeeze(1)
+
+
+def test_a_kv_cache_is_stored_as_the_layers_past_and_replayed_as_a_fresh_cache():
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    past = torch.randn(1, 1, 5, 4)
+    cache.update(torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), 0)  # another layer's entry: not stored
+    cache.update(past, past + 1, 2)
+    layer = _Attention(2)
+    records = {}
+    x = torch.randn(1, 1, 4)
+    with capture_calls({2: layer}, records.__setitem__):
+        expected = layer(x, past_key_values=cache)
+    record = records[2]
+    node = record.spec["kwargs"]["past_key_values"]
+    assert node == {
+        "cache": {"layer": 2, "keys": "kwargs.past_key_values.keys", "values": "kwargs.past_key_values.values"}
+    }
+    assert torch.equal(record.tensors["kwargs.past_key_values.keys"], past)  # the past, before the call appended
+    assert record.tensors["cache.new_keys"].shape == (1, 1, 1, 4)
+    assert torch.equal(record.tensors["cache.new_keys"], x.unsqueeze(1) * 2)
+    spec = json.loads(json.dumps(record.spec))
+    args, kwargs = decode_call(spec, record.tensors)
+    replayed = kwargs["past_key_values"]
+    assert isinstance(replayed, DynamicCache) and replayed is not cache
+    assert torch.equal(layer(*args, **kwargs), expected)
+    new_keys, new_values = appended_kv(args, kwargs, spec, record.tensors)
+    assert torch.equal(new_keys, record.tensors["cache.new_keys"])
+    assert torch.equal(new_values, record.tensors["cache.new_values"])
+
+
+def test_an_empty_kv_cache_replays_empty_and_a_call_without_one_records_no_update():
+    from transformers.cache_utils import DynamicCache
+
+    layer = _Attention(0)
+    records = {}
+    with capture_calls({0: layer}, records.__setitem__):
+        layer(torch.randn(1, 3, 4), past_key_values=DynamicCache())
+        first = records[0]
+        layer(torch.randn(1, 3, 4))
+    assert first.spec["kwargs"]["past_key_values"] == {"cache": {"layer": 0}}
+    assert first.tensors["cache.new_keys"].shape == (1, 1, 3, 4)  # the whole prompt was appended
+    assert "cache_update" not in records[0].spec
+    _, kwargs = decode_call(first.spec, first.tensors)
+    assert len(kwargs["past_key_values"].layers) == 0

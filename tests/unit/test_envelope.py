@@ -175,6 +175,15 @@ def test_a_flipped_token_of_a_run_is_left_out_of_its_statistics():
     assert without.noise_ratio[0] < 1.5
 
 
+def test_a_run_that_leaves_out_every_token_is_skipped():
+    # a decode step has one token: a run whose routing flipped on it says nothing about noise
+    x, ref, golden = (t[:1] for t in layer_like())
+    runs = other_roundings(ref, 4)
+    env = envelope_from_runs(golden, runs, ref, x, [{0}, set(), {0}, set()])
+    assert env is not None and env.samples == 2 and min(env.noise_ratio) > 0
+    assert envelope_from_runs(golden, runs, ref, x, [{0}, {0}, {0}, set()]) is None
+
+
 def test_the_judge_holds_a_correct_target_inside_and_a_scaled_one_outside():
     x, ref, golden = layer_like()
     env = envelope_from_runs(golden, other_roundings(ref, 12), ref, x)

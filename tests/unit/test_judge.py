@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pytest_layerparity.compare.floor import FLOOR_KEY, FloorStats, floor_stats
-from pytest_layerparity.compare.judge import judge, judge_golden, tie_tolerance
+from pytest_layerparity.compare.judge import judge, judge_appended_kv, judge_golden, tie_tolerance
 from pytest_layerparity.compare.metrics import Metrics
 from pytest_layerparity.compare.verdict import describe_rule, evaluate, noise_limits, policy_in_force
 from pytest_layerparity.options import make_settings
@@ -316,3 +316,48 @@ def test_routers_the_target_did_not_run_are_left_out():
 def test_tie_tolerance(dtype, expected):
     assert tie_tolerance(make_settings(), dtype) == pytest.approx(expected)
     assert tie_tolerance(make_settings(router_tie_tolerance=2), dtype) == pytest.approx(expected / 4)
+
+
+def _kv_golden(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ref_k, ref_v = torch.randn(1, 2, 1, 16, generator=g), torch.randn(1, 2, 1, 16, generator=g)
+    return {
+        "cache.new_keys": ref_k.bfloat16(),
+        "cache.new_values": ref_v.bfloat16(),
+        "ref_cache.new_keys": ref_k,
+        "ref_cache.new_values": ref_v,
+    }
+
+
+def test_appended_keys_and_values_are_judged_against_their_floor():
+    golden = _kv_golden()
+    settings = make_settings()
+    same = judge_appended_kv(golden, (golden["cache.new_keys"], golden["cache.new_values"]), settings, "bfloat16")
+    assert [c.name for c in same] == [
+        "new_keys_cosine",
+        "new_keys_noise_ratio",
+        "new_values_cosine",
+        "new_values_noise_ratio",
+    ]
+    assert all(c.ok for c in same)
+    rotated = golden["cache.new_keys"].roll(1, dims=-1)  # keys rotated at the wrong position
+    bad = judge_appended_kv(golden, (rotated, golden["cache.new_values"]), settings, "bfloat16")
+    assert {c.name for c in bad if not c.ok} >= {"new_keys_cosine", "new_keys_noise_ratio"}
+    scaled = golden["cache.new_values"] * 1.02  # a small scale error: cosine 1, outside the noise
+    bad = judge_appended_kv(golden, (golden["cache.new_keys"], scaled), settings, "bfloat16")
+    assert [c.name for c in bad if not c.ok] == ["new_values_noise_ratio"]
+
+
+def test_a_missing_or_short_cache_update_fails_and_a_prompt_golden_has_no_kv_checks():
+    golden = _kv_golden()
+    settings = make_settings()
+    assert [(c.name, c.ok) for c in judge_appended_kv(golden, None, settings, "bfloat16")] == [
+        ("kv_cache_appended", False)
+    ]
+    empty = golden["cache.new_keys"][..., :0, :]
+    checks = judge_appended_kv(golden, (empty, empty), settings, "bfloat16")
+    assert [(c.name, c.value, c.ok) for c in checks] == [
+        ("new_keys_positions", 0, False),
+        ("new_values_positions", 0, False),
+    ]
+    assert judge_appended_kv({"output": torch.ones(2)}, None, settings, "bfloat16") == []

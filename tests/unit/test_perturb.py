@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_layerparity.reference.perturb import PerturbedArithmetic, another_rounding, stochastic_round
+from pytest_layerparity.reference.perturb import (
+    PerturbedArithmetic,
+    another_rounding,
+    attention_reference,
+    stochastic_round,
+)
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -73,3 +78,52 @@ def test_exact_ops_are_left_alone_and_in_place_ops_apply_once():
 def test_an_unknown_mode_is_refused():
     with pytest.raises(ValueError, match="jitter"):
         PerturbedArithmetic(0, "sometimes")
+
+
+def _attention_inputs(gqa: bool):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 9, 16, generator=g)
+    k, v = (torch.randn(1, 2 if gqa else 4, 9, 16, generator=g) for _ in range(2))
+    mask = torch.randn(1, 1, 9, 9, generator=g)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize(
+    ("op", "call"),
+    [
+        # each fused kernel's own calling convention, read from its schema
+        ("_scaled_dot_product_flash_attention_for_cpu", lambda q, k, v, m: ((q, k, v, 0.0, False), {"attn_mask": m})),
+        ("_scaled_dot_product_efficient_attention", lambda q, k, v, m: ((q, k, v, m, True, 0.0, False), {})),
+        ("_scaled_dot_product_cudnn_attention", lambda q, k, v, m: ((q, k, v, m, False), {"scale": 0.25})),
+        ("_scaled_dot_product_flash_attention", lambda q, k, v, m: ((q, k, v, 0.0, True), {})),
+    ],
+)
+def test_fused_attention_is_referenced_by_the_math_attention_one_precision_wider(op, call, gqa):
+    # cuDNN's attention, called with float32 inputs for a bfloat16 layer, returned values
+    # hundreds of ulps off on an H100 instead of refusing: fused kernels are never widened.
+    q, k, v, mask = _attention_inputs(gqa)
+    args, kwargs = call(q, k, v, mask)
+    func = getattr(torch.ops.aten, op).default
+    wide = attention_reference(func, args, kwargs)
+    named = dict(zip([a.name for a in func._schema.arguments], args, strict=False), **kwargs)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        attn_mask=None if named.get("is_causal") else mask.double(),
+        is_causal=bool(named.get("is_causal")),
+        scale=named.get("scale"),
+        enable_gqa=gqa,
+    )
+    assert wide.dtype == torch.float64 and wide.shape == (1, 4, 9, 16)
+    torch.testing.assert_close(wide, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_perturbed_attention_stays_within_rounding_of_the_plain_one():
+    q, k, v, mask = (t.bfloat16() for t in _attention_inputs(gqa=True))
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    with PerturbedArithmetic(seed=1) as mode:
+        perturbed = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert mode.ops >= 1 and not torch.equal(perturbed, plain)
+    assert ((perturbed.float() - plain.float()).abs() <= 4 * 2**-8 * plain.float().abs().amax()).all()

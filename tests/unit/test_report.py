@@ -15,7 +15,7 @@ from pytest_layerparity.options import make_settings
 from pytest_layerparity.report.fields import CSV_COLUMNS, FIELD_NAMES, FIELDS, PLOTTED, SUMMARY_COLUMNS
 from pytest_layerparity.report.files import isolated_layer, write_reports
 from pytest_layerparity.report.properties import properties, reported_metrics
-from pytest_layerparity.report.text import failure_text, summary_lines
+from pytest_layerparity.report.text import failure_text, first_failing, summary_lines
 from pytest_layerparity.store.commands import Commands, extract_command, rerun_command
 
 
@@ -137,6 +137,21 @@ def test_summary_lines():
     assert lines[2].split()[:2] == ["test_layer_parity[layer_1]", "fail"]
     assert lines[-1] == "first failing: test_layer_parity[layer_1] (layers 1)"
     assert summary_lines([]) == []
+
+
+def test_first_failing_is_the_lowest_isolated_layer_then_chains_then_the_model():
+    def named(name, layers, verdict="fail"):
+        return {"nodeid": f"layerparity::{name}", "layers": layers, "verdict": verdict, "metrics": {}}
+
+    decode3 = named("test_layer_decode_parity[layer_3]", "3")
+    prompt3 = named("test_layer_parity[layer_3]", "3")
+    chain = named("test_chain_parity[layers_0-5]", "0-5")
+    model = named("test_model_parity", "model")
+    assert first_failing([model, chain, decode3, prompt3]) is prompt3
+    assert first_failing([model, chain, decode3]) is decode3
+    assert first_failing([model, chain]) is chain
+    assert first_failing([model, named("test_layer_parity[layer_0]", "0", "pass")]) is model
+    assert first_failing([named("test_layer_parity[layer_0]", "0", "pass")]) is None
 
 
 @pytest.mark.parametrize(("layers", "expected"), [("3", 3), ("0-2", None), ("", None), ("12", 12)])

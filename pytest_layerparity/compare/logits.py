@@ -1,0 +1,222 @@
+"""Whole-model parity: the next-token distributions of the target against the golden's,
+position by position. Pure arithmetic on tensors, like the layer judge.
+
+The golden keeps its logits compact (:func:`compact_logits`): per position the top-k token
+ids and logits and the log-sum-exp of all of them, enough for the checks below at a small
+fraction of a vocabulary-wide tensor. What the target is held to:
+
+* **top-1 agreement**: the share of positions whose greedy token is the golden's. A flip where
+  the golden's own top-2 margin is within rounding (at most the largest margin a legitimately
+  perturbed run flipped at, or a few units of the dtype's rounding of the top logit) is a
+  near tie: reported, not failed. Any other flip fails.
+* **KL divergence** of the next-token distributions, KL(golden || target), on the golden's
+  top-k tokens plus one bucket for the rest of the vocabulary (a lower bound of the full KL:
+  merging outcomes never increases it). Its median over positions is held against the
+  envelope of the same statistic over K perturbed reference runs (:class:`ModelEnvelope`),
+  at the session's false-alarm rate. The median, not the mean: a legitimate near-tie flip of
+  an MoE router changes the few positions after it by orders of magnitude more than rounding
+  does, while a bug after the last layer (a final norm or LM head off) moves every position.
+  The mean and the maximum are reported.
+* **top-k overlap** (reported): the mean share of the golden's top-k among the target's.
+* **first divergence** (reported): the first position whose greedy token differs, and
+  whether it was a near tie.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .envelope import _mean_sd, t_quantile
+from .verdict import Check
+
+TOPK_IDS = "topk_ids"
+TOPK_LOGITS = "topk_logits"
+LOGSUMEXP = "logsumexp"
+
+
+def compact_logits(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """``logits`` [..., vocab] kept as the top-k ids (int32) and logits (float32) and the
+    log-sum-exp (float32) per position."""
+    wide = logits.detach().float()
+    values, ids = wide.topk(min(k, wide.shape[-1]), dim=-1)
+    return {TOPK_IDS: ids.to(torch.int32), TOPK_LOGITS: values, LOGSUMEXP: torch.logsumexp(wide, dim=-1)}
+
+
+@dataclass(frozen=True)
+class LogitsStats:
+    """One set of logits against the golden's, over ``positions`` positions."""
+
+    positions: int
+    kl_median: float
+    kl_mean: float
+    kl_max: float
+    top1_agreement: float
+    topk_overlap: float
+    flipped: list[int]  # flat positions whose greedy token is not the golden's
+    margins: list[float]  # the golden's top-2 margin at each flipped position
+
+    @property
+    def first_divergence(self) -> int | None:
+        return self.flipped[0] if self.flipped else None
+
+
+def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> LogitsStats:
+    """``logits`` [..., vocab] (any device, any float dtype) against the compact ``golden``."""
+    ids = golden[TOPK_IDS].long().reshape(-1, golden[TOPK_IDS].shape[-1])
+    top = golden[TOPK_LOGITS].float().reshape(ids.shape)
+    lse = golden[LOGSUMEXP].float().reshape(-1)
+    target = logits.detach().to("cpu", torch.float64).reshape(ids.shape[0], -1)
+    if target.shape[0] != ids.shape[0]:
+        raise ValueError(f"the target gave logits for {target.shape[0]} positions, the golden holds {ids.shape[0]}")
+    log_q_all = torch.log_softmax(target, dim=-1)
+    log_p = top.double() - lse.double()[:, None]
+    log_q = log_q_all.gather(-1, ids)
+    p_rest = (1 - log_p.exp().sum(-1)).clamp_min(0)
+    q_rest = (1 - log_q.exp().sum(-1)).clamp_min(1e-300)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1) + torch.where(
+        p_rest > 0, p_rest * (p_rest.clamp_min(1e-300).log() - q_rest.log()), torch.zeros_like(p_rest)
+    )
+    greedy = target.argmax(-1)
+    flipped = (greedy != ids[:, 0]).nonzero().flatten().tolist()
+    k = ids.shape[-1]
+    target_top = target.topk(k, dim=-1).indices
+    overlap = (target_top[:, :, None] == ids[:, None, :]).any(-1).double().mean(-1)
+    margins = (top[:, 0] - top[:, 1]).tolist() if k > 1 else [math.inf] * ids.shape[0]
+    kl = kl.clamp_min(0)
+    return LogitsStats(
+        positions=ids.shape[0],
+        kl_median=float(kl.median()),
+        kl_mean=float(kl.mean()),
+        kl_max=float(kl.max()),
+        top1_agreement=1 - len(flipped) / ids.shape[0],
+        topk_overlap=float(overlap.mean()),
+        flipped=flipped,
+        margins=[margins[i] for i in flipped],
+    )
+
+
+@dataclass(frozen=True)
+class ModelEnvelope:
+    """What K legitimately perturbed reference runs of the whole model reached: the median
+    KL of each run and the golden margins at which runs flipped a greedy token."""
+
+    kl_median: tuple[float, ...]
+    flip_margins: tuple[float, ...]
+
+    @property
+    def samples(self) -> int:
+        return len(self.kl_median)
+
+    @classmethod
+    def from_stats(cls, runs: Sequence[LogitsStats]) -> ModelEnvelope:
+        return cls(tuple(r.kl_median for r in runs), tuple(m for r in runs for m in r.margins))
+
+    def as_metadata(self) -> dict[str, Any]:
+        return {"kl_median": list(self.kl_median), "flip_margins": list(self.flip_margins)}
+
+    @classmethod
+    def from_metadata(cls, data: Mapping[str, Any] | None) -> ModelEnvelope | None:
+        if not data:
+            return None
+        try:
+            kl = tuple(float(v) for v in data["kl_median"])
+            margins = tuple(float(v) for v in data["flip_margins"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed whole-model envelope ({exc!r})") from exc
+        if len(kl) < 2 or any(not math.isfinite(v) or v < 0 for v in kl):
+            raise ValueError("malformed whole-model envelope: needs 2 or more finite, non-negative KL samples")
+        return cls(kl, margins)
+
+    def kl_limit(self, false_alarm_rate: float) -> float:
+        """The prediction limit of a correct target's median KL (on the log scale, as the
+        noise ratios' limits)."""
+        k = self.samples
+        mean, sd = _mean_sd([math.log(max(v, 1e-300)) for v in self.kl_median])
+        q = t_quantile(1 - false_alarm_rate, k - 1)
+        return math.exp(min(mean + q * sd * math.sqrt(1 + 1 / k), 700.0))
+
+
+@dataclass
+class ModelOutcome:
+    """The whole model's logits on the target against the golden's."""
+
+    stats: LogitsStats
+    checks: list[Check]
+    near_ties: list[int] = field(default_factory=list)  # flipped positions within rounding (reported)
+    hard_flips: list[int] = field(default_factory=list)  # flipped positions outside it (failed)
+    kl_limit: float | None = None
+    kl_reached: float | None = None  # the largest median KL of a perturbed reference run
+    tie_margin: float = 0.0
+    samples: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+
+def judge_logits(
+    golden: Mapping[str, torch.Tensor],
+    logits: torch.Tensor,
+    dtype: str,
+    tie_tolerance: float,
+    false_alarm_rate: float,
+    envelope: ModelEnvelope | None = None,
+) -> ModelOutcome:
+    """Hold the target's ``logits`` against the compact ``golden`` (see the module's
+    docstring). ``tie_tolerance``: relative margin below which a flip is a near tie."""
+    finite = bool(torch.isfinite(logits).all())
+    stats = logits_stats(golden, logits)
+    top = golden[TOPK_LOGITS].float().reshape(stats.positions, -1)[:, 0]
+    envelope_margin = max(envelope.flip_margins, default=0.0) if envelope is not None else 0.0
+    near, hard = [], []
+    for position, margin in zip(stats.flipped, stats.margins, strict=True):
+        bound = max(envelope_margin, tie_tolerance * abs(float(top[position])))
+        (near if margin <= bound else hard).append(position)
+    checks = [
+        Check("logits_nan_inf", 0 if finite else 1, "==", 0, finite),
+        Check("greedy_flips_outside_ties", len(hard), "==", 0, not hard),
+    ]
+    kl_limit = None
+    if envelope is not None:
+        kl_limit = envelope.kl_limit(false_alarm_rate)
+        checks.append(Check("kl_divergence_median", stats.kl_median, "<=", kl_limit, stats.kl_median <= kl_limit))
+    return ModelOutcome(
+        stats=stats,
+        checks=checks,
+        near_ties=near,
+        hard_flips=hard,
+        kl_limit=kl_limit,
+        kl_reached=max(envelope.kl_median) if envelope is not None else None,
+        tie_margin=envelope_margin,
+        samples=envelope.samples if envelope is not None else 0,
+    )
+
+
+def describe_model_outcome(outcome: ModelOutcome, where: str) -> str:
+    """The failure text of the whole-model test."""
+    s = outcome.stats
+    lines = [f"whole model {where}: next-token distributions differ from the golden's ({s.positions} positions)"]
+    lines += [f"  {c.describe()}" for c in outcome.checks]
+    lines.append(
+        f"  top-1 agreement {s.top1_agreement:.4f}, top-k overlap {s.topk_overlap:.4f}, "
+        f"KL median {s.kl_median:.3g} (mean {s.kl_mean:.3g}, max {s.kl_max:.3g})"
+    )
+    if s.first_divergence is not None:
+        kind = "a near tie" if s.first_divergence in outcome.near_ties else "not a near tie"
+        lines.append(f"  first divergence: position {s.first_divergence} ({kind})")
+    if outcome.hard_flips:
+        lines.append(f"  greedy token differs outside rounding at positions {outcome.hard_flips[:20]}")
+    if outcome.near_ties:
+        lines.append(f"  near ties (reported, not failed): positions {outcome.near_ties[:20]}")
+    if outcome.kl_limit is not None:
+        lines.append(
+            f"  noise envelope from {outcome.samples} perturbed reference runs of the whole model: they reach "
+            f"median KL {outcome.kl_reached:.3g} (limit {outcome.kl_limit:.3g}) and flipped greedy tokens at golden "
+            f"margins up to {outcome.tie_margin:.3g}"
+        )
+    return "\n".join(lines)

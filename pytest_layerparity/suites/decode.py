@@ -1,0 +1,51 @@
+"""The decode-step tests the plugin adds when the golden store holds decode steps
+(extracted with ``--decode-steps N``, 2 by default): the layer's single-token path with
+its KV cache, the graph a port compiles apart from the prompt's."""
+
+from __future__ import annotations
+
+import pytest
+
+from ..report.properties import properties
+from ..report.text import failure_text
+from . import record_outcome
+
+CASES = "layers"
+
+
+def test_layer_decode_parity(layerparity_case, layerparity_session, layerparity_record):
+    """In every stored decode step, the layer fed that step's golden call (the new token's
+    hidden state, its position, and the layer's past keys and values as a KV cache)
+    reproduces the step's golden output and appends the golden keys and values."""
+    from ..store.golden import GoldenError
+
+    session = layerparity_session
+    steps = session.store.decode_steps(layerparity_case)
+    failure = None  # failed outside the except block, so that the message is printed once
+    if not steps:
+        failure = (
+            f"{session.store.root}: no decode-step golden for layer_{layerparity_case}; extract it with: "
+            f"{session.commands.extract(str(layerparity_case))}"
+        )
+    else:
+        try:
+            outcomes = session.target.parity_decode(layerparity_case, steps)
+        except GoldenError as exc:
+            failure = str(exc)
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+    worst = next((o for o in outcomes if not o.passed), outcomes[-1])
+    record_outcome(layerparity_record, str(layerparity_case), all(o.passed for o in outcomes), properties(worst))
+    layerparity_record("decode_steps", len(outcomes))
+    for check in worst.checks:
+        if check.name.startswith(("new_", "kv_")):  # the keys and values appended to the cache
+            layerparity_record(check.name, check.value)
+    failing = [step for step, o in enumerate(outcomes) if not o.passed]
+    layerparity_record("failing_steps", failing)
+    if failing:
+        rerun = session.commands.rerun(str(layerparity_case), f"test_layer_decode_parity and layer_{layerparity_case}")
+        texts = [
+            failure_text(outcomes[step], f"decode step {step} on {session.backend.describe()}", rerun)
+            for step in failing
+        ]
+        pytest.fail("\n".join(texts), pytrace=False)

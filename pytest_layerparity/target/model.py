@@ -1,0 +1,89 @@
+"""The whole model on the target: the prompt, then the golden's decode tokens one at a time
+with the target's own KV cache (teacher forcing, as NxDI's logit matching does), giving the
+next-token logits of every position. The reference's perturbed runs use the same procedure.
+
+A target model is a *step function*: ``step(input_ids, past) -> (logits, past)``, called
+first with the prompt and ``past=None``, then with each decode token (shape [batch, 1]) and
+the ``past`` it returned last; ``past`` is whatever the port keeps (a transformers Cache, its
+own KV cache manager's state). ``pytest_layerparity_build_target_model`` returns one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..reference.model import ModelSource
+
+StepFn = Callable[[Any, Any], tuple[Any, Any]]
+
+
+def hf_step(model: torch.nn.Module) -> StepFn:
+    """The step function of a transformers causal LM (its own DynamicCache as ``past``)."""
+
+    def step(input_ids: torch.Tensor, past: Any) -> tuple[torch.Tensor, Any]:
+        output = model(input_ids=input_ids, past_key_values=past, use_cache=True)
+        return output.logits, output.past_key_values
+
+    return step
+
+
+def teacher_forced(
+    step: StepFn, prompt_ids: torch.Tensor, decode_ids: torch.Tensor | None, device: Any = None
+) -> torch.Tensor:
+    """The logits [batch, prompt + decode tokens, vocab] (float32, on the CPU) of the prompt
+    and of each decode token fed in turn (``decode_ids`` [batch, N]) through ``step``."""
+    import torch
+
+    with torch.no_grad():
+        logits, past = step(prompt_ids.to(device) if device is not None else prompt_ids, None)
+        out = [logits.detach().to("cpu", torch.float32)]
+        for s in range(decode_ids.shape[-1] if decode_ids is not None else 0):
+            assert decode_ids is not None
+            token = decode_ids[:, s : s + 1]
+            logits, past = step(token.to(device) if device is not None else token, past)
+            out.append(logits.detach().to("cpu", torch.float32))
+    return torch.cat(out, dim=1)
+
+
+def default_target_model(
+    model: ModelSource,
+    dtype: torch.dtype,
+    device: Any,
+    sync: Callable[[], None] | None = None,
+    build_layer: Callable[..., Any] | None = None,
+) -> StepFn:
+    """The model's own transformers implementation, in ``dtype``, moved to ``device``, with
+    each decoder layer replaced by the port's (``build_layer``, the
+    ``pytest_layerparity_build_target_layer`` hook, where it returns one): the whole model is
+    then the port assembled from the layers the layer tests judged. ``sync`` (a lazy device's
+    graph cut) runs after each decoder layer: each layer is then a graph of its own, compiled
+    once and reused by every layer of the same shape, where the whole forward as one graph took
+    minutes to compile on torch-xla's CPU device."""
+    from transformers.utils import logging as hf_logging
+
+    from ..reference.model import model_class_for
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        loaded = model_class_for(model.hf_config, model.trust_remote_code).from_pretrained(
+            str(model.model_dir), config=model.layer_config, dtype=dtype, trust_remote_code=model.trust_remote_code
+        )
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    layers = loaded.get_submodule(model.layer_list[0])
+    if build_layer is not None:
+        for index, layer in enumerate(layers):
+            port = build_layer(layer_idx=index, reference_layer=layer, model_config=model.layer_config, device=device)
+            if port is not None:
+                layers[index] = port
+    loaded = loaded.eval().to(device)
+    if sync is not None:
+        for layer in layers:
+            layer.register_forward_hook(lambda *_: sync())
+    return hf_step(loaded)

@@ -1,0 +1,89 @@
+"""The whole-model judge (compare.logits): compact logits, KL on the golden's top-k, near ties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pytest_layerparity.compare.logits import (
+    ModelEnvelope,
+    compact_logits,
+    judge_logits,
+    logits_stats,
+)
+
+
+def _logits(seed=0, positions=20, vocab=50, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, positions, vocab, generator=g, dtype=torch.float64) * scale
+
+
+def test_compact_logits_keep_top_k_and_log_sum_exp():
+    logits = _logits()
+    golden = compact_logits(logits, 8)
+    assert golden["topk_ids"].dtype == torch.int32 and golden["topk_ids"].shape == (1, 20, 8)
+    torch.testing.assert_close(golden["logsumexp"], torch.logsumexp(logits, -1).float())
+    assert torch.equal(golden["topk_ids"][..., 0].long(), logits.argmax(-1))
+
+
+def test_kl_on_the_top_k_is_a_lower_bound_of_the_full_kl_and_zero_for_the_same_logits():
+    golden_logits, target = _logits(1), _logits(1) + 0.3 * _logits(2)
+    golden = compact_logits(golden_logits, 10)
+    assert logits_stats(golden, golden_logits).kl_max == pytest.approx(0, abs=1e-6)
+    stats = logits_stats(golden, target)
+    p, log_q = torch.softmax(golden_logits, -1), torch.log_softmax(target, -1)
+    full = (p * (p.log() - log_q)).sum(-1).flatten()
+    assert 0 < stats.kl_mean <= float(full.mean()) + 1e-6
+    assert stats.kl_median <= float(full.max())
+    assert stats.top1_agreement == pytest.approx(1 - len(stats.flipped) / 20)
+
+
+def test_a_flip_on_a_near_tie_is_reported_and_one_outside_fails():
+    logits = _logits(3)
+    top2 = logits.topk(2, -1).indices[0]
+    logits[0, 4, top2[4, 1]] = logits[0, 4, top2[4, 0]] - 1e-3  # position 4: the golden's top-2 nearly tie
+    golden = compact_logits(logits, 8)
+    target = logits.clone()
+    for position in (4, 9):  # swap the top-2 logits: the greedy token flips
+        a, b = golden["topk_ids"][0, position, :2].long()
+        target[0, position, a], target[0, position, b] = logits[0, position, b], logits[0, position, a]
+    outcome = judge_logits(golden, target, "bfloat16", tie_tolerance=0.01, false_alarm_rate=1e-3)
+    assert outcome.near_ties == [4] and outcome.hard_flips == [9] and not outcome.passed
+    assert outcome.stats.first_divergence == 4
+    # a perturbed reference run that flipped at a margin as large makes position 9 a legitimate tie too
+    margin = float(golden["topk_logits"][0, 9, 0] - golden["topk_logits"][0, 9, 1])
+    envelope = ModelEnvelope((1.0, 2.0, 3.0), (margin,))
+    outcome = judge_logits(golden, target, "bfloat16", 0.01, 1e-3, envelope)
+    assert outcome.hard_flips == [] and outcome.passed
+
+
+def test_the_median_kl_is_held_to_the_envelope_of_perturbed_runs():
+    logits = _logits(4)
+    golden = compact_logits(logits, 8)
+    envelope = ModelEnvelope((1e-4, 2e-4, 1.5e-4, 1.2e-4), ())
+    limit = envelope.kl_limit(1e-3)
+    assert 2e-4 < limit < 1e-1
+    close = judge_logits(golden, logits * 1.001, "float32", 0.0, 1e-3, envelope)
+    far = judge_logits(golden, logits * 1.5, "float32", 0.0, 1e-3, envelope)
+    assert close.passed and close.stats.kl_median < limit
+    assert not far.passed and [c.name for c in far.checks if not c.ok] == ["kl_divergence_median"]
+
+
+def test_non_finite_target_logits_fail():
+    logits = _logits(5)
+    target = logits.clone()
+    target[0, 0, 0] = math.nan
+    outcome = judge_logits(compact_logits(logits, 4), target, "float32", 0.0, 1e-3)
+    assert next(c.name for c in outcome.checks if not c.ok) == "logits_nan_inf"
+
+
+def test_an_envelope_is_read_back_and_a_malformed_one_refused():
+    env = ModelEnvelope((1e-4, 3e-4), (0.5,))
+    assert ModelEnvelope.from_metadata(env.as_metadata()) == env
+    assert ModelEnvelope.from_metadata(None) is None
+    with pytest.raises(ValueError, match="malformed whole-model envelope"):
+        ModelEnvelope.from_metadata({"kl_median": [1e-4], "flip_margins": []})
+    with pytest.raises(ValueError, match="malformed whole-model envelope"):
+        ModelEnvelope.from_metadata({"kl_median": "x"})
