@@ -20,6 +20,11 @@ fraction of a vocabulary-wide tensor. What the target is held to:
 * **top-k overlap** (reported): the mean share of the golden's top-k among the target's.
 * **first divergence** (reported): the first position whose greedy token differs, and
   whether it was a near tie.
+* **greedy tokens before divergence** (reported, :func:`tokens_before_divergence`): how many
+  of the golden's generated tokens (the prompt's next token and each decode step's) the
+  target predicts before its first differing one. Up to that point a free-running greedy
+  generation on the target feeds exactly the tokens teacher forcing feeds, so this is the
+  free-running answer ("the target generates the golden's first n tokens") at no extra run.
 """
 
 from __future__ import annotations
@@ -153,10 +158,25 @@ class ModelOutcome:
     kl_reached: float | None = None  # the largest median KL of a perturbed reference run
     tie_margin: float = 0.0
     samples: int = 0
+    generated: int = 0  # tokens the golden generated (the prompt's next token, then each decode step's)
+    generated_matched: int = 0  # of those, how many the target's greedy tokens give before the first flip
 
     @property
     def passed(self) -> bool:
         return all(c.ok for c in self.checks)
+
+
+def tokens_before_divergence(flipped: Sequence[int], batch: int, prompt: int, steps: int) -> int:
+    """Of the ``steps + 1`` tokens generated after a ``prompt``-token prompt (flat positions
+    ``row * (prompt + steps) + prompt - 1 + j``), how many the target's greedy tokens match
+    before the first flip, in the worst of the ``batch`` rows."""
+    flips = set(flipped)
+    width = prompt + steps
+    matched = []
+    for row in range(batch):
+        first = row * width + prompt - 1
+        matched.append(next((j for j in range(steps + 1) if first + j in flips), steps + 1))
+    return min(matched, default=0)
 
 
 def judge_logits(
@@ -194,7 +214,24 @@ def judge_logits(
         kl_reached=max(envelope.kl_median) if envelope is not None else None,
         tie_margin=envelope_margin,
         samples=envelope.samples if envelope is not None else 0,
+        **_generation(golden, stats),
     )
+
+
+def _generation(golden: Mapping[str, torch.Tensor], stats: LogitsStats) -> dict[str, int]:
+    """``generated`` and ``generated_matched`` where the golden holds its token ids."""
+    prompt_ids = golden.get("input_ids")
+    if prompt_ids is None or prompt_ids.dim() != 2:
+        return {}
+    decode_ids = golden.get("decode_ids")
+    steps = decode_ids.shape[-1] if decode_ids is not None else 0
+    batch, prompt = prompt_ids.shape
+    if batch * (prompt + steps) != stats.positions:
+        return {}
+    return {
+        "generated": steps + 1,
+        "generated_matched": tokens_before_divergence(stats.flipped, batch, prompt, steps),
+    }
 
 
 def describe_model_outcome(outcome: ModelOutcome, where: str) -> str:
@@ -209,6 +246,11 @@ def describe_model_outcome(outcome: ModelOutcome, where: str) -> str:
     if s.first_divergence is not None:
         kind = "a near tie" if s.first_divergence in outcome.near_ties else "not a near tie"
         lines.append(f"  first divergence: position {s.first_divergence} ({kind})")
+    if outcome.generated:
+        lines.append(
+            f"  greedy generation: the target gives the golden's first {outcome.generated_matched} of "
+            f"{outcome.generated} generated tokens"
+        )
     if outcome.hard_flips:
         lines.append(f"  greedy token differs outside rounding at positions {outcome.hard_flips[:20]}")
     if outcome.near_ties:

@@ -67,6 +67,8 @@ FIELDS: tuple[Field, ...] = (
     Field("first_divergence", csv=True),
     Field("near_tie_flips", csv=True),
     Field("greedy_flips_outside_ties", csv=True),
+    Field("generated", csv=True),
+    Field("generated_matched", csv=True),
 )
 
 FIELD_NAMES = tuple(f.name for f in FIELDS)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .fields import SUMMARY_COLUMNS
@@ -107,6 +109,22 @@ def first_failing(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(failing, key=order) if failing else None
 
 
+def model_summary(metrics: Mapping[str, Any]) -> str | None:
+    """One line of the whole-model test's reported metrics for the terminal summary."""
+    if "kl_divergence" not in metrics:
+        return None
+    text = (
+        f"top-1 agreement {metrics.get('top1_agreement', math.nan):.4g} "
+        f"({metrics.get('near_tie_flips', 0)} near-tie flips, {metrics.get('greedy_flips_outside_ties', 0)} others), "
+        f"KL median {metrics['kl_divergence']:.3g}"
+    )
+    if metrics.get("kl_divergence_limit") is not None:
+        text += f" (limit {metrics['kl_divergence_limit']:.3g})"
+    if metrics.get("generated"):
+        text += f", greedy tokens before divergence {metrics.get('generated_matched')}/{metrics['generated']}"
+    return text
+
+
 def summary_lines(entries: list[dict[str, Any]]) -> list[str]:
     """One row per test: the layers, the verdict and the main metrics; the first failing layer."""
     if not entries:
@@ -121,6 +139,9 @@ def summary_lines(entries: list[dict[str, Any]]) -> list[str]:
             value = metrics.get(key)
             cells.append(f"{value:>{width}.4g}" if isinstance(value, (int, float)) else f"{'-':>{width}}")
         lines.append(f"{name:<38} {entry['verdict']:<8} " + " ".join(cells))
+        model = model_summary(metrics)
+        if model is not None:
+            lines.append(f"  {model}")
     first_fail = first_failing(entries)
     if first_fail is not None:
         lines.append(f"first failing: {first_fail['nodeid'].split('::')[-1]} (layers {first_fail['layers']})")

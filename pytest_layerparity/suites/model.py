@@ -41,6 +41,8 @@ def test_model_parity(layerparity_session, layerparity_record):
         ("near_tie_flips", len(outcome.near_ties)),
         ("greedy_flips_outside_ties", len(outcome.hard_flips)),
         ("envelope_samples", outcome.samples),
+        ("generated", outcome.generated),
+        ("generated_matched", outcome.generated_matched),
     ):
         layerparity_record(name, value)
     if not outcome.passed:

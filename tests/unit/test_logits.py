@@ -10,8 +10,10 @@ import torch
 from pytest_layerparity.compare.logits import (
     ModelEnvelope,
     compact_logits,
+    describe_model_outcome,
     judge_logits,
     logits_stats,
+    tokens_before_divergence,
 )
 
 
@@ -87,3 +89,25 @@ def test_an_envelope_is_read_back_and_a_malformed_one_refused():
         ModelEnvelope.from_metadata({"kl_median": [1e-4], "flip_margins": []})
     with pytest.raises(ValueError, match="malformed whole-model envelope"):
         ModelEnvelope.from_metadata({"kl_median": "x"})
+
+
+def test_tokens_before_divergence_counts_the_generated_tokens_a_free_run_would_share():
+    # 2 rows, prompt of 4, 2 decode steps: generated positions are 3, 4, 5 and 9, 10, 11
+    assert tokens_before_divergence([], 2, 4, 2) == 3
+    assert tokens_before_divergence([0, 1, 2], 2, 4, 2) == 3  # flips inside the prompt do not count
+    assert tokens_before_divergence([4], 2, 4, 2) == 1
+    assert tokens_before_divergence([5, 9], 2, 4, 2) == 0  # the worst row
+    assert tokens_before_divergence([3], 1, 4, 0) == 0
+
+
+def test_judged_outcome_says_how_many_generated_tokens_match():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6, 50) * 3
+    golden = {**compact_logits(logits, 4), "input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    golden["decode_ids"] = torch.zeros(1, 2, dtype=torch.long)
+    target = logits.clone()
+    assert judge_logits(golden, target, "float32", 0.0, 1e-3).generated_matched == 3
+    target[0, 4] = target[0, 4].flip(-1)  # the second generated token's distribution reversed
+    outcome = judge_logits(golden, target, "float32", 0.0, 1e-3)
+    assert (outcome.generated, outcome.generated_matched) == (3, 1)
+    assert "first 1 of 3 generated tokens" in describe_model_outcome(outcome, "on cpu")

@@ -139,6 +139,29 @@ def test_summary_lines():
     assert summary_lines([]) == []
 
 
+def test_the_whole_model_row_is_followed_by_its_own_metrics():
+    model = {
+        "nodeid": "layerparity::test_model_parity",
+        "layers": "model",
+        "verdict": "pass",
+        "metrics": {
+            "top1_agreement": 0.875,
+            "near_tie_flips": 2,
+            "greedy_flips_outside_ties": 0,
+            "kl_divergence": 6.2e-5,
+            "kl_divergence_limit": 1e-3,
+            "generated": 3,
+            "generated_matched": 1,
+        },
+    }
+    lines = summary_lines([model])
+    assert lines[1].split()[:2] == ["test_model_parity", "pass"]
+    assert lines[2] == (
+        "  top-1 agreement 0.875 (2 near-tie flips, 0 others), KL median 6.2e-05 (limit 0.001), "
+        "greedy tokens before divergence 1/3"
+    )
+
+
 def test_first_failing_is_the_lowest_isolated_layer_then_chains_then_the_model():
     def named(name, layers, verdict="fail"):
         return {"nodeid": f"layerparity::{name}", "layers": layers, "verdict": verdict, "metrics": {}}
