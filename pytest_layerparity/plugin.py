@@ -43,7 +43,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     if not config.getoption("layerparity_plan", False):
         return None
     from .reference.model import ModelError
-    from .reference.plan import plan_lines, resolve_golden_device
+    from .reference.plan import RunOptions, plan_lines, resolve_golden_device
     from .session import LayerParitySession
 
     settings = resolve_paths(read_settings(config), config)
@@ -55,6 +55,12 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
             settings.batch_size,
             settings.seq_len,
             resolve_golden_device(settings.golden_device),
+            RunOptions(
+                attn_implementation=settings.attn_implementation,
+                precision_floor=not settings.no_precision_floor,
+                envelope=settings.envelope_samples > 1,
+                decode_steps=settings.decode_steps,
+            ),
         )
     except (ModelError, OSError, ValueError) as exc:
         raise pytest.UsageError(f"--plan: {exc}") from None

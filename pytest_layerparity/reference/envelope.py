@@ -99,7 +99,12 @@ class PerturbedRunner:
 
     @cached_property
     def skeleton(self) -> PreTrainedModel:
-        return build_skeleton(copy.deepcopy(self.model.hf_config), self.dtype, self.model.trust_remote_code)
+        config = copy.deepcopy(self.model.hf_config)
+        if hasattr(config, "_experts_implementation"):
+            # one expert at a time: a grouped kernel's wider evaluation would widen every
+            # expert's weights at once (a copy twice the size of the layer's experts)
+            config._experts_implementation = "eager"
+        return build_skeleton(config, self.dtype, self.model.trust_remote_code)
 
     @property
     def enabled(self) -> bool:

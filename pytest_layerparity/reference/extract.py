@@ -27,6 +27,7 @@ from .inputs import input_description, make_input_ids
 from .model import ModelError, ModelSource, build_skeleton, find_layer_list, layer_count_from_config
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
 from .plan import resolve_golden_device
+from .spill import SpilledCalls
 
 if TYPE_CHECKING:
     import torch
@@ -43,10 +44,10 @@ MODEL_LOGITS_KEY = "model_logits"
 class ReferenceRun:
     """What one forward pass of the reference model captured."""
 
-    calls: dict[int, CallRecord] = field(default_factory=dict)
+    calls: SpilledCalls  # layer -> its call (on disk until its golden is written)
+    decode_calls: SpilledCalls  # (layer, step) -> its call
     model_io: dict[str, torch.Tensor] = field(default_factory=dict)
     layer_path: str = ""
-    decode_calls: dict[tuple[int, int], CallRecord] = field(default_factory=dict)  # (layer, step) -> call
     decode_skipped: str | None = None  # why there are no decode steps, when asked for
     decode_logits: list[torch.Tensor] = field(default_factory=list)  # each decode step's logits (CPU)
     model_golden: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # whole-model golden and metadata
@@ -113,7 +114,7 @@ class ReferenceSide:
         layer_path, _ = find_layer_list(model, layer_count_from_config(self.model.config_json), self.model.layer_module)
         layer_list = model.get_submodule(layer_path)
         self._keep_in_fp32 = getattr(model, "_keep_in_fp32_modules", None)
-        run = ReferenceRun(layer_path=layer_path)
+        run = ReferenceRun(SpilledCalls(self.store.root), SpilledCalls(self.store.root), layer_path=layer_path)
         ids = (
             make_input_ids(self.settings, self.model.model_dir, self.model.vocab_size)
             if input_ids is None
@@ -160,8 +161,7 @@ class ReferenceSide:
             for tick in ticks:
                 tick.remove()
         for i, tensors in routing.items():
-            if i in run.calls:
-                run.calls[i].tensors.update(tensors)
+            run.calls.add(i, tensors)
         logits = getattr(output, "logits", None)
         if logits is None:
             logits = output.last_hidden_state
@@ -204,8 +204,7 @@ class ReferenceSide:
                 output = model(input_ids=token, past_key_values=cache, use_cache=True)
             run.decode_logits.append(output.logits.detach().to("cpu", copy=True))
             for i, tensors in routing.items():
-                if (i, step) in run.decode_calls:
-                    run.decode_calls[(i, step)].tensors.update(tensors)
+                run.decode_calls.add((i, step), tensors)
         run.model_io["decode_ids"] = torch.cat(tokens, dim=-1)
 
     def _model_golden(
@@ -309,6 +308,8 @@ class ReferenceSide:
         steps = sorted(step for (i, step) in run.decode_calls if i == index)
         for step in steps:
             self._write_golden(index, decode_key(index, step), run.decode_calls[(index, step)], step)
+            del run.decode_calls[(index, step)]
+        del run.calls[index]  # written: its spilled copy goes
         info["decode_steps"] = len(steps)
         return info
 

@@ -1,7 +1,12 @@
 """The precision floor: a layer evaluated in higher precision (float32 for 16-bit goldens,
-float64 for float32 ones; weights and inputs upcast, on the CPU). Extraction stores it
-with each golden; chained runs evaluate it along the chain. The verdict measures the
-target's error against it in units of the golden's own rounding error."""
+float64 for float32 ones; on the CPU). Extraction stores it with each golden; chained runs
+evaluate it along the chain. The verdict measures the target's error against it in units of
+the golden's own rounding error.
+
+The layer's weights stay in the golden's dtype: every op is computed in the floor dtype on
+its operands widened for that op alone (:class:`~.perturb.WiderArithmetic`), which gives
+what the layer with its weights converted computes (the conversion is exact) without a
+second, wider copy of the layer in memory."""
 
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ class FloorEvaluator:
 
     def __init__(self, model: ModelSource, golden_dtype: torch.dtype) -> None:
         self.model = model
+        self.golden_dtype = golden_dtype
         self.dtype = floor_dtype(golden_dtype)
 
     @cached_property
@@ -42,7 +48,7 @@ class FloorEvaluator:
         config = copy.deepcopy(self.model.hf_config)
         if hasattr(config, "_experts_implementation"):
             config._experts_implementation = "eager"  # grouped kernels have no float64
-        return build_skeleton(config, self.dtype, self.model.trust_remote_code)
+        return build_skeleton(config, self.golden_dtype, self.model.trust_remote_code)
 
     def evaluate(
         self,
@@ -57,13 +63,17 @@ class FloorEvaluator:
         and values the layer appended to its KV cache (``ref_cache.new_keys``/``new_values``)."""
         import torch
 
-        layer = load_layer(self.skeleton, self.model.checkpoint, self.model.layer_list[0], index, self.dtype).eval()
+        from .perturb import WiderArithmetic
+
+        layer = load_layer(
+            self.skeleton, self.model.checkpoint, self.model.layer_list[0], index, self.golden_dtype
+        ).eval()
         upcast = {k: (v.to(self.dtype) if torch.is_floating_point(v) else v) for k, v in tensors.items()}
         if hidden is not None:
             upcast = replace_hidden_input(spec, upcast, hidden)
         args, kwargs = decode_call(spec, upcast)
         routing: dict[str, torch.Tensor] = {}
-        with torch.no_grad(), capture_routing(layer, self.model.top_k, routing):
+        with torch.no_grad(), capture_routing(layer, self.model.top_k, routing), WiderArithmetic(self.dtype):
             out = first_tensor(layer(*args, **kwargs))
         extras = ref_routing(routing)
         appended = appended_kv(args, kwargs, spec, upcast)

@@ -345,3 +345,43 @@ class PerturbedArithmetic(TorchDispatchMode):
             else:
                 results.append(perturbed)
         return tree_unflatten(results, spec)
+
+
+def _narrower(dtype: Any, than: torch.dtype) -> bool:
+    """Whether ``dtype`` is a floating dtype with less precision than ``than``."""
+    return isinstance(dtype, torch.dtype) and _UNIT_ROUNDOFF.get(dtype, 0) > _UNIT_ROUNDOFF[than]
+
+
+class WiderArithmetic(TorchDispatchMode):
+    """While active, every op that rounds is computed in ``dtype`` (float32 or float64): its
+    narrower floating inputs are converted (exactly) for that op alone, and conversions or
+    new tensors asked for in a narrower floating dtype are made in ``dtype``. A module whose
+    weights stay in a 16-bit dtype then computes what the same module with its weights
+    converted to ``dtype`` computes, without a second copy of its weights: only each op's
+    operands are widened, while the op runs. Data movement (views, indexing, concatenation)
+    is left as it is, so selecting one expert's slice of a stacked weight widens that slice
+    alone."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def _up(self, value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and _narrower(value.dtype, self.dtype):
+            return value.detach().to(self.dtype)
+        return value
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _narrower(kwargs.get("dtype"), self.dtype):
+            kwargs = {**kwargs, "dtype": self.dtype}
+        if func.overloadpacket.__name__ in FUSED_ATTENTION_OPS:
+            args, kwargs = tree_map(self._up, args), tree_map(self._up, kwargs)
+            return func(*args, **kwargs)
+        if not _may_round(func):
+            return func(*args, **kwargs)
+        mutable = func._schema.is_mutable
+        if mutable and args and isinstance(args[0], torch.Tensor) and _narrower(args[0].dtype, self.dtype):
+            # an in-place op on a narrow tensor writes a narrow result: widen the other operands only
+            return func(args[0], *tree_map(self._up, args[1:]), **tree_map(self._up, kwargs))
+        return func(*tree_map(self._up, args), **tree_map(self._up, kwargs))

@@ -79,6 +79,8 @@ class Plan:
     activations: int
     kv_cache: int
     by_dtype: dict[str, int]
+    largest_outside: int = 0  # the largest tensor outside the layers (embeddings, head), in the run dtype
+    logits: int = 0  # one set of the model's logits over the prompt, in the run dtype
 
 
 def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan:
@@ -103,7 +105,121 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
     head_dim = text.get("head_dim") or (hidden // heads if heads else 0)
     activations = batch * seq * hidden * num_layers * size
     kv = 2 * batch * num_layers * seq * kv_heads * head_dim * size
-    return Plan(total, (largest, per_layer[largest] if per_layer else 0), non_layer, activations, kv, sizes.by_dtype)
+    outside = max((n for k, n in sizes.numel.items() if k not in claimed), default=0) * size
+    vocab = text.get("vocab_size") or 0
+    return Plan(
+        total,
+        (largest, per_layer[largest] if per_layer else 0),
+        non_layer,
+        activations,
+        kv,
+        sizes.by_dtype,
+        largest_outside=outside,
+        logits=batch * seq * vocab * size,
+    )
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What of a run changes its memory beside the model and the inputs."""
+
+    attn_implementation: str | None = None  # None: the library's default (sdpa)
+    precision_floor: bool = True
+    envelope: bool = True
+    decode_steps: int = 0
+
+
+def layer_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, eager_attention: bool) -> int:
+    """Bytes of the tensors one decoder layer's forward holds at its widest point, for
+    ``batch`` x ``seq`` tokens in a dtype of ``itemsize_`` bytes: the residual stream and its
+    normed copy, the attention's queries, keys, values (and their rotated copies) and output,
+    the attention scores with their float32 softmax under eager attention (sdpa on the CPU
+    works in blocks), and the MLP's widest intermediates (for a mixture of experts: each
+    token's top-k experts' gate, up and activated intermediates, and the router's float32
+    scores)."""
+    text = cfg.get("text_config") or cfg
+    tokens = batch * seq
+    hidden = hidden_size_from_config(cfg) or 0
+    heads = text.get("num_attention_heads") or 1
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (hidden // heads if heads else 0)
+    q, kv = tokens * heads * head_dim, tokens * kv_heads * head_dim
+    attention = (2 * q + 4 * kv) * itemsize_ + q * itemsize_
+    if eager_attention:
+        attention += batch * heads * seq * seq * (itemsize_ + 4)
+    experts = text.get("num_local_experts") or text.get("num_experts") or text.get("n_routed_experts") or 0
+    if experts:
+        top_k = text.get("num_experts_per_tok") or text.get("top_k") or 1
+        inter = text.get("moe_intermediate_size") or text.get("intermediate_size") or 0
+        mlp = tokens * top_k * (3 * inter + hidden) * itemsize_ + tokens * experts * 4
+    else:
+        mlp = 3 * tokens * (text.get("intermediate_size") or 0) * itemsize_
+    return 4 * tokens * hidden * itemsize_ + attention + mlp
+
+
+def stream_extraction_needs(
+    plan: Plan, cfg: dict[str, Any], dtype_name: str, batch: int, seq: int, options: RunOptions
+) -> dict[str, int]:
+    """What streaming extraction holds at its peak, by what it is (bytes; code aside):
+
+    * a unit being loaded: the checkpoint's tensors and the module's converted ones, both in
+      the run dtype, for the largest unit (a decoder layer, or the embeddings or head);
+    * one layer's activations, at the widest of: the reference forward; the precision floor
+      (the same tensors in the floor dtype, float32 or float64); a perturbed run of the noise
+      envelope (the run's tensors, and each op's operands and result one precision wider,
+      a fused attention's by the math attention: seq x seq scores per head);
+    * the logits of the prompt (kept for the model's inputs and outputs), twice while the
+      decode steps run the prompt again, with the KV cache of every layer then;
+    * one captured layer call (its hidden states in and out), read back to write its golden.
+    """
+    size = itemsize(dtype_name)
+    floor_size = 8 if dtype_name == "float32" else 4
+    eager = options.attn_implementation == "eager"
+    act = layer_activations(cfg, batch, seq, size, eager)
+    widest = act
+    if options.precision_floor:
+        widest = max(widest, layer_activations(cfg, batch, seq, floor_size, eager))
+        if options.envelope:
+            # a fused attention's wider result comes from the math attention: its scores and
+            # probabilities, batch x heads x seq x seq in the floor dtype (perturb.attention_reference)
+            text = cfg.get("text_config") or cfg
+            math_scores = 0 if eager else 2 * batch * (text.get("num_attention_heads") or 1) * seq * seq * floor_size
+            widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
+    hidden = hidden_size_from_config(cfg) or 0
+    logits = plan.logits * (2 if options.decode_steps else 1)
+    return {
+        "a unit being loaded (2 x the largest unit)": 2 * max(plan.largest_layer[1], plan.largest_outside),
+        "one layer's activations (the widest pass)": widest,
+        "the prompt's logits" + (" (x2 while decoding)" if options.decode_steps else ""): logits,
+        "the KV cache of every layer (decode steps)": plan.kv_cache if options.decode_steps else 0,
+        "one captured call (hidden states in and out)": 2 * batch * seq * hidden * size,
+    }
+
+
+def imported_code_bytes(model: ModelSource) -> int:
+    """The memory the run's imports add beyond torch and transformers (the model's modeling
+    code, accelerate): measured, by importing them in this process now."""
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    before = _process_rss()
+    try:
+        import accelerate  # noqa: F401
+
+        from .model import model_class_for
+
+        model_class_for(model.hf_config, model.trust_remote_code)
+    except Exception:  # a model whose code cannot be imported here: nothing counted
+        return 0
+    return max(_process_rss() - before, 0)
+
+
+def _process_rss() -> int:
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def _guess_layer_path(checkpoint: Checkpoint) -> str:
@@ -158,12 +274,23 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.2f} MB"
 
 
-def plan_lines(model: ModelSource, dtype_name: str, batch: int, seq: int, golden_device: str) -> list[str]:
+def plan_lines(
+    model: ModelSource,
+    dtype_name: str,
+    batch: int,
+    seq: int,
+    golden_device: str,
+    options: RunOptions | None = None,
+) -> list[str]:
+    options = options or RunOptions()
     plan = make_plan(model, dtype_name, batch, seq)
     free = free_memory()
     gpus = [d for d in free if d.startswith("cuda")]
-    need_whole = plan.weights + plan.activations + plan.kv_cache
-    need_stream = plan.largest_layer[1] + plan.non_layer + plan.activations
+    need_whole = plan.weights + plan.activations + plan.kv_cache + plan.logits
+    stream = stream_extraction_needs(plan, model.config_json, dtype_name, batch, seq, options)
+    code = imported_code_bytes(model) if golden_device == "cpu" else 0
+    data_stream = sum(stream.values())
+    need_stream = data_stream + code
     lines = [
         f"layerparity plan: {model.model_dir} ({model.config_json.get('model_type', '?')}, "
         f"{model.num_layers} layers), dtype {dtype_name}, batch {batch}, seq {seq}",
@@ -190,9 +317,14 @@ def plan_lines(model: ModelSource, dtype_name: str, batch: int, seq: int, golden
         lines.append("    --device-map auto/balanced/balanced_low_0/sequential/cuda:N: no GPU visible")
     target = golden_device if golden_device != "cuda" else "cuda:0"
     lines.append(
-        f"    --device-map stream on {target}: needs {gb(need_stream)} (largest layer + outside the layers "
-        f"+ activations): {_fits(need_stream, free.get(target, 0))}"
+        f"    --device-map stream on {target}: needs {gb(need_stream)}: {_fits(need_stream, free.get(target, 0))}"
     )
+    lines.append(f"      tensors the run allocates: {gb(data_stream)}")
+    lines += [f"        {what}: {gb(n)}" for what, n in stream.items() if n]
+    if code:
+        lines.append(
+            f"      the model's code and accelerate, beyond torch and transformers (measured here): {gb(code)}"
+        )
     return lines
 
 

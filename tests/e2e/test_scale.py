@@ -110,6 +110,12 @@ def test_plan_reads_headers_only(pytester):
             "  devices: cpu * free",
             "    whole model on cpu: needs * fits",
             "    --device-map stream on cpu: needs * fits",
+            "      tensors the run allocates: *",
+            "        a unit being loaded (2 x the largest unit): 0.64 MB",
+            "        one layer's activations (the widest pass): *",
+            "        the prompt's logits (x2 while decoding): 0.52 MB",
+            "        the KV cache of every layer (decode steps): 0.10 MB",
+            "        one captured call (hidden states in and out): 0.03 MB",
         ]
     )
 

@@ -1,0 +1,161 @@
+"""``--plan`` against the real extraction: predicted vs measured peak memory.
+
+    PJRT_DEVICE=CPU python bench/bench_plan.py [--work DIR] [--seq-lens 128,512,2048]
+
+1. Generates a MiniMax-M2-shaped checkpoint of about 1 GB, 16 layers (bf16, sharded).
+2. For each sequence length and each set of options, prints the tensors ``pytest --plan``
+   says ``--device-map stream`` extraction allocates, and what the extraction really
+   allocated: its peak RSS above its RSS once the model's code is imported and its
+   weightless skeleton built (sampled every 0.5 ms in the extracting process), with their
+   ratio; and the whole process's peak RSS against the plan's total (tensors + the code it
+   measured) + the RSS of ``import torch, transformers``. Extraction runs ``--layers 0-3``
+   of 16 (the run holds one layer's call at a time: flat in depth) and
+   ``--envelope-samples 2`` (the perturbed runs are sequential: their number changes the
+   time, not the peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_streaming import measure, pytest_args
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "fixtures"))
+WIDTH = {
+    "hidden_size": 1024,
+    "intermediate_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "rotary_dim": 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 8192,
+}
+VARIANTS = {
+    "default": [],
+    "no floor": ["--no-precision-floor", "--envelope-samples", "0"],
+    "float32": ["--dtype", "float32"],
+}
+
+
+def checkpoint(work: Path) -> Path:
+    from tiny_models import make
+
+    out = work / "minimax-16"
+    if not (out / "config.json").exists():
+        make("minimax_m2", out, num_layers=16, shard_size="200MB", **WIDTH)
+    return out
+
+
+def _gb(text: str) -> float:
+    value, unit = text.split()
+    return float(value) / (1 if unit == "GB" else 1000)
+
+
+def planned(model: Path, seq: int, extra: list[str], work: Path) -> tuple[float, float]:
+    """What ``pytest --plan`` says streaming extraction needs (GB): its tensors, and in all."""
+    proc = subprocess.run(
+        [*pytest_args("--plan", f"--model={model}", "--seq-len", str(seq), *extra)],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    total = re.search(r"--device-map stream on \S+: needs ([\d.]+ [GM]B)", proc.stdout)
+    tensors = re.search(r"tensors the run allocates: ([\d.]+ [GM]B)", proc.stdout)
+    if not total or not tensors:
+        raise SystemExit(f"no stream lines in --plan output:\n{proc.stdout}\n{proc.stderr}")
+    return _gb(tensors.group(1)), _gb(total.group(1))
+
+
+PROBE = """
+import os, sys, threading, time
+import pytest
+from pytest_layerparity.reference import extract
+
+page = os.sysconf("SC_PAGE_SIZE")
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+state = {"peak": 0, "ready": None, "stop": False}
+def sample():
+    while not state["stop"]:
+        state["peak"] = max(state["peak"], rss())
+        time.sleep(0.0005)
+load = extract.ReferenceSide._load
+def probed(self, streaming):
+    model = load(self, streaming)
+    state["ready"] = rss()
+    state["peak"] = state["ready"]
+    return model
+extract.ReferenceSide._load = probed
+threading.Thread(target=sample, daemon=True).start()
+code = pytest.main(sys.argv[1:])
+state["stop"] = True
+time.sleep(0.01)
+print("PROBE", code, state["ready"], state["peak"])
+"""
+
+
+def probe(args: list[str], work: Path) -> tuple[float, float]:
+    """(peak RSS above the state once the skeleton is built, whole-process peak RSS), GB."""
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PJRT_DEVICE": "CPU"},
+    )
+    found = re.search(r"PROBE (\d+) (\d+) (\d+)", proc.stdout)
+    if not found or found.group(1) != "0":
+        raise SystemExit(f"failed: {args}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    ready, peak = int(found.group(2)), int(found.group(3))
+    return (peak - ready) / 1e9, peak / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--seq-lens", default="128,512,2048")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    opts = parser.parse_args()
+    work = opts.work or Path(tempfile.mkdtemp(prefix="bench-plan-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model = checkpoint(work)
+    size = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9
+    floor, _ = measure([sys.executable, "-c", "import torch, transformers"], work)
+    print(f"checkpoint: {model} ({size:.2f} GB bf16, 16 layers); import torch + transformers: {floor:.3f} GB")
+    print(
+        f"{'options':<10} {'seq':>5} {'planned':>8} {'measured':>9} {'ratio':>6}   "
+        f"{'plan+floor':>10} {'process':>8} {'ratio':>6}  (GB; tensors the run allocates, then the whole process)"
+    )
+    for variant in opts.variants.split(","):
+        extra = VARIANTS[variant]
+        for seq in (int(s) for s in opts.seq_lens.split(",")):
+            common = [f"--model={model}", "--device-map", "stream", "--seq-len", str(seq), *extra]
+            store = work / f"golden-{variant.replace(' ', '-')}-{seq}"
+            args = ["--gpu-golden", "--extract", f"--golden-dir={store}", "--force-regen", "--layers", "0-3"]
+            if "--envelope-samples" not in extra:
+                args += ["--envelope-samples", "2"]
+            got, process = probe([*args, *common], work)
+            tensors, total = planned(model, seq, extra, work)
+            print(
+                f"{variant:<10} {seq:>5} {tensors:>8.3f} {got:>9.3f} {got / tensors:>6.2f}   "
+                f"{total + floor:>10.3f} {process:>8.3f} {process / (total + floor):>6.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

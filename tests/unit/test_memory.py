@@ -1,0 +1,115 @@
+"""What bounds extraction's memory, as table tests: the precision floor computed without a
+wider copy of the layer, captured calls kept on disk, the chunked finite check, and the
+plan's account of what streaming extraction allocates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_layerparity.reference.perturb import WiderArithmetic
+from pytest_layerparity.reference.plan import Plan, RunOptions, layer_activations, stream_extraction_needs
+from pytest_layerparity.reference.spill import SpilledCalls
+from pytest_layerparity.store.callspec import CallRecord
+from pytest_layerparity.store.golden import _all_finite_by_sum, check_finite
+
+
+class Block(torch.nn.Module):
+    """An RMSNorm, a stacked-experts weight indexed per expert, an in-place op on a buffer
+    made in the weight's dtype, and a cast to the weight's dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.norm = torch.nn.Parameter(1 + 0.1 * torch.randn(16, generator=g))
+        self.experts = torch.nn.Parameter(torch.randn(4, 16, 16, generator=g) / 4)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        out = torch.zeros(x.shape, dtype=self.experts.dtype)
+        for e in range(4):
+            out += torch.nn.functional.linear(h, self.experts[e]).softmax(-1)
+        return self.proj(out.to(self.proj.weight.dtype)) + x
+
+
+@pytest.mark.parametrize(("narrow", "wide"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)])
+def test_wider_arithmetic_computes_what_the_widened_module_computes(narrow, wide):
+    block = Block().to(narrow)
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1)).to(narrow)
+    expected = Block().to(narrow).to(wide)
+    expected.load_state_dict({k: v.to(wide) for k, v in block.state_dict().items()})
+    with torch.no_grad():
+        want = expected(x.to(wide))
+        with WiderArithmetic(wide):
+            got = block(x.to(wide))
+        plain = block(x)
+    assert got.dtype == wide
+    assert all(p.dtype == narrow for p in block.parameters())  # no wider copy of the weights kept
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(plain.to(wide), want)  # the narrow run is not it
+
+
+def test_spilled_calls_round_trip_and_leave_nothing_behind(tmp_path):
+    calls = SpilledCalls(tmp_path)
+    a = torch.arange(12.0).reshape(3, 4)
+    calls[0] = CallRecord(tensors={"args.0": a[:, 1:], "mask": torch.ones(2, dtype=torch.bool)}, spec={"n": 1})
+    calls[(1, 0)] = CallRecord(tensors={"args.0": a}, spec={"n": 2})
+    calls.add(0, {"routing.gate": torch.tensor([1, 2])})
+    calls.add(5, {"ignored": torch.zeros(1)})  # no such call
+    assert len(calls) == 2 and set(calls) == {0, (1, 0)}
+    record = calls[0]
+    assert record.spec == {"n": 1}
+    assert torch.equal(record.tensors["args.0"], a[:, 1:]) and record.tensors["mask"].dtype == torch.bool
+    assert torch.equal(record.tensors["routing.gate"], torch.tensor([1, 2]))
+    folder = calls.folder
+    assert folder.parent == tmp_path and len(list(folder.iterdir())) == 2
+    del calls[0]
+    assert len(list(folder.iterdir())) == 1
+    del calls[(1, 0)]
+    assert not folder.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_finite_check_in_chunks_finds_what_one_sum_finds():
+    t = torch.randn(1000, dtype=torch.bfloat16)
+    assert _all_finite_by_sum(t, chunk=7)
+    t[999] = float("nan")
+    assert not _all_finite_by_sum(t, chunk=7)
+    with pytest.raises(ValueError, match="holds NaN"):
+        check_finite("layer_0", {"hidden_states": t})
+
+
+CONFIG = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 1000,
+}
+
+
+def test_layer_activations_count_the_widest_tensors():
+    dense = layer_activations(CONFIG, 1, 8, 2, eager_attention=False)
+    # residual stream 4 x 8 x 64, q/k/v and copies (2 x 8 x 64 + 4 x 8 x 32 + 8 x 64), MLP 3 x 8 x 128; 2 bytes
+    assert dense == (4 * 512 + (2 * 512 + 4 * 256) + 512 + 3 * 1024) * 2
+    eager = layer_activations(CONFIG, 1, 8, 2, eager_attention=True)
+    assert eager - dense == 4 * 8 * 8 * (2 + 4)  # the scores and their float32 softmax
+    moe = layer_activations({**CONFIG, "num_local_experts": 8, "num_experts_per_tok": 2}, 1, 8, 2, False)
+    assert moe - dense == 8 * 2 * (3 * 128 + 64) * 2 + 8 * 8 * 4 - 3 * 8 * 128 * 2
+    assert layer_activations(CONFIG, 1, 16, 2, False) == 2 * dense  # linear in tokens without eager attention
+
+
+def test_stream_extraction_needs_name_every_term_and_follow_the_options():
+    plan = Plan(0, (0, 10_000), 5_000, 0, 4_000, {}, largest_outside=20_000, logits=1_000)
+    full = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
+    assert full["a unit being loaded (2 x the largest unit)"] == 40_000  # the embeddings outweigh a layer
+    assert full["the prompt's logits (x2 while decoding)"] == 2_000
+    assert full["the KV cache of every layer (decode steps)"] == 4_000
+    assert full["one captured call (hidden states in and out)"] == 2 * 8 * 64 * 2
+    bare = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, RunOptions(precision_floor=False, envelope=False))
+    assert bare["one layer's activations (the widest pass)"] == layer_activations(CONFIG, 1, 8, 2, False)
+    assert full["one layer's activations (the widest pass)"] > 2 * bare["one layer's activations (the widest pass)"]
+    assert (
+        "the KV cache of every layer (decode steps)" in bare and bare["the KV cache of every layer (decode steps)"] == 0
+    )
