@@ -5,7 +5,7 @@ self-contained)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,18 +56,39 @@ BANDS = {
 }
 
 
+def _test_name(entry: dict[str, Any]) -> str:
+    return str(entry.get("nodeid", "")).split("::")[-1].split("[")[0]
+
+
 def _per_layer_series(entries: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
-    """field -> [(layer, value)] from the isolated layer tests."""
+    """field -> [(layer, value)] from the isolated layer tests (the prompt's; decode steps
+    and ranges are other series)."""
     series: dict[str, list[tuple[int, float]]] = {}
     for entry in entries:
         layer = isolated_layer(entry)
-        if layer is None:
+        if layer is None or _test_name(entry) not in ("", "test_layer_parity"):
             continue
         for metric in names:
             value = (entry.get("metrics") or {}).get(metric)
             if isinstance(value, (int, float)):
                 series.setdefault(metric, []).append((layer, float(value)))
     return {k: sorted(v) for k, v in series.items()}
+
+
+def _chained_series(entries: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+    """field -> [(layer, value)] along the chained runs (each layer of a chain fed the
+    previous layer's target output: the drift that accumulates), from their per-layer
+    properties ``layer_N.<field>``."""
+    series: dict[str, dict[int, float]] = {}
+    for entry in entries:
+        if _test_name(entry) != "test_chain_parity":
+            continue
+        for key, value in (entry.get("properties") or {}).items():
+            prefix, _, metric = key.partition(".")
+            numeric = isinstance(value, (int, float))
+            if numeric and metric in names and prefix.startswith("layer_") and prefix[6:].isdigit():
+                series.setdefault(metric, {})[int(prefix[6:])] = float(value)
+    return {k: sorted(v.items()) for k, v in series.items()}
 
 
 @dataclass(frozen=True)
@@ -79,18 +100,26 @@ class Panel:
     log: bool
     band: list[tuple[int, float, float]]  # (layer, low, high) of the noise envelope
     failing: list[tuple[int, float]]
+    chained: list[tuple[int, float]] = field(default_factory=list)  # the same field along chained runs
 
 
 def panels(entries: list[dict[str, Any]]) -> list[Panel]:
     """The panels of the plot: one per plotted metric the entries carry."""
     band_fields = tuple(f for pair in BANDS.values() for f in pair if f)
     series = _per_layer_series(entries, (*PLOTTED, *band_fields))
-    failed = {isolated_layer(e) for e in entries if e["verdict"] in ("fail", "error")} - {None}
+    chained = _chained_series(entries, PLOTTED)
+    failed = {
+        isolated_layer(e)
+        for e in entries
+        if e["verdict"] in ("fail", "error") and _test_name(e) in ("", "test_layer_parity")
+    } - {None}
     out = []
-    for name in (m for m in PLOTTED if m in series):
-        points = series[name]
+    for name in (m for m in PLOTTED if m in series or m in chained):
+        points = series.get(name, [])
+        chain = chained.get(name, [])
         if name in COMPLEMENTED:
             points = [(x, max(1.0 - y, 1e-16)) for x, y in points]
+            chain = [(x, max(1.0 - y, 1e-16)) for x, y in chain]
         low, high = BANDS.get(name, (None, None))
         band = []
         if high and high in series:
@@ -103,14 +132,15 @@ def panels(entries: list[dict[str, Any]]) -> list[Panel]:
                 log=name in LOGARITHMIC,
                 band=band,
                 failing=[(x, y) for x, y in points if x in failed],
+                chained=chain,
             )
         )
     return out
 
 
 def plot_png(entries: list[dict[str, Any]]) -> bytes | None:
-    """A PNG of :func:`panels` (failing layers marked, the envelope as a band, 1 - cosine on
-    a log axis), or None without matplotlib or data."""
+    """A PNG of :func:`panels` (failing layers marked, the envelope as a band, chained drift
+    beside the isolated values, 1 - cosine on a log axis), or None without matplotlib or data."""
     drawn = panels(entries)
     if not drawn:
         return None
@@ -125,7 +155,10 @@ def plot_png(entries: list[dict[str, Any]]) -> bytes | None:
 
     fig, axes = plt.subplots(len(drawn), 1, figsize=(8, 2.2 * len(drawn)), sharex=True, squeeze=False)
     for ax, panel in zip(axes[:, 0], drawn, strict=False):
-        ax.plot(*zip(*panel.points, strict=False), marker="o", color="#3465a4", label="isolated")
+        if panel.points:
+            ax.plot(*zip(*panel.points, strict=False), marker="o", color="#3465a4", label="isolated")
+        if panel.chained:
+            ax.plot(*zip(*panel.chained, strict=False), marker=".", linestyle="--", color="#f57900", label="chained")
         if panel.band:
             xs, lows, highs = zip(*panel.band, strict=False)
             ax.fill_between(xs, lows, highs, color="#8ae234", alpha=0.3, step="mid", label="noise envelope")

@@ -247,3 +247,31 @@ def test_plot_panels_show_the_envelope_failures_and_one_minus_cosine_on_a_log_ax
     png = plot_png(rows)
     assert png is not None and png.startswith(b"\x89PNG")
     assert panels([rows[3]]) == [] and plot_png([rows[3]]) is None
+
+
+def test_plot_panels_draw_chained_drift_beside_isolated_and_leave_decode_steps_out():
+    from pytest_layerparity.report.files import panels, plot_png
+
+    rows = entries()[:2]
+    chain = {
+        "nodeid": "layerparity::test_chain_parity[layers_0-1]",
+        "layers": "0-1",
+        "verdict": "pass",
+        "metrics": {"noise_ratio": 1.4},
+        "properties": {"layer_0.noise_ratio": 1.0, "layer_1.noise_ratio": 1.4, "layer_1.cosine_similarity": 0.99},
+    }
+    decode = {
+        "nodeid": "layerparity::test_layer_decode_parity[layer_0]",
+        "layers": "0",
+        "verdict": "fail",
+        "metrics": {"noise_ratio": 50.0},
+    }
+    drawn = {p.label: p for p in panels([*rows, chain, decode])}
+    assert drawn["noise_ratio"].points == [(0, 1.01), (1, 300.0)]  # the decode test's 50 is not layer 0's prompt
+    assert drawn["noise_ratio"].chained == [(0, 1.0), (1, 1.4)]
+    assert drawn["1 - cosine_similarity"].chained == [(1, pytest.approx(0.01))]
+    assert drawn["noise_ratio"].failing == [(1, 300.0)]
+    only_chain = panels([chain])
+    assert [p.label for p in only_chain] == ["1 - cosine_similarity", "noise_ratio"] and not only_chain[0].points
+    png = plot_png([*rows, chain])
+    assert png is not None and png.startswith(b"\x89PNG")
