@@ -6,10 +6,12 @@ golden is written; held in memory that grows with depth (at seq 4096 and hidden 
 layer's input and output alone are 100 MB in bfloat16). Each call is written to a
 safetensors file of its own as it is captured, beside the goldens, and read back when its
 golden is written: the run holds one call at a time, whatever the depth. The folder is
-removed when the run is dropped, or at exit."""
+removed when its last call is written, when the run is dropped, or at exit; one left by a
+process that was killed is removed by the next run that spills there."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import weakref
@@ -19,6 +21,31 @@ from pathlib import Path
 import torch
 
 from ..store.callspec import CallRecord
+
+PREFIX = ".layerparity-calls-"
+
+
+def remove_orphans(parent: Path) -> list[Path]:
+    """Remove spill folders under ``parent`` whose process is gone (killed before it could);
+    those of live processes (other xdist workers) are left. Returns what was removed."""
+    removed = []
+    for folder in parent.glob(f"{PREFIX}*"):
+        pid = folder.name[len(PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 class SpilledCalls(MutableMapping[Hashable, CallRecord]):
@@ -36,7 +63,8 @@ class SpilledCalls(MutableMapping[Hashable, CallRecord]):
     def folder(self) -> Path:
         if self._folder is None:
             self._parent.mkdir(parents=True, exist_ok=True)
-            self._folder = Path(tempfile.mkdtemp(prefix=".layerparity-calls-", dir=self._parent))
+            remove_orphans(self._parent)
+            self._folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=self._parent))
             weakref.finalize(self, shutil.rmtree, str(self._folder), True)
         return self._folder
 

@@ -4,6 +4,8 @@ plan's account of what streaming extraction allocates."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -68,6 +70,27 @@ def test_spilled_calls_round_trip_and_leave_nothing_behind(tmp_path):
     assert len(list(folder.iterdir())) == 1
     del calls[(1, 0)]
     assert not folder.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_spill_folders_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from pytest_layerparity.reference.spill import PREFIX, remove_orphans
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], check=True, capture_output=True, text=True
+    )
+    orphan = tmp_path / f"{PREFIX}{int(dead.stdout)}-abc"
+    (orphan / "sub").mkdir(parents=True)
+    live = tmp_path / f"{PREFIX}{os.getpid()}-def"
+    live.mkdir()
+    other = tmp_path / "layer_00000.safetensors"
+    other.write_bytes(b"x")
+    calls = SpilledCalls(tmp_path)
+    calls[0] = CallRecord(tensors={"a": torch.zeros(2)}, spec={})  # spilling cleans up first
+    assert not orphan.exists() and live.exists() and other.exists()
+    assert remove_orphans(tmp_path) == []
 
 
 def test_the_finite_check_in_chunks_finds_what_one_sum_finds():
