@@ -176,7 +176,7 @@ def pytest_make_collect_report(
         if session is not None:
             import importlib
 
-            from .reference.extract import MODEL_LOGITS_KEY
+            from .store.golden import MODEL_LOGITS_KEY
             from .suites import suite_modules
 
             parity = session.settings.mode == "parity"

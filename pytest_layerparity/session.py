@@ -152,7 +152,7 @@ class LayerParitySession:
             self.model,
             self.store,
             self.dtype_name,
-            self._floor_evaluator(),
+            self._floor,
             self.commands.extract,
             self.progress,
         )
@@ -170,7 +170,7 @@ class LayerParitySession:
             self.dtype_name,
             self.backend,
             self.load_golden,
-            self._floor_evaluator(),
+            self._floor,
             self._build_target_layer,
             self._build_target_model,
             self.store.read_manifest(),
@@ -178,7 +178,9 @@ class LayerParitySession:
             self.progress,
         )
 
-    def _floor_evaluator(self) -> FloorEvaluator:
+    @cached_property
+    def _floor(self) -> FloorEvaluator:
+        """The precision floor's evaluator, one for both sides (its skeleton built once)."""
         import torch
 
         from .reference.floor import FloorEvaluator

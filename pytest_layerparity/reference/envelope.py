@@ -8,7 +8,6 @@ so the envelope keeps extraction's memory bound."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -20,7 +19,7 @@ from ..compare.floor import floor_stats, token_mask
 from ..compare.routing import agreement, router_names
 from ..report.progress import SILENT, Progress
 from ..store.callspec import decode_call, first_tensor, replace_hidden_input
-from .model import ModelSource, build_skeleton, give_back_memory, load_layer
+from .model import ModelSource, eager_experts_skeleton, give_back_memory, load_layer
 from .perturb import PerturbedArithmetic
 
 if TYPE_CHECKING:
@@ -99,12 +98,7 @@ class PerturbedRunner:
 
     @cached_property
     def skeleton(self) -> PreTrainedModel:
-        config = copy.deepcopy(self.model.hf_config)
-        if hasattr(config, "_experts_implementation"):
-            # one expert at a time: a grouped kernel's wider evaluation would widen every
-            # expert's weights at once (a copy twice the size of the layer's experts)
-            config._experts_implementation = "eager"
-        return build_skeleton(config, self.dtype, self.model.trust_remote_code)
+        return eager_experts_skeleton(self.model.hf_config, self.dtype, self.model.trust_remote_code)
 
     @property
     def enabled(self) -> bool:

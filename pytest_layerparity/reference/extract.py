@@ -5,7 +5,7 @@ goldens; or re-run it and check that the stored goldens reproduce."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -18,7 +18,7 @@ from ..compare.judge import LayerOutcome, judge
 from ..report.progress import SILENT, Progress
 from ..selection import decode_key, layer_key
 from ..store.callspec import CallRecord, hidden_input_name, primary_output_name
-from ..store.golden import GoldenError, GoldenStore, describe_differences
+from ..store.golden import MODEL_LOGITS_KEY, GoldenError, GoldenStore, describe_differences
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit
 from .envelope import PerturbedRunner
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from .streaming import Unit
 
 MODEL_IO_KEY = "model_io"
-MODEL_LOGITS_KEY = "model_logits"
 
 
 @dataclass
@@ -149,10 +148,7 @@ class ReferenceSide:
                             on_unit=self._audit_unit,
                         )
                     )
-                with contextlib.ExitStack() as capture:
-                    capture.enter_context(capture_calls({i: layer_list[i] for i in layers}, run.calls.__setitem__))
-                    for i in layers:
-                        capture.enter_context(capture_routing(layer_list[i], self.model.top_k, routing[i]))
+                with self._capturing(layer_list, layers, run.calls.__setitem__, routing):
                     output = model(input_ids=ids.to(device), use_cache=False)
                 if steps:
                     self._decode(model, layer_list, layers, ids.to(device), run)
@@ -174,6 +170,22 @@ class ReferenceSide:
         del model
         return run
 
+    @contextlib.contextmanager
+    def _capturing(
+        self,
+        layer_list: Any,
+        layers: list[int],
+        sink: Callable[[int, CallRecord], None],
+        routing: dict[int, dict[str, torch.Tensor]],
+    ) -> Iterator[None]:
+        """While the block runs, each selected layer's call goes to ``sink`` and its routers'
+        choices into ``routing``."""
+        with contextlib.ExitStack() as capture:
+            capture.enter_context(capture_calls({i: layer_list[i] for i in layers}, sink))
+            for i in layers:
+                capture.enter_context(capture_routing(layer_list[i], self.model.top_k, routing[i]))
+            yield
+
     def _decode(
         self, model: PreTrainedModel, layer_list: Any, layers: list[int], ids: torch.Tensor, run: ReferenceRun
     ) -> None:
@@ -192,15 +204,11 @@ class ReferenceSide:
             token = output.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token.cpu())
             routing: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layers}
-            with contextlib.ExitStack() as capture:
-                capture.enter_context(
-                    capture_calls(
-                        {i: layer_list[i] for i in layers},
-                        lambda i, record, step=step: run.decode_calls.__setitem__((i, step), record),
-                    )
-                )
-                for i in layers:
-                    capture.enter_context(capture_routing(layer_list[i], self.model.top_k, routing[i]))
+
+            def sink(i: int, record: CallRecord, step: int = step) -> None:
+                run.decode_calls[(i, step)] = record
+
+            with self._capturing(layer_list, layers, sink, routing):
                 output = model(input_ids=token, past_key_values=cache, use_cache=True)
             run.decode_logits.append(output.logits.detach().to("cpu", copy=True))
             for i, tensors in routing.items():

@@ -10,14 +10,13 @@ second, wider copy of the layer in memory."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing, ref_routing
 from ..store.callspec import appended_kv, decode_call, first_tensor, replace_hidden_input
-from .model import ModelSource, build_skeleton, give_back_memory, load_layer
+from .model import ModelSource, eager_experts_skeleton, give_back_memory, load_layer
 
 if TYPE_CHECKING:
     import torch
@@ -45,10 +44,7 @@ class FloorEvaluator:
 
     @cached_property
     def skeleton(self) -> PreTrainedModel:
-        config = copy.deepcopy(self.model.hf_config)
-        if hasattr(config, "_experts_implementation"):
-            config._experts_implementation = "eager"  # grouped kernels have no float64
-        return build_skeleton(config, self.golden_dtype, self.model.trust_remote_code)
+        return eager_experts_skeleton(self.model.hf_config, self.golden_dtype, self.model.trust_remote_code)
 
     def evaluate(
         self,

@@ -148,6 +148,19 @@ def build_skeleton(hf_config: PretrainedConfig, dtype: torch.dtype, trust_remote
     return model.eval()
 
 
+def eager_experts_skeleton(
+    hf_config: PretrainedConfig, dtype: torch.dtype, trust_remote_code: bool = False
+) -> PreTrainedModel:
+    """:func:`build_skeleton` with the experts computed one at a time (eager), as the
+    reference's wider evaluations run a layer: the precision floor (grouped kernels have no
+    float64) and the envelope's perturbed runs (a grouped kernel's wider evaluation would
+    widen every expert's weights at once)."""
+    config = copy.deepcopy(hf_config)
+    if hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "eager"
+    return build_skeleton(config, dtype, trust_remote_code)
+
+
 def get_submodule(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
     try:
         return model.get_submodule(path)

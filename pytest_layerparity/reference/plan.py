@@ -83,6 +83,16 @@ class Plan:
     logits: int = 0  # one set of the model's logits over the prompt, in the run dtype
 
 
+def attention_shape(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(hidden size, attention heads, key/value heads, head dim) from config.json."""
+    text = cfg.get("text_config") or cfg
+    hidden = hidden_size_from_config(cfg) or 0
+    heads = text.get("num_attention_heads") or 1
+    kv_heads = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or (hidden // heads if heads else 0)
+    return hidden, heads, kv_heads, head_dim
+
+
 def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan:
     cfg = model.config_json
     text = cfg.get("text_config") or cfg
@@ -99,10 +109,7 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
     total = sum(sizes.numel.values()) * size
     non_layer = sum(n for k, n in sizes.numel.items() if k not in claimed) * size
     largest = max(range(num_layers), key=lambda i: per_layer[i]) if per_layer else 0
-    hidden = hidden_size_from_config(cfg) or 0
-    heads = text.get("num_attention_heads") or 1
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or (hidden // heads if heads else 0)
+    hidden, _, kv_heads, head_dim = attention_shape(cfg)
     activations = batch * seq * hidden * num_layers * size
     kv = 2 * batch * num_layers * seq * kv_heads * head_dim * size
     outside = max((n for k, n in sizes.numel.items() if k not in claimed), default=0) * size
@@ -139,10 +146,7 @@ def layer_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     scores)."""
     text = cfg.get("text_config") or cfg
     tokens = batch * seq
-    hidden = hidden_size_from_config(cfg) or 0
-    heads = text.get("num_attention_heads") or 1
-    kv_heads = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim") or (hidden // heads if heads else 0)
+    hidden, heads, kv_heads, head_dim = attention_shape(cfg)
     q, kv = tokens * heads * head_dim, tokens * kv_heads * head_dim
     attention = (2 * q + 4 * kv) * itemsize_ + q * itemsize_
     if eager_attention:
@@ -182,10 +186,9 @@ def stream_extraction_needs(
         if options.envelope:
             # a fused attention's wider result comes from the math attention: its scores and
             # probabilities, batch x heads x seq x seq in the floor dtype (perturb.attention_reference)
-            text = cfg.get("text_config") or cfg
-            math_scores = 0 if eager else 2 * batch * (text.get("num_attention_heads") or 1) * seq * seq * floor_size
+            math_scores = 0 if eager else 2 * batch * attention_shape(cfg)[1] * seq * seq * floor_size
             widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
-    hidden = hidden_size_from_config(cfg) or 0
+    hidden = attention_shape(cfg)[0]
     logits = plan.logits * (2 if options.decode_steps else 1)
     return {
         "a unit being loaded (2 x the largest unit)": 2 * max(plan.largest_layer[1], plan.largest_outside),

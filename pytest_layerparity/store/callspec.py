@@ -147,14 +147,11 @@ def find_kv_cache(value: Any) -> Any:
 def record_cache_update(args: Any, kwargs: Any, layer: int, record: CallRecord) -> None:
     """After a call: store the keys and values layer ``layer`` appended to the call's KV
     cache (its entries beyond the past the spec stored), if the call had a cache."""
-    cache = find_kv_cache([args, kwargs])
-    now = cached_kv(cache, layer) if cache is not None else None
-    if now is None:
+    new = _appended(args, kwargs, layer, record.spec, record.tensors)
+    if new is None:
         return
-    past = _cache_node(record.spec)
-    length = record.tensors[past["keys"]].shape[-2] if past is not None and "keys" in past else 0
-    record.tensors["cache.new_keys"] = now[0][..., length:, :].detach().to("cpu", copy=True)
-    record.tensors["cache.new_values"] = now[1][..., length:, :].detach().to("cpu", copy=True)
+    record.tensors["cache.new_keys"] = new[0].detach().to("cpu", copy=True)
+    record.tensors["cache.new_values"] = new[1].detach().to("cpu", copy=True)
     record.spec["cache_update"] = {"layer": layer, "keys": "cache.new_keys", "values": "cache.new_values"}
 
 
@@ -179,11 +176,22 @@ def appended_kv(
     update = spec.get("cache_update")
     if not update:
         return None
-    cache = find_kv_cache([args, kwargs])
-    now = cached_kv(cache, int(update["layer"])) if cache is not None else None
-    if now is None:
+    new = _appended(args, kwargs, int(update["layer"]), spec, tensors)
+    if new is None:
         raise ValueError(f"the layer appended nothing to layer {update['layer']}'s entry of the KV cache it was given")
-    past = _cache_node({"args": spec["args"], "kwargs": spec["kwargs"]})
+    return new
+
+
+def _appended(
+    args: Any, kwargs: Any, layer: int, spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Layer ``layer``'s entries in the KV cache among ``args``/``kwargs`` beyond the past
+    the call's ``spec`` stored (None without a cache, or while the entry is empty)."""
+    cache = find_kv_cache([args, kwargs])
+    now = cached_kv(cache, layer) if cache is not None else None
+    if now is None:
+        return None
+    past = _cache_node({"args": spec.get("args"), "kwargs": spec.get("kwargs")})
     length = tensors[past["keys"]].shape[-2] if past is not None and "keys" in past else 0
     return now[0][..., length:, :], now[1][..., length:, :]
 

@@ -36,6 +36,9 @@ from ..selection import golden_layer, parse_decode_key, parse_layer_key
 from .callspec import tensor_names
 from .commands import extract_command
 
+#: The key of the whole model's golden (its compact next-token logits).
+MODEL_LOGITS_KEY = "model_logits"
+
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
@@ -495,7 +498,7 @@ def _read_metadata(payload: bytes) -> dict[str, Any]:
 def _check_entry(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
     """A layer entry must hold its call spec, be the golden of that layer, and hold every
     tensor its call refers to (else replaying it would fail deep inside the test)."""
-    if key == "model_logits":
+    if key == MODEL_LOGITS_KEY:
         _check_model_logits(key, tensors, metadata)
         return
     index = golden_layer(key)
@@ -518,9 +521,9 @@ def _check_entry(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mappin
 
 def _check_model_logits(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
     """The whole model's golden must hold its compact logits for every position it fed."""
-    from ..compare.logits import ModelEnvelope
+    from ..compare.logits import LOGSUMEXP, TOPK_IDS, TOPK_LOGITS, ModelEnvelope
 
-    missing = sorted({"topk_ids", "topk_logits", "logsumexp", "input_ids"} - set(tensors))
+    missing = sorted({TOPK_IDS, TOPK_LOGITS, LOGSUMEXP, "input_ids"} - set(tensors))
     if missing:
         raise ValueError(f"{key}: the whole model's golden lacks {', '.join(missing)}")
     fed = tensors["input_ids"].shape[-1] + (tensors["decode_ids"].shape[-1] if "decode_ids" in tensors else 0)

@@ -14,8 +14,7 @@ def test_model_parity(layerparity_session, layerparity_record):
     next-token distributions: the same greedy token wherever the golden's is not a near tie,
     and a KL divergence inside what legitimate arithmetic reaches."""
     from ..compare.logits import describe_model_outcome
-    from ..reference.extract import MODEL_LOGITS_KEY
-    from ..store.golden import GoldenError
+    from ..store.golden import MODEL_LOGITS_KEY, GoldenError
 
     session = layerparity_session
     failure = None  # failed outside the except block, so that the message is printed once
