@@ -234,6 +234,25 @@ OPTIONS = (
         default=None,
     ),
     Option(
+        "port",
+        "--port",
+        "Whose implementation of each layer is under test: hf (the model's own HuggingFace layer, or the port a "
+        "conftest's build hook returns) or nxdi (the neuronx-distributed-inference port of the architecture, built "
+        "as NxDI builds it; with --target cpu, in NxD's CPU mode). Default: hf.",
+        choices=("hf", "nxdi"),
+        default="hf",
+        ini=True,
+    ),
+    Option(
+        "nxdi_app",
+        "--nxdi-app",
+        "With --port nxdi: the NxDI application class of a port outside NxDI's tree (package.module:Class, e.g. a "
+        "contributed model's NeuronMiniMaxM2ForCausalLM). Default: NxDI's class for the model_type.",
+        default=None,
+        ini=True,
+        metavar="MODULE:CLASS",
+    ),
+    Option(
         "model",
         "--model",
         "HuggingFace model folder (config.json + safetensors). Default: ini layerparity_model.",
@@ -624,7 +643,7 @@ OPTIONS = (
         "cores_per_worker",
         "--cores-per-worker",
         "With -n N and --neuron: NeuronCores each xdist worker gets (NEURON_RT_VISIBLE_CORES, taken in order from "
-        "the visible cores); 0 leaves the workers unpinned. Default: 1.",
+        "the visible cores); 0 leaves a single worker unpinned (refused with several). Default: 1.",
         type=non_negative_int,
         default=1,
         ini=True,
@@ -672,6 +691,8 @@ class Settings:
     xla: bool
     neuron: bool
     target: str | None
+    port: str
+    nxdi_app: str | None
     model: str | None
     golden_dir: str | None
     layers: str
@@ -872,6 +893,13 @@ def check_combinations(settings: Settings) -> None:
         raise pytest.UsageError(
             f"{' and '.join(chosen)} name different targets; choose one: --xla, --neuron or --target NAME"
         )
+    if settings.port == "nxdi" and settings.target_name not in (None, "cpu"):
+        raise pytest.UsageError(
+            f"--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode: use --port nxdi --target cpu "
+            f"(compiling them for --target {settings.target_name} through NxDI's ModelBuilder is not built yet)"
+        )
+    if settings.nxdi_app and settings.port != "nxdi":
+        raise pytest.UsageError("--nxdi-app names the NxDI application class of --port nxdi: add --port nxdi")
     if settings.envelope_samples == 1:
         raise pytest.UsageError(
             "--envelope-samples 1 cannot show a spread: give 2 or more perturbed runs (e.g. 12), or 0 for none"

@@ -84,6 +84,13 @@ def pytest_configure(config: pytest.Config) -> None:
     _check_installed(settings)
     session = _start_session(config, settings)
     config.stash[SESSION_KEY] = session
+    if settings.mode == "parity" and session.port is not None:
+        from .ports.nxdi import PortError
+
+        try:
+            session.port.start()  # the runtime, once per session; a port that cannot be built is a usage error
+        except PortError as exc:
+            raise pytest.UsageError(str(exc)) from None
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(LayerParityReporter(settings, session.header_lines()), REPORTER_NAME)
 

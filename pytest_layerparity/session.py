@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from .backends.base import Backend
     from .compare.judge import LayerOutcome
+    from .ports.nxdi import NxdiPort
     from .reference.extract import ReferenceSide
     from .reference.floor import FloorEvaluator
     from .target.runner import BuildHook, TargetRun, TargetSide
@@ -50,6 +51,12 @@ class LayerParitySession:
         self._build_target_layer = build_target_layer
         self._build_target_model = build_target_model
         self._backend: Backend | None = None
+        #: The NxDI port under --port nxdi (None: the model's own layers, or the build hook's).
+        self.port: NxdiPort | None = None
+        if settings.port == "nxdi":
+            from .ports.nxdi import NxdiPort
+
+            self.port = NxdiPort(settings.model, settings.nxdi_app)
         self.progress: Progress = SILENT  # the plugin shows bars on a terminal
 
     # -- wiring ---------------------------------------------------------------------------
@@ -111,7 +118,11 @@ class LayerParitySession:
     @cached_property
     def commands(self) -> Commands:
         """The next-step commands: extract goldens, re-run a failing test op by op."""
-        return Commands(self.store.root, self.model.model_dir, self.settings.target_name)
+        s = self.settings
+        port = ("--port", s.port) if s.port != "hf" else ()
+        if s.nxdi_app:
+            port += (f"--nxdi-app={s.nxdi_app}",)
+        return Commands(self.store.root, self.model.model_dir, s.target_name, port)
 
     def check_store_matches_model(self) -> None:
         """Refuse a store made from another model, shape or dtype, saying what differs."""
@@ -135,6 +146,8 @@ class LayerParitySession:
         return self._backend
 
     def teardown(self) -> None:
+        if self.port is not None:
+            self.port.stop()
         if self._backend is not None:
             self._backend.teardown()
             self._backend = None
@@ -176,6 +189,7 @@ class LayerParitySession:
             self.store.read_manifest(),
             PerturbedRunner(self.model, getattr(torch, self.dtype_name), self.settings.envelope_samples),
             self.progress,
+            port=self.port,
         )
 
     @cached_property
@@ -219,6 +233,8 @@ class LayerParitySession:
                 lines.append(f"layerparity: goldens: the prompt, {s.decode_steps} decode steps per layer, {whole}")
         else:
             lines.append(f"layerparity: target {s.target_name}, dtype {self.dtype_name}")
+            if self.port is not None:
+                lines.append(f"layerparity: port {self.port.describe()}")
         lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
         return lines
 

@@ -116,6 +116,17 @@ def judge(
     )
 
 
+def paired_routers(golden: list[str], target_routing: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """The target's routing under the golden's router names. A port may name its router
+    otherwise (NxDI's ``mlp.router`` for transformers' ``mlp.gate``): where the golden and the
+    target each recorded exactly one router and the names differ, the target's is renamed."""
+    target = router_names(dict(target_routing))
+    if len(golden) != 1 or len(target) != 1 or golden == target:
+        return target_routing
+    old, new = f"routing.{target[0]}.", f"routing.{golden[0]}."
+    return {(new + k[len(old) :] if k.startswith(old) else k): v for k, v in target_routing.items()}
+
+
 def routing_agreements(
     golden_tensors: Mapping[str, torch.Tensor],
     target_routing: Mapping[str, torch.Tensor],
@@ -124,6 +135,7 @@ def routing_agreements(
 ) -> list[RoutingAgreement]:
     """The agreement of every router the golden recorded and the target ran."""
     tolerance = tie_tolerance(settings, dtype)
+    target_routing = paired_routers(router_names(dict(golden_tensors)), target_routing)
     found = (
         agreement(name, dict(golden_tensors), dict(target_routing), tolerance)
         for name in router_names(dict(golden_tensors))

@@ -116,7 +116,15 @@ def worker_neuron_cores(index: int, cores_per_worker: int, visible: list[int] | 
 
 
 def check_neuron_core_plan(workers: int, cores_per_worker: int, visible: list[int] | None) -> None:
-    """Raise ValueError, saying what fits, when ``workers`` x ``cores_per_worker`` cores are not visible."""
+    """Raise ValueError, saying what fits, when ``workers`` x ``cores_per_worker`` cores are not
+    visible, or when several workers would go unpinned (``cores_per_worker`` 0): a Neuron runtime
+    takes every core it can see, so the first worker's would hold them all."""
+    if cores_per_worker == 0 and workers > 1:
+        raise ValueError(
+            f"-n {workers} with --cores-per-worker 0 leaves the workers unpinned: the first worker's Neuron runtime "
+            "takes every visible NeuronCore and the other workers cannot start theirs; give each worker its own: "
+            "--cores-per-worker 1 (or more)"
+        )
     if visible is None or cores_per_worker == 0:
         return
     needed = workers * cores_per_worker

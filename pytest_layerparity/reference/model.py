@@ -113,10 +113,38 @@ def torch_dtype(name: str):
     return value
 
 
+def transformers_4_names(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields transformers 4 reads under other names than the ones transformers 5 wrote
+    to ``config``: ``rope_theta`` and ``rope_scaling`` (in 5: ``rope_parameters``),
+    ``num_experts`` / ``num_local_experts`` (each architecture reads one), ``torch_dtype``
+    (in 5: ``dtype``). Only fields ``config`` lacks are returned."""
+    out: dict[str, Any] = {}
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict):
+        if config.get("rope_theta") is None and "rope_theta" in rope:
+            out["rope_theta"] = rope["rope_theta"]
+        if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+            out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if config.get("partial_rotary_factor") is None and "partial_rotary_factor" in rope:
+            out["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    for a, b in (("num_local_experts", "num_experts"), ("dtype", "torch_dtype")):
+        if config.get(b) is None and config.get(a) is not None:
+            out[b] = config[a]
+        if config.get(a) is None and config.get(b) is not None:
+            out[a] = config[b]
+    return out
+
+
 def load_hf_config(model_dir: str | Path, trust_remote_code: bool = False):
+    """The checkpoint's config; under transformers 4, with the fields transformers 5 renamed
+    read under their old names too (a store extracted with 5 is tested under 4)."""
+    import transformers
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    overrides = {}
+    if int(transformers.__version__.split(".", 1)[0]) < 5:
+        overrides = transformers_4_names(read_config_json(model_dir))
+    return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, **overrides)
 
 
 def model_class_for(hf_config: PretrainedConfig, trust_remote_code: bool = False) -> type[Any]:
@@ -414,10 +442,12 @@ class ModelSource:
     @property
     def top_k(self) -> int | None:
         """Experts per token of a mixture-of-experts model, else None."""
-        for name in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
-            value = getattr(self.hf_config, name, None)
-            if isinstance(value, int):
-                return value
+        cfg = self.config_json
+        for scope in (cfg, cfg.get("text_config") or {}):
+            for name in ("num_experts_per_tok", "moe_topk", "top_k", "num_selected_experts"):
+                value = scope.get(name)
+                if isinstance(value, int):
+                    return value
         return None
 
     @property

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -250,11 +250,14 @@ def hidden_input_name(spec: Mapping[str, Any]) -> str:
 
 
 def first_tensor(value: Any) -> torch.Tensor:
-    """The first tensor in a (possibly nested) module output."""
+    """The first tensor in a (possibly nested) module output: a tensor, tuple, list, mapping
+    or dataclass (its fields in order)."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, Mapping):
         value = list(value.values())
+    elif is_dataclass(value) and not isinstance(value, type):
+        value = [getattr(value, f.name) for f in fields(value)]
     if isinstance(value, (tuple, list)):
         for item in value:
             try:

@@ -26,11 +26,20 @@ def extract_command(golden_dir: Path | str, model_dir: Path | str | None = None,
     return shlex.join(parts)
 
 
-def rerun_command(target: str | None, model_dir: Path | str, golden_dir: Path | str, layers: str, keyword: str) -> str:
-    """The command that re-runs one failing test on the target, op by op (``--op-compare``)."""
+def rerun_command(
+    target: str | None,
+    model_dir: Path | str,
+    golden_dir: Path | str,
+    layers: str,
+    keyword: str,
+    port: tuple[str, ...] = (),
+) -> str:
+    """The command that re-runs one failing test on the target, op by op (``--op-compare``);
+    ``port`` holds the flags that chose the port (``--port nxdi``)."""
     parts = [
         "pytest",
         *target_flags(target),
+        *port,
         f"--model={model_dir}",
         f"--golden-dir={golden_dir}",
         "--layers",
@@ -50,10 +59,11 @@ class Commands:
     golden_dir: Path
     model_dir: Path | None = None
     target: str | None = None
+    port: tuple[str, ...] = ()
 
     def extract(self, layers: str | None = None) -> str:
         return extract_command(self.golden_dir, self.model_dir, layers)
 
     def rerun(self, layers: str, keyword: str) -> str:
         assert self.model_dir is not None
-        return rerun_command(self.target, self.model_dir, self.golden_dir, layers, keyword)
+        return rerun_command(self.target, self.model_dir, self.golden_dir, layers, keyword, self.port)

@@ -19,7 +19,13 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
     if not outcome.passed:
         rerun = session.commands.rerun(str(layerparity_case), f"layer_{layerparity_case}")
         text = failure_text(outcome, f"on {session.backend.describe()}", rerun)
-        if session.settings.op_compare:
+        if session.settings.op_compare and session.port is not None:
+            from ..target.blocks import block_compare
+
+            blocks = block_compare(session.target, layerparity_case)
+            layerparity_record("first_differing_block", blocks.first_differing or "none")
+            text += "\n" + blocks.text()
+        elif session.settings.op_compare:
             from ..target.op_compare import op_compare, op_compare_dir
 
             out_dir = op_compare_dir(session.settings, session.rootpath) / f"layer_{layerparity_case}"

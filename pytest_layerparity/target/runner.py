@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ..compare.envelope import Envelope
     from ..compare.logits import ModelOutcome
     from ..options import Settings
+    from ..ports.nxdi import NxdiPort
     from ..reference.envelope import PerturbedRunner
     from ..reference.floor import FloorEvaluator
     from ..reference.model import ModelSource
@@ -68,6 +69,7 @@ class TargetSide:
         manifest: dict[str, Any] | None = None,
         perturbed: PerturbedRunner | None = None,
         progress: Progress = SILENT,
+        port: NxdiPort | None = None,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -80,12 +82,15 @@ class TargetSide:
         self.manifest = manifest
         self.perturbed = perturbed  # the perturbed reference runs that make a chain's noise envelope
         self.progress = progress
+        self.port = port
 
     def build(self, index: int) -> torch.nn.Module:
-        """Layer ``index`` as the port builds it (the hook), else the model's own layer,
-        on the target device."""
+        """Layer ``index`` as the port builds it (the NxDI port under --port nxdi, else the
+        hook), else the model's own layer, on the target device."""
         import torch
 
+        if self.port is not None:
+            return self._build_port(index)
         reference = self.model.load_layer(index, getattr(torch, self.dtype_name))
         device = self.backend.device
         module = None
@@ -94,6 +99,17 @@ class TargetSide:
                 layer_idx=index, reference_layer=reference, model_config=self.model.layer_config, device=device
             )
         return reference.to(device) if module is None else module
+
+    def _build_port(self, index: int) -> torch.nn.Module:
+        """Layer ``index`` of the NxDI port, for the goldens' batch and length (the prompt and
+        its decode steps)."""
+        import torch
+
+        entry = self.load_golden(index)
+        hidden = entry.tensors[hidden_input_name(entry.metadata["call"])]
+        steps = int(((self.manifest or {}).get("inputs") or {}).get("decode_steps") or 0)
+        module = self.port.build(index, getattr(torch, self.dtype_name), hidden.shape[0], hidden.shape[1] + steps)
+        return module.to(self.backend.device)
 
     def run(self, module: torch.nn.Module, entry: GoldenEntry, hidden: torch.Tensor | None = None) -> TargetRun:
         """Call ``module`` with the golden call of ``entry`` (hidden states replaced by
@@ -175,9 +191,13 @@ class TargetSide:
         if self.build_model_hook is not None:
             step = self.build_model_hook(model_config=self.model.layer_config, device=device, settings=self.settings)
         if step is None:
-            step = default_target_model(
-                self.model, getattr(torch, self.dtype_name), device, self.backend.sync, self.build_hook
-            )
+            build = self.build_hook
+            if self.port is not None:
+
+                def build(layer_idx: int, **_: Any) -> torch.nn.Module:
+                    return self._build_port(layer_idx)
+
+            step = default_target_model(self.model, getattr(torch, self.dtype_name), device, self.backend.sync, build)
         logits = teacher_forced(step, entry.tensors["input_ids"], entry.tensors.get("decode_ids"), device)
         self.backend.sync()
         return judge_logits(

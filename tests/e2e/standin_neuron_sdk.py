@@ -9,11 +9,15 @@ on the torch-xla CPU device, the environment, torchrun, xdist.
 ``RecordingParallelState`` mirrors the part of ``neuronx_distributed.parallel_layers.parallel_state``
 that the plugin uses, with the real signatures and checks (read from neuronx-distributed's
 source): ``initialize_model_parallel`` asserts an initialised torch.distributed, caps each
-degree at the world size and refuses a world size that is not a multiple of it. It is stricter
-than the real module in one place: a second ``initialize_model_parallel`` without
-``destroy_model_parallel`` raises (the real one rebuilds its groups), so a test fails if the
-plugin ever initialises twice. Each call is appended, as one JSON line, to the file named by
-``$STANDIN_RECORD`` (when set) and to ``CALLS``.
+degree at the world size and refuses a world size that is not a multiple of it; a second
+``initialize_model_parallel`` rebuilds the groups, as the real one does (NxDI's test helpers and
+``ModelBuilder`` re-initialise in one process); the getters NxDI's layers and the plugin's
+examples call answer as the real ones do for the default group layout (tensor-parallel rank =
+global rank modulo the degree, data parallel = world / (tp x pp x cp), expert parallel 1).
+Whether the plugin initialises once is checked by counting the recorded calls. Each call is
+appended, as one JSON line, to the file named by ``$STANDIN_RECORD`` (when set) and to
+``CALLS``. Where the real ``parallel_state`` can run (NxD's CPU mode, a gloo group), the tests
+use it instead: ``tests/nxdi``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch.distributed
 
 CALLS = []
 _TP_SIZE = None
+_DP_SIZE = None
 
 
 def _record(name, **fields):
@@ -60,10 +65,9 @@ def initialize_model_parallel(
     lnc_size=1,
     mesh_only=False,
 ):
-    global _TP_SIZE
+    global _TP_SIZE, _DP_SIZE
     assert torch.distributed.is_initialized()
-    if _TP_SIZE is not None:
-        raise ValueError("parallel_state is already initialized")
+    rebuilt = _TP_SIZE is not None
     world_size = torch.distributed.get_world_size()
     tp = min(tensor_model_parallel_size, world_size)
     pp = min(pipeline_model_parallel_size, world_size)
@@ -71,7 +75,11 @@ def initialize_model_parallel(
     if world_size % (tp * pp * cp) != 0:
         raise RuntimeError(f"invalid implied data parallel degree: `world_size` ({world_size}) is not divisible by ...")
     _TP_SIZE = tp
-    _record("initialize_model_parallel", tensor_model_parallel_size=tensor_model_parallel_size, effective_tp=tp)
+    _DP_SIZE = world_size // (tp * pp * cp)
+    _record(
+        "initialize_model_parallel", tensor_model_parallel_size=tensor_model_parallel_size, effective_tp=tp,
+        rebuilt=rebuilt,
+    )
 
 
 def model_parallel_is_initialized():
@@ -83,9 +91,24 @@ def get_tensor_model_parallel_size():
     return _TP_SIZE
 
 
+def get_tensor_model_parallel_rank():
+    assert _TP_SIZE is not None, "intra_layer_model parallel group is not initialized"
+    return torch.distributed.get_rank() % _TP_SIZE
+
+
+def get_data_parallel_size():
+    assert _DP_SIZE is not None, "data parallel group is not initialized"
+    return _DP_SIZE
+
+
+def get_expert_model_parallel_size():
+    assert _TP_SIZE is not None, "intra_layer_model parallel group is not initialized"
+    return 1
+
+
 def destroy_model_parallel():
-    global _TP_SIZE
-    _TP_SIZE = None
+    global _TP_SIZE, _DP_SIZE
+    _TP_SIZE = _DP_SIZE = None
     _record("destroy_model_parallel")
 '''
 

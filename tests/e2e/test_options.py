@@ -62,6 +62,12 @@ import pytest
             "*'tpu' is not a golden device; choose auto, cpu, cuda or cuda:N*",
         ),
         (["--target", "gpu"], "*argument --target: invalid choice: 'gpu'*"),
+        (["--port", "neuronx"], "*argument --port: invalid choice: 'neuronx'*"),
+        (
+            ["--xla", "--port", "nxdi"],
+            "*--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode: use --port nxdi --target cpu*",
+        ),
+        (["--target", "cpu", "--nxdi-app", "a.b:C"], "*--nxdi-app names the NxDI application class of --port nxdi*"),
         (
             ["--target", "cpu", "--layer-module", "model.nothing"],
             "*--layer-module 'model.nothing' is not a list of layers in MiniMaxM2ForCausalLM; module lists in this "

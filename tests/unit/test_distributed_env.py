@@ -73,6 +73,9 @@ def test_too_few_cores_says_what_fits():
         check_neuron_core_plan(4, 2, [0, 1, 2, 3])
     with pytest.raises(ValueError, match=r"use -n 1 --cores-per-worker 3"):
         check_neuron_core_plan(2, 4, [0, 1, 2])
+    check_neuron_core_plan(1, 0, None)  # one worker, unpinned: its runtime may take every core
+    with pytest.raises(ValueError, match=r"-n 2 with --cores-per-worker 0 leaves the workers unpinned.*--cores-per"):
+        check_neuron_core_plan(2, 0, None)
 
 
 def test_each_worker_gets_a_gpu_round_robin():

@@ -223,6 +223,13 @@ def test_rerun_command(target, flags):
     )
 
 
+def test_rerun_command_keeps_the_port():
+    assert rerun_command("cpu", "/m", "/g", "1", "layer_1", ("--port", "nxdi", "--nxdi-app=p.m:C")) == (
+        "pytest --target cpu --port nxdi --nxdi-app=p.m:C --model=/m --golden-dir=/g --layers 1 -k layer_1 "
+        "--op-compare -vv"
+    )
+
+
 def test_commands_of_a_session():
     commands = Commands("/g", "/m", "neuron")
     assert commands.extract("2") == "pytest --gpu-golden --extract --model=/m --golden-dir=/g --layers 2"

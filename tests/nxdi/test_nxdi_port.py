@@ -1,0 +1,117 @@
+"""``--port nxdi --target cpu``: NxDI's own decoder layers (Llama, Mixtral, Qwen3-MoE), built
+the way NxDI builds them and run in NxD's CPU mode, against goldens extracted with
+transformers 5, prompt and decode steps and the whole model, in float32 and bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+from make_nxdi_fixtures import checkpoint, golden_dir
+
+
+def run(pytester: pytest.Pytester, name: str, dtype: str, *args: str) -> pytest.RunResult:
+    return pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "--port",
+        "nxdi",
+        "--target",
+        "cpu",
+        f"--model={checkpoint(name)}",
+        f"--golden-dir={golden_dir(name, dtype)}",
+        *args,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe"])
+def test_correct_nxdi_port_passes_every_layer_prompt_decode_and_model(pytester, name, dtype):
+    result = run(pytester, name, dtype)
+    result.assert_outcomes(passed=5)  # 2 layers' prompt, their decode steps, the whole model
+    result.stdout.fnmatch_lines(
+        [
+            "layerparity: port NxDI port Neuron*ForCausalLM / Neuron*DecoderLayer (neuronx-distributed-inference *), "
+            "NxD CPU mode (gloo, world size 1), no Neuron compile; stand-ins for the closed-source torch_neuronx*",
+        ]
+    )
+
+
+def test_qwen3_moe_port_ignores_norm_topk_prob_and_the_failure_says_routing_agreed(pytester):
+    """NxDI's Qwen3-MoE normalises the top-k affinities always (normalize_top_k_affinities =
+    True); a checkpoint with norm_topk_prob: false is computed otherwise by transformers.
+    Every test fails, and the text shows the routing agreed on every token."""
+    result = run(pytester, "qwen3_moe_unnormalized", "float32")
+    result.assert_outcomes(failed=5)
+    result.stdout.fnmatch_lines(["  routing (mlp.gate): all 32 tokens chose the same experts"])
+    result.stdout.fnmatch_lines(["*--port nxdi*-k layer_0*"])  # the next-step command keeps the port
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_op_compare_narrows_the_qwen3_moe_failure_to_the_expert_combination(pytester, dtype):
+    result = run(pytester, "qwen3_moe_unnormalized", dtype, "-k", "layer_parity and layer_0", "--op-compare")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "  block compare (each of the port's sub-blocks against the model's own, fed the port's input):",
+            "    self_attn: not compared (its call differs: *",
+            "    input_layernorm: same (relative error *",
+            "    post_attention_layernorm: same (relative error *",
+            "    mlp: DIFFERS (relative error *; every token's output points the same way (cosine >= *) but is scaled "
+            "by * to *: the weights combining its parts differ (for experts: the routing weights' normalisation or "
+            "scale), not the parts",
+        ]
+    )
+
+
+def test_application_class_named_on_the_command_line(pytester):
+    spec = "neuronx_distributed_inference.models.llama.modeling_llama:NeuronLlamaForCausalLM"
+    result = run(pytester, "llama", "float32", f"--nxdi-app={spec}", "-k", "layer_parity and layer_1")
+    result.assert_outcomes(passed=1)
+    bad = run(pytester, "llama", "float32", "--nxdi-app=neuronx_distributed_inference.models.llama.modeling_llama:Nope")
+    bad.stderr.fnmatch_lines(["*--nxdi-app *: neuronx_distributed_inference.models.llama.modeling_llama has no Nope*"])
+    assert bad.ret != 0
+
+
+def test_cpu_mode_is_set_up_once_and_undone(pytester):
+    """The process group and parallel_state exist during the session and are gone after it
+    (the next session, in this same process, sets them up again)."""
+    import torch.distributed as dist
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    pytester.makeconftest(
+        """
+        import torch.distributed as dist
+        from neuronx_distributed.parallel_layers import parallel_state
+
+        def pytest_sessionfinish(session):
+            ps = parallel_state
+            print("during: group", dist.is_initialized(), "parallel_state", ps.model_parallel_is_initialized(),
+                  "tp", ps.get_tensor_model_parallel_size(), "rank", ps.get_tensor_model_parallel_rank())
+        """
+    )
+    result = run(pytester, "llama", "float32", "-s", "-k", "layer_parity and layer_0")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*during: group True parallel_state True tp 1 rank 0"])
+    assert not dist.is_initialized()
+    assert not parallel_state.model_parallel_is_initialized()
+    again = run(pytester, "mixtral", "bfloat16", "-k", "layer_parity and layer_0")
+    again.assert_outcomes(passed=1)
+
+
+def test_a_process_group_set_up_by_the_user_is_used_and_kept(pytester, monkeypatch):
+    import torch.distributed as dist
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    from pytest_layerparity.backends.neuron import apply_env_defaults, restore_env
+
+    applied = apply_env_defaults()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1, skip_collective_init=True)
+    try:
+        result = run(pytester, "llama", "float32", "-k", "layer_parity and layer_0")
+        result.assert_outcomes(passed=1)
+        assert dist.is_initialized()
+        assert parallel_state.model_parallel_is_initialized()
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        restore_env(applied)
