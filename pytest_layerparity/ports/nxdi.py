@@ -152,15 +152,14 @@ class CpuMode:
     owns_parallel_state: bool = False
 
     def setup(self) -> None:
+        """Idempotent. The group's rendezvous is an in-process store, not a TCP port: a world of
+        one needs no peer, and xdist workers (each its own world of one) cannot collide on a port."""
         import torch.distributed as dist
-
-        from ..backends.neuron import apply_env_defaults
 
         if os.environ.get("NXD_CPU_MODE") != "1":
             self.env_applied["NXD_CPU_MODE"] = os.environ["NXD_CPU_MODE"] = "1"
-        self.env_applied.update(apply_env_defaults())
         if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=0, world_size=1)
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             self.owns_group = True
         if dist.get_world_size() != 1:
             raise PortError(
@@ -216,7 +215,8 @@ class NxdiPort:
         return read_config_json(self.model_dir)
 
     def start(self) -> None:
-        """Stand in for the absent closed-source packages, import the port, set up CPU mode."""
+        """Stand in for the absent closed-source packages and import the port (CPU mode is set
+        up when the first layer is built: an xdist controller builds none)."""
         if self._app is not None:
             return
         from . import standins
@@ -231,12 +231,7 @@ class NxdiPort:
                 "sources (pip install --no-deps <src>) with transformers==4.57.*, as README 'NxDI ports' shows"
             ) from exc
         with nxd_warnings_quiet():
-            self.runtime.setup()
-            try:
-                self._app = import_application(self.config_json.get("model_type"), self.app_spec)
-            except BaseException:
-                self.runtime.teardown()
-                raise
+            self._app = import_application(self.config_json.get("model_type"), self.app_spec)
 
     def stop(self) -> None:
         self.runtime.teardown()
@@ -308,6 +303,7 @@ class NxdiPort:
         """Layer ``index`` of the port, weights loaded, in eval mode, wrapped to take the
         HuggingFace layer's call."""
         with nxd_warnings_quiet():
+            self.runtime.setup()
             return self._build(index, dtype, batch_size, seq_len)
 
     def _build(self, index: int, dtype: torch.dtype, batch_size: int, seq_len: int) -> torch.nn.Module:

@@ -97,6 +97,25 @@ def test_cpu_mode_is_set_up_once_and_undone(pytester):
     again.assert_outcomes(passed=1)
 
 
+def test_layers_spread_over_xdist_workers_each_in_its_own_world_of_one(pytester):
+    """Each worker sets up its own CPU mode; the controller builds nothing (no port collision)."""
+    result = pytester.runpytest_subprocess(
+        "-n",
+        "2",
+        "-p",
+        "no:cacheprovider",
+        "--port",
+        "nxdi",
+        "--target",
+        "cpu",
+        f"--model={checkpoint('llama')}",
+        f"--golden-dir={golden_dir('llama', 'bfloat16')}",
+        "--junitxml=out.xml",
+    )
+    result.assert_outcomes(passed=5)
+    assert (pytester.path / "out.xml").read_text().count('name="noise_ratio"') == 4
+
+
 def test_a_process_group_set_up_by_the_user_is_used_and_kept(pytester, monkeypatch):
     import torch.distributed as dist
     from neuronx_distributed.parallel_layers import parallel_state

@@ -1,0 +1,73 @@
+"""report.html as a reader sees it: opened in headless Chromium after a real run with one
+failing layer and a chained run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+from support import DEFAULT_MODEL, copy_goldens  # noqa: E402
+
+PLANT_EPSILON = """
+import pytest
+
+@pytest.hookimpl
+def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+    if layer_idx == 3:
+        reference_layer.input_layernorm.variance_epsilon = 0.5  # the bug, in one layer
+    return reference_layer.to(device)
+"""
+
+
+def look_at(page: Path, screenshot: Path) -> dict:
+    done = subprocess.run(
+        ["node", str(HERE / "look_at_page.mjs"), page.as_uri(), str(screenshot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=HERE,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_report_page_loads_renders_its_plot_and_lists_every_test(pytester, tmp_path):
+    copy_goldens(pytester.path / "goldens", decode=False)
+    pytester.makeini(
+        f"""
+        [pytest]
+        layerparity_model = {DEFAULT_MODEL}
+        layerparity_golden_dir = goldens
+        layerparity_decode_steps = 0
+        layerparity_logits_topk = 0
+        """
+    )
+    pytester.makeconftest(PLANT_EPSILON)
+    result = pytester.runpytest_subprocess("--target", "cpu", "--layers", "1-4", "--chain", "--parity-report", "rep")
+    result.assert_outcomes(passed=4, failed=1)  # layer 3 (its chain 1-4 is judged on its own envelope)
+    report = json.loads((pytester.path / "rep" / "report.json").read_text())
+
+    seen = look_at(pytester.path / "rep" / "report.html", tmp_path / "report.png")
+
+    assert seen["ok"] and seen["errors"] == [], seen["errors"]
+    assert seen["browser"].startswith("HeadlessChrome/")
+    assert seen["title"] == "layerparity report"
+    assert seen["summary"] == ["First failing: test_layer_parity[layer_3] (layers 3)"]
+    assert len(seen["rows"]) == len(report["tests"]) == 5  # one row per test
+    failing = [r["test"] for r in seen["rows"] if r["cls"] == "fail"]
+    assert failing == ["test_layer_parity[layer_3]"]
+    assert "test_chain_parity[layers_1-4]" in [r["test"] for r in seen["rows"]]
+    red, green = "rgb(198, 40, 40)", "rgb(46, 125, 50)"
+    assert {r["color"] for r in seen["rows"] if r["cls"] == "fail"} == {red}
+    assert {r["color"] for r in seen["rows"] if r["cls"] == "pass"} == {green}
+    (plot,) = seen["images"]
+    assert plot["complete"] and plot["naturalWidth"] > 300 and plot["naturalHeight"] > 200  # decoded, not broken
+    assert plot["shownWidth"] > 300
+    assert (tmp_path / "report.png").stat().st_size > 20_000  # the screenshot, for a look by hand
