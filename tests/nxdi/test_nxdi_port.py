@@ -8,8 +8,9 @@ import pytest
 from make_nxdi_fixtures import checkpoint, golden_dir
 
 
-def run(pytester: pytest.Pytester, name: str, dtype: str, *args: str) -> pytest.RunResult:
-    return pytester.runpytest(
+def run(pytester: pytest.Pytester, name: str, dtype: str, *args: str, subprocess: bool = False) -> pytest.RunResult:
+    runner = pytester.runpytest_subprocess if subprocess else pytester.runpytest
+    return runner(
         "-p",
         "no:cacheprovider",
         "--port",
@@ -99,19 +100,7 @@ def test_cpu_mode_is_set_up_once_and_undone(pytester):
 
 def test_layers_spread_over_xdist_workers_each_in_its_own_world_of_one(pytester):
     """Each worker sets up its own CPU mode; the controller builds nothing (no port collision)."""
-    result = pytester.runpytest_subprocess(
-        "-n",
-        "2",
-        "-p",
-        "no:cacheprovider",
-        "--port",
-        "nxdi",
-        "--target",
-        "cpu",
-        f"--model={checkpoint('llama')}",
-        f"--golden-dir={golden_dir('llama', 'bfloat16')}",
-        "--junitxml=out.xml",
-    )
+    result = run(pytester, "llama", "bfloat16", "-n", "2", "--junitxml=out.xml", subprocess=True)
     result.assert_outcomes(passed=5)
     assert (pytester.path / "out.xml").read_text().count('name="noise_ratio"') == 4
 
