@@ -138,17 +138,22 @@ class PerturbedRunner:
         spec: Mapping[str, Any],
         tensors: Mapping[str, torch.Tensor],
         hidden: Sequence[torch.Tensor | None] | None = None,
+        layer: torch.nn.Module | None = None,
     ) -> list[PerturbedRun]:
         """The K perturbed runs of layer ``index`` on its golden call (run k on ``hidden[k]``
-        when given, for chains), with the layer loaded once and given back after."""
-        layer = self.layer(index)
+        when given, for chains), with the layer loaded once and given back after (or
+        ``layer``, already loaded on the device, kept)."""
+        owned = layer is None
+        if layer is None:
+            layer = self.layer(index)
         runs = []
         with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
             for k in range(self.samples):
                 runs.append(self.run(layer, spec, tensors, BASE_SEED + k, hidden[k] if hidden is not None else None))
                 bar.update(1)
-        del layer
-        give_back_memory()
+        if owned:
+            del layer
+            give_back_memory()
         return runs
 
     def envelope(
@@ -159,10 +164,11 @@ class PerturbedRunner:
         golden: torch.Tensor,
         reference: torch.Tensor,
         hidden_in: torch.Tensor | None,
+        layer: torch.nn.Module | None = None,
     ) -> Envelope | None:
         """The envelope of layer ``index`` on its golden call (what extraction stores; None
         when fewer than two runs kept a token)."""
-        runs = self.runs(index, spec, tensors)
+        runs = self.runs(index, spec, tensors, layer=layer)
         return envelope_from_runs(
             golden,
             [r.output for r in runs],

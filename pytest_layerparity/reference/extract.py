@@ -24,7 +24,7 @@ from .audit import dtype_audit
 from .envelope import PerturbedRunner
 from .floor import FloorEvaluator
 from .inputs import input_description, make_input_ids
-from .model import ModelError, ModelSource, build_skeleton, find_layer_list, layer_count_from_config
+from .model import ModelError, ModelSource, build_skeleton, find_layer_list, give_back_memory, layer_count_from_config
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
 from .plan import resolve_golden_device
 from .spill import SpilledCalls
@@ -312,21 +312,36 @@ class ReferenceSide:
             if run.model_golden is not None and not self.store.verifies(MODEL_LOGITS_KEY):
                 self.store.write(MODEL_LOGITS_KEY, *run.model_golden)
             self._model_io_checked = True
-        info = self._write_golden(index, layer_key(index), run.calls[index])
-        steps = sorted(step for (i, step) in run.decode_calls if i == index)
-        for step in steps:
-            self._write_golden(index, decode_key(index, step), run.decode_calls[(index, step)], step)
-            del run.decode_calls[(index, step)]
+        # One load of the layer for the floor and the envelope of all its goldens (the prompt
+        # and each decode step); the envelope's runs use it where they run on the CPU too.
+        layer = None if self.settings.no_precision_floor else self.floor.load(index)
+        try:
+            info = self._write_golden(index, layer_key(index), run.calls[index], layer=layer)
+            steps = sorted(step for (i, step) in run.decode_calls if i == index)
+            for step in steps:
+                self._write_golden(index, decode_key(index, step), run.decode_calls[(index, step)], step, layer)
+                del run.decode_calls[(index, step)]
+        finally:
+            del layer
+            give_back_memory()
         del run.calls[index]  # written: its spilled copy goes
         info["decode_steps"] = len(steps)
         return info
 
-    def _write_golden(self, index: int, key: str, record: CallRecord, step: int | None = None) -> dict[str, Any]:
+    def _write_golden(
+        self,
+        index: int,
+        key: str,
+        record: CallRecord,
+        step: int | None = None,
+        layer: torch.nn.Module | None = None,
+    ) -> dict[str, Any]:
         """Write one golden of layer ``index`` (the prompt's call, or decode step ``step``'s)
-        with its precision floor and noise envelope."""
+        with its precision floor and noise envelope (``layer``: the layer, loaded once for all
+        of them)."""
         envelope = None
         if not self.settings.no_precision_floor:
-            floor, floor_routing = self.floor.evaluate(index, record.spec, record.tensors)
+            floor, floor_routing = self.floor.evaluate(index, record.spec, record.tensors, layer=layer)
             record.tensors[FLOOR_KEY] = floor
             record.tensors.update(floor_routing)
             if self.perturbed.enabled:
@@ -337,6 +352,7 @@ class ReferenceSide:
                     record.tensors[primary_output_name(record.spec)],
                     floor,
                     record.tensors.get(hidden_input_name(record.spec)),
+                    layer=layer if self.perturbed.device == "cpu" else None,
                 )
         floor_dtype = record.tensors[FLOOR_KEY].dtype if FLOOR_KEY in record.tensors else None
         metadata: dict[str, Any] = {

@@ -46,24 +46,33 @@ class FloorEvaluator:
     def skeleton(self) -> PreTrainedModel:
         return eager_experts_skeleton(self.model.hf_config, self.golden_dtype, self.model.trust_remote_code)
 
+    def load(self, index: int) -> torch.nn.Module:
+        """Layer ``index`` in the golden dtype on the CPU, with eager experts (what the floor
+        evaluates; the noise envelope's runs use the same build)."""
+        return load_layer(
+            self.skeleton, self.model.checkpoint, self.model.layer_list[0], index, self.golden_dtype
+        ).eval()
+
     def evaluate(
         self,
         index: int,
         spec: Mapping[str, Any],
         tensors: Mapping[str, torch.Tensor],
         hidden: torch.Tensor | None = None,
+        layer: torch.nn.Module | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Layer ``index`` on the call ``spec``/``tensors`` (hidden states replaced by
         ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
         routers' exact logits and scores (``ref_routing.*``), and for a decode step the keys
-        and values the layer appended to its KV cache (``ref_cache.new_keys``/``new_values``)."""
+        and values the layer appended to its KV cache (``ref_cache.new_keys``/``new_values``).
+        ``layer``: the layer already loaded (by :meth:`load`), else it is loaded and given back."""
         import torch
 
         from .perturb import WiderArithmetic
 
-        layer = load_layer(
-            self.skeleton, self.model.checkpoint, self.model.layer_list[0], index, self.golden_dtype
-        ).eval()
+        owned = layer is None
+        if layer is None:
+            layer = self.load(index)
         upcast = {k: (v.to(self.dtype) if torch.is_floating_point(v) else v) for k, v in tensors.items()}
         if hidden is not None:
             upcast = replace_hidden_input(spec, upcast, hidden)
@@ -75,6 +84,8 @@ class FloorEvaluator:
         appended = appended_kv(args, kwargs, spec, upcast)
         if appended is not None:
             extras[REF_NEW_KEYS], extras[REF_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)
-        del layer, args, kwargs, upcast
-        give_back_memory()
+        del args, kwargs, upcast
+        if owned:
+            del layer
+            give_back_memory()
         return out.detach().to("cpu", self.dtype), extras
