@@ -88,7 +88,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from .ports.nxdi import PortError
 
         try:
-            session.port.start()  # the runtime, once per session; a port that cannot be built is a usage error
+            session.port.start()  # imports the port: one that cannot be imported is a usage error
         except PortError as exc:
             raise pytest.UsageError(str(exc)) from None
     if not hasattr(config, "workerinput"):

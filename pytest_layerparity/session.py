@@ -56,7 +56,7 @@ class LayerParitySession:
         if settings.port == "nxdi":
             from .ports.nxdi import NxdiPort
 
-            self.port = NxdiPort(settings.model, settings.nxdi_app)
+            self.port = NxdiPort(lambda: self.model, settings.nxdi_app)
         self.progress: Progress = SILENT  # the plugin shows bars on a terminal
 
     # -- wiring ---------------------------------------------------------------------------

@@ -83,6 +83,18 @@ def configure_compile_cache(location: str, environ: MutableMapping[str, str] | N
     return {}
 
 
+def release_distributed(parallel_state_owned: bool, group_owned: bool, applied: Mapping[str, str]) -> None:
+    """Undo what a setup did and nothing else: ``destroy_model_parallel()`` and
+    ``destroy_process_group()`` where it set them up, and the variables it set."""
+    import torch.distributed as dist
+
+    if parallel_state_owned:
+        import_parallel_state().destroy_model_parallel()
+    if group_owned and dist.is_initialized():
+        dist.destroy_process_group()
+    restore_env(applied)
+
+
 def import_parallel_state() -> Any:
     """neuronx-distributed's parallel_state module, or BackendUnavailable with the install hint."""
     try:
@@ -142,15 +154,8 @@ class NeuronBackend(Backend):
             raise
 
     def teardown(self) -> None:
-        import torch.distributed as dist
-
-        if self._we_initialised_mp:
-            import_parallel_state().destroy_model_parallel()
-            self._we_initialised_mp = False
-        if self._we_initialised_pg and dist.is_initialized():
-            dist.destroy_process_group()
-        self._we_initialised_pg = False
-        restore_env(self._env_applied)
+        release_distributed(self._we_initialised_mp, self._we_initialised_pg, self._env_applied)
+        self._we_initialised_mp = self._we_initialised_pg = False
         self._env_applied = {}
         self._device = None
 

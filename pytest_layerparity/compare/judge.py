@@ -135,11 +135,9 @@ def routing_agreements(
 ) -> list[RoutingAgreement]:
     """The agreement of every router the golden recorded and the target ran."""
     tolerance = tie_tolerance(settings, dtype)
-    target_routing = paired_routers(router_names(dict(golden_tensors)), target_routing)
-    found = (
-        agreement(name, dict(golden_tensors), dict(target_routing), tolerance)
-        for name in router_names(dict(golden_tensors))
-    )
+    names = router_names(dict(golden_tensors))
+    target_routing = paired_routers(names, target_routing)
+    found = (agreement(name, dict(golden_tensors), dict(target_routing), tolerance) for name in names)
     return [r for r in found if r is not None]
 
 

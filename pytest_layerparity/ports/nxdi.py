@@ -28,14 +28,15 @@ import importlib
 import inspect
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cached_property
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..reference.model import ModelSource
 
 #: NxDI's application class of each architecture whose decoder layer has been run here
 #: against transformers' (NxDI's ``utils.constants.MODEL_TYPES`` lists the same classes).
@@ -173,19 +174,10 @@ class CpuMode:
             self.owns_parallel_state = True
 
     def teardown(self) -> None:
-        import torch.distributed as dist
+        from ..backends.neuron import release_distributed
 
-        from ..backends.neuron import restore_env
-
-        if self.owns_parallel_state:
-            from neuronx_distributed.parallel_layers import parallel_state
-
-            parallel_state.destroy_model_parallel()
-            self.owns_parallel_state = False
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
-        self.owns_group = False
-        restore_env(self.env_applied)
+        release_distributed(self.owns_parallel_state, self.owns_group, self.env_applied)
+        self.owns_parallel_state = self.owns_group = False
         self.env_applied = {}
 
 
@@ -195,24 +187,12 @@ class CpuMode:
 class NxdiPort:
     """Builds layer N of the NxDI port of one checkpoint, for one (batch, sequence) shape."""
 
-    def __init__(self, model: str | None, app_spec: str | None = None) -> None:
-        self.model = model  # --model (the ini's when not given)
+    def __init__(self, source: Callable[[], ModelSource], app_spec: str | None = None) -> None:
+        self.source = source  # the session's model folder, read when first needed
         self.app_spec = app_spec
         self.runtime = CpuMode()
         self.stood_in: list[str] = []
         self._app: type | None = None
-
-    @cached_property
-    def model_dir(self) -> Path:
-        from ..reference.model import model_dir_of
-
-        return model_dir_of(self.model)
-
-    @cached_property
-    def config_json(self) -> dict[str, Any]:
-        from ..reference.model import read_config_json
-
-        return read_config_json(self.model_dir)
 
     def start(self) -> None:
         """Stand in for the absent closed-source packages and import the port (CPU mode is set
@@ -231,7 +211,7 @@ class NxdiPort:
                 "sources (pip install --no-deps <src>) with transformers==4.57.*, as README 'NxDI ports' shows"
             ) from exc
         with nxd_warnings_quiet():
-            self._app = import_application(self.config_json.get("model_type"), self.app_spec)
+            self._app = import_application(self.source().config_json.get("model_type"), self.app_spec)
 
     def stop(self) -> None:
         self.runtime.teardown()
@@ -267,22 +247,20 @@ class NxdiPort:
             tp_degree=1, batch_size=batch_size, seq_len=seq_len, torch_dtype=dtype, on_cpu=True
         )
         return config_cls(
-            neuron_config, load_config=load_pretrained_config(hf_config=hf_config_for_nxdi(self.config_json))
+            neuron_config, load_config=load_pretrained_config(hf_config=hf_config_for_nxdi(self.source().config_json))
         )
 
     def layer_state(self, index: int, config: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Layer ``index``'s checkpoint tensors through the application's converter, named
         relative to the decoder layer."""
-        from ..reference.model import Checkpoint
-
-        checkpoint = Checkpoint.open(self.model_dir)
+        checkpoint = self.source().checkpoint
         app = self.app
         old = getattr(app, "_STATE_DICT_MODEL_PREFIX", "model.")
         new = getattr(app, "_NEW_STATE_DICT_MODEL_PREFIX", "")
         prefix = f"{old}layers.{index}."
         keys = [k for k in checkpoint.weight_map if k.startswith(prefix)]
         if not keys:
-            raise PortError(f"{self.model_dir}: no checkpoint tensors under {prefix!r} for layer {index}")
+            raise PortError(f"{checkpoint.root}: no checkpoint tensors under {prefix!r} for layer {index}")
         state = {}
         for key, tensor in checkpoint.read(keys).items():
             name = f"{new}layers.0." + key[len(prefix) :]
@@ -364,25 +342,23 @@ class HFCallToNxDI(torch.nn.Module):
             start = past[0].shape[-2] if past is not None else 0
             position_ids = torch.arange(start, start + seq, device=device)[None].expand(batch, seq)
         mask = kwargs.get("attention_mask")
+        given = None  # HF's 4-D mask as NxDI's boolean one (True where attended; additive: 0 there)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            given = mask if mask.dtype == torch.bool else mask == 0
         if past is None:
-            if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-                allowed = mask if mask.dtype == torch.bool else mask == 0
-                allowed = allowed[..., -seq:].expand(batch, 1, seq, seq)
+            if given is not None:
+                allowed = given[..., -seq:].expand(batch, 1, seq, seq)
             else:
                 allowed = (
                     torch.ones(seq, seq, dtype=torch.bool, device=device).tril()[None, None].expand(batch, 1, seq, seq)
                 )
-            outputs = self.layer(hidden_states, attention_mask=allowed, position_ids=position_ids, past_key_value=None)
         else:
-            length = past[0].shape[-2]
-            if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-                allowed = mask if mask.dtype == torch.bool else mask == 0
-                allowed = allowed[..., -1:, :length].expand(batch, 1, 1, length)
+            length = past[0].shape[-2]  # NxDI's decode mask covers the past only (the new token is attended apart)
+            if given is not None:
+                allowed = given[..., -1:, :length].expand(batch, 1, 1, length)
             else:
                 allowed = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=device)
-            outputs = self.layer(
-                hidden_states, attention_mask=allowed, position_ids=position_ids, past_key_value=(past[0], past[1])
-            )
+        outputs = self.layer(hidden_states, attention_mask=allowed, position_ids=position_ids, past_key_value=past)
         present = outputs[1] if isinstance(outputs, (tuple, list)) and len(outputs) > 1 else None
         if cache is not None and present is not None:
             cache.update(present[0], present[1], self.index)

@@ -133,12 +133,10 @@ _REAL_VALUES: dict[str, dict[str, Any]] = {
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, roots: tuple[str, ...]) -> None:
         self.roots = roots
-        self.imported: set[str] = set()
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name.split(".", maxsplit=1)[0] not in self.roots:
             return None
-        self.imported.add(name)
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
@@ -153,11 +151,6 @@ class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 _FINDER: _StandInFinder | None = None
-
-
-def installed() -> list[str]:
-    """The packages stood in in this process (empty when the real ones import)."""
-    return list(_FINDER.roots) if _FINDER is not None else []
 
 
 def install() -> list[str]:

@@ -18,7 +18,7 @@ from ..compare.judge import LayerOutcome, judge
 from ..report.progress import SILENT, Progress
 from ..selection import decode_key, layer_key
 from ..store.callspec import CallRecord, hidden_input_name, primary_output_name
-from ..store.golden import MODEL_LOGITS_KEY, GoldenError, GoldenStore, describe_differences
+from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, GoldenError, GoldenStore, describe_differences
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit
 from .envelope import PerturbedRunner
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 
     from ..options import Settings
     from .streaming import Unit
-
-MODEL_IO_KEY = "model_io"
 
 
 @dataclass

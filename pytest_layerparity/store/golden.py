@@ -38,6 +38,8 @@ from .commands import extract_command
 
 #: The key of the whole model's golden (its compact next-token logits).
 MODEL_LOGITS_KEY = "model_logits"
+#: The key of the model's input ids (and decode tokens) the goldens were made from.
+MODEL_IO_KEY = "model_io"
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"

@@ -102,7 +102,8 @@ def block_compare(target: TargetSide, index: int) -> BlockFinding:
     module = target.build(index)
     port_layer = getattr(module, "layer", module)
     reference = target.model.load_layer(index, dtype)
-    names = [n for n, _ in port_layer.named_children() if n in dict(reference.named_children())]
+    own = {n for n, _ in reference.named_children()}
+    names = [n for n, _ in port_layer.named_children() if n in own]
     recorded: dict[str, tuple[Any, torch.Tensor]] = {}
     handles = _record_children(port_layer, names, recorded)
     try:

@@ -23,7 +23,7 @@ from ..store.callspec import (
     primary_output_name,
     replace_hidden_input,
 )
-from ..store.golden import GoldenEntry, GoldenStore
+from ..store.golden import MODEL_IO_KEY, GoldenEntry, GoldenStore
 from ..store.identity import EXTRACTION_KEYS
 
 if TYPE_CHECKING:
@@ -100,15 +100,19 @@ class TargetSide:
             )
         return reference.to(device) if module is None else module
 
+    @cached_property
+    def _port_shape(self) -> tuple[int, int]:
+        """(batch, prompt + decode tokens) of the goldens' input ids, read once."""
+        ids = self.load_golden(MODEL_IO_KEY).tensors["input_ids"]
+        steps = int(((self.manifest or {}).get("inputs") or {}).get("decode_steps") or 0)
+        return int(ids.shape[0]), int(ids.shape[1]) + steps
+
     def _build_port(self, index: int) -> torch.nn.Module:
-        """Layer ``index`` of the NxDI port, for the goldens' batch and length (the prompt and
-        its decode steps)."""
+        """Layer ``index`` of the NxDI port, for the goldens' batch and length."""
         import torch
 
-        entry = self.load_golden(index)
-        hidden = entry.tensors[hidden_input_name(entry.metadata["call"])]
-        steps = int(((self.manifest or {}).get("inputs") or {}).get("decode_steps") or 0)
-        module = self.port.build(index, getattr(torch, self.dtype_name), hidden.shape[0], hidden.shape[1] + steps)
+        assert self.port is not None
+        module = self.port.build(index, getattr(torch, self.dtype_name), *self._port_shape)
         return module.to(self.backend.device)
 
     def run(self, module: torch.nn.Module, entry: GoldenEntry, hidden: torch.Tensor | None = None) -> TargetRun:

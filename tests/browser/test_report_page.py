@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
-from support import DEFAULT_MODEL, copy_goldens  # noqa: E402
+from support import default_project  # noqa: E402
 
 PLANT_EPSILON = """
 import pytest
@@ -39,16 +39,7 @@ def look_at(page: Path, screenshot: Path) -> dict:
 
 
 def test_report_page_loads_renders_its_plot_and_lists_every_test(pytester, tmp_path):
-    copy_goldens(pytester.path / "goldens", decode=False)
-    pytester.makeini(
-        f"""
-        [pytest]
-        layerparity_model = {DEFAULT_MODEL}
-        layerparity_golden_dir = goldens
-        layerparity_decode_steps = 0
-        layerparity_logits_topk = 0
-        """
-    )
+    default_project(pytester, decode=False)
     pytester.makeconftest(PLANT_EPSILON)
     result = pytester.runpytest_subprocess("--target", "cpu", "--layers", "1-4", "--chain", "--parity-report", "rep")
     result.assert_outcomes(passed=4, failed=1)  # layer 3 (its chain 1-4 is judged on its own envelope)

@@ -4,7 +4,7 @@ model and torch-xla's CPU device."""
 from __future__ import annotations
 
 import pytest
-from support import DEFAULT_MODEL, copy_goldens
+from support import DEFAULT_MODEL, default_project
 
 
 @pytest.fixture
@@ -12,31 +12,13 @@ def project(pytester: pytest.Pytester) -> pytest.Pytester:
     """A pytester folder whose ini points the plugin at the embedded default model and a
     copy of its committed prompt goldens (so tests may damage them; the decode-step tests
     use ``decode_project``)."""
-    copy_goldens(pytester.path / "goldens", decode=False)
-    pytester.makeini(
-        f"""
-        [pytest]
-        layerparity_model = {DEFAULT_MODEL}
-        layerparity_golden_dir = goldens
-        layerparity_decode_steps = 0
-        layerparity_logits_topk = 0
-        """
-    )
-    return pytester
+    return default_project(pytester, decode=False)
 
 
 @pytest.fixture
 def decode_project(pytester: pytest.Pytester) -> pytest.Pytester:
     """Like ``project``, with the committed decode-step goldens too."""
-    copy_goldens(pytester.path / "goldens")
-    pytester.makeini(
-        f"""
-        [pytest]
-        layerparity_model = {DEFAULT_MODEL}
-        layerparity_golden_dir = goldens
-        """
-    )
-    return pytester
+    return default_project(pytester)
 
 
 def pytest_configure(config: pytest.Config) -> None:
