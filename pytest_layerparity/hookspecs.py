@@ -34,3 +34,16 @@ def pytest_layerparity_build_target_model(model_config: Any, device: Any, settin
     in the golden's dtype, on ``device``, with each decoder layer that
     ``pytest_layerparity_build_target_layer`` returns put in place of the model's own.
     """
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_layerparity_nxdi_build_module(settings: Any) -> Any:
+    """Return the function that compiles each layer's program under ``--port nxdi --target
+    neuron``, with the signature and contract of neuronx-distributed-inference's
+    ``neuronx_distributed_inference.utils.testing.build_module`` (module class, one tuple of
+    example inputs, init kwargs, ``tp_degree``, ``compiler_args``, ``compiler_workdir``,
+    ``checkpoint_path``, ``logical_nc_config``; it returns a module called with tensors of the
+    example inputs' shapes). ``settings`` are the session's options.
+
+    Return None for NxDI's own ``build_module`` (which needs the Neuron SDK).
+    """

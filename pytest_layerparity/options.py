@@ -238,7 +238,8 @@ OPTIONS = (
         "--port",
         "Whose implementation of each layer is under test: hf (the model's own HuggingFace layer, or the port a "
         "conftest's build hook returns) or nxdi (the neuronx-distributed-inference port of the architecture, built "
-        "as NxDI builds it; with --target cpu, in NxD's CPU mode). Default: hf.",
+        "as NxDI builds it: with --target cpu eagerly in NxD's CPU mode, with --target neuron compiled through NxDI's "
+        "build_module). Default: hf.",
         choices=("hf", "nxdi"),
         default="hf",
         ini=True,
@@ -609,9 +610,20 @@ OPTIONS = (
     Option(
         "tp_degree",
         "--tp-degree",
-        "Tensor-parallel degree for --neuron (neuronx-distributed parallel_state). Default: 1.",
+        "Tensor-parallel degree for --neuron (neuronx-distributed parallel_state; one torchrun rank per NeuronCore), "
+        "or of each program compiled under --port nxdi --target neuron (one process over N NeuronCores). Default: 1.",
         type=positive_int,
         default=1,
+        ini=True,
+        metavar="N",
+    ),
+    Option(
+        "logical_nc_config",
+        "--logical-nc-config",
+        "With --port nxdi --target neuron: NxDI's logical_nc_config of the compiled programs (2 on Trn2 with "
+        "LNC2). Default: NxDI's NeuronConfig default.",
+        type=positive_int,
+        default=None,
         ini=True,
         metavar="N",
     ),
@@ -734,6 +746,7 @@ class Settings:
     chain: bool
     bisect: bool
     tp_degree: int
+    logical_nc_config: int | None
     experts_implementation: str | None
     attn_implementation: str | None
     trust_remote_code: bool
@@ -893,10 +906,14 @@ def check_combinations(settings: Settings) -> None:
         raise pytest.UsageError(
             f"{' and '.join(chosen)} name different targets; choose one: --xla, --neuron or --target NAME"
         )
-    if settings.port == "nxdi" and settings.target_name not in (None, "cpu"):
+    if settings.port == "nxdi" and settings.target_name not in (None, "cpu", "neuron"):
         raise pytest.UsageError(
-            f"--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode: use --port nxdi --target cpu "
-            f"(compiling them for --target {settings.target_name} through NxDI's ModelBuilder is not built yet)"
+            f"--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode (--target cpu) or compiled for "
+            f"NeuronCores (--target neuron), not on --target {settings.target_name}"
+        )
+    if settings.logical_nc_config is not None and not (settings.port == "nxdi" and settings.target_name == "neuron"):
+        raise pytest.UsageError(
+            "--logical-nc-config sets the programs NxDI compiles: use it with --port nxdi --target neuron"
         )
     if settings.nxdi_app and settings.port != "nxdi":
         raise pytest.UsageError("--nxdi-app names the NxDI application class of --port nxdi: add --port nxdi")

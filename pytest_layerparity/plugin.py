@@ -81,8 +81,11 @@ def pytest_configure(config: pytest.Config) -> None:
         # The reference side needs no XLA; keep accelerate and transformers from importing
         # torch-xla (a few hundred MB of memory) just because it is installed.
         os.environ.setdefault("USE_TORCH_XLA", "0")
-    _check_installed(settings)
-    session = _start_session(config, settings)
+    nxdi_builder = None  # --port nxdi --target neuron: a conftest's builder in place of NxDI's (no SDK needed)
+    if settings.mode == "parity" and settings.port == "nxdi" and settings.target_name == "neuron":
+        nxdi_builder = config.hook.pytest_layerparity_nxdi_build_module(settings=settings)
+    _check_installed(settings, sdk_builds=nxdi_builder is None)
+    session = _start_session(config, settings, nxdi_builder)
     config.stash[SESSION_KEY] = session
     if settings.mode == "parity" and session.port is not None:
         from .ports.nxdi import PortError
@@ -95,12 +98,13 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(LayerParityReporter(settings, session.header_lines()), REPORTER_NAME)
 
 
-def _check_installed(settings: Settings) -> None:
+def _check_installed(settings: Settings, sdk_builds: bool = True) -> None:
     from .backends import BackendUnavailable, check_installed
 
     try:
         check_installed("reference")
-        if settings.mode == "parity" and settings.target_name in ("xla", "neuron"):
+        target = settings.target_name
+        if settings.mode == "parity" and (target == "xla" or (target == "neuron" and sdk_builds)):
             check_installed(settings.target_name)
     except BackendUnavailable as exc:
         target = settings.target_name
@@ -111,7 +115,7 @@ def _check_installed(settings: Settings) -> None:
         raise pytest.UsageError(f"{flag}: {exc}") from None
 
 
-def _start_session(config: pytest.Config, settings: Settings) -> LayerParitySession:
+def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any = None) -> LayerParitySession:
     """The session, with everything that can be refused before a test runs checked."""
     from .reference.inputs import check_prompt
     from .reference.model import ModelError
@@ -126,7 +130,7 @@ def _start_session(config: pytest.Config, settings: Settings) -> LayerParitySess
     def build_target_model(**kwargs: Any) -> Any:
         return config.hook.pytest_layerparity_build_target_model(**kwargs)
 
-    session = LayerParitySession(settings, Path(config.rootpath), build_target_layer, build_target_model)
+    session = LayerParitySession(settings, Path(config.rootpath), build_target_layer, build_target_model, nxdi_builder)
     session.progress = for_pytest(config)
     try:
         session.selected_layers  # noqa: B018  parsed now: a bad spec is a usage error

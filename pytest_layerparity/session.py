@@ -45,6 +45,7 @@ class LayerParitySession:
         rootpath: Path,
         build_target_layer: BuildHook | None = None,
         build_target_model: BuildHook | None = None,
+        nxdi_build_module: BuildHook | None = None,
     ) -> None:
         self.settings = settings
         self.rootpath = rootpath
@@ -56,7 +57,18 @@ class LayerParitySession:
         if settings.port == "nxdi":
             from .ports.nxdi import NxdiPort
 
-            self.port = NxdiPort(lambda: self.model, settings.nxdi_app)
+            compiled = None
+            if settings.target_name == "neuron":
+                from .ports.compiled import CompiledPrograms
+
+                cache = settings.compile_cache
+                compiled = CompiledPrograms(
+                    nxdi_build_module,
+                    tp_degree=settings.tp_degree,
+                    logical_nc_config=settings.logical_nc_config,
+                    root=Path(cache) if cache and "://" not in cache else None,
+                )
+            self.port = NxdiPort(lambda: self.model, settings.nxdi_app, compiled)
         self.progress: Progress = SILENT  # the plugin shows bars on a terminal
 
     # -- wiring ---------------------------------------------------------------------------
@@ -140,7 +152,12 @@ class LayerParitySession:
         if self._backend is None:
             from .backends import create_backend
 
-            backend = create_backend(self.settings.target_name or "cpu", self.settings)
+            if self.port is not None and self.port.compiled is not None:
+                from .backends.neuron import CompiledProgramsBackend
+
+                backend: Backend = CompiledProgramsBackend(self.settings.tp_degree, self.settings.compile_cache)
+            else:
+                backend = create_backend(self.settings.target_name or "cpu", self.settings)
             backend.setup()
             self._backend = backend
         return self._backend

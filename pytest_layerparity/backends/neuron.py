@@ -181,3 +181,47 @@ class NeuronBackend(Backend):
         if self.compile_cache:
             text += f"; compile cache {self.compile_cache}"
         return text + ")"
+
+
+class CompiledProgramsBackend(Backend):
+    """``--port nxdi --target neuron``: the programs NxDI's builder compiles take and return host
+    tensors, so the tests' tensors stay on the CPU. No process group is set up here (ModelBuilder
+    sets up its own for each trace). What this sets: the compile cache, and the NeuronCores of
+    the process (``NEURON_RT_VISIBLE_CORES``, 0 to tp_degree-1 where unset; a setting with
+    fewer cores than tp_degree is refused)."""
+
+    name = "neuron"
+
+    def __init__(self, tp_degree: int = 1, compile_cache: str | None = None) -> None:
+        self.tp_degree = tp_degree
+        self.compile_cache = compile_cache
+        self._env_applied: dict[str, str] = {}
+        self.cores: str | None = None
+
+    def setup(self) -> None:
+        from ..distributed.env import NEURON_CORES, format_core_list, parse_core_list
+
+        applied: dict[str, str] = {}
+        visible = os.environ.get(NEURON_CORES)
+        if visible is None:
+            applied[NEURON_CORES] = os.environ[NEURON_CORES] = format_core_list(list(range(self.tp_degree)))
+        elif len(parse_core_list(visible)) < self.tp_degree:
+            raise BackendUnavailable(
+                f"--tp-degree {self.tp_degree}: each layer's program runs on {self.tp_degree} NeuronCores, and "
+                f"{NEURON_CORES}={visible} has {len(parse_core_list(visible))}; widen it or lower --tp-degree"
+            )
+        if self.compile_cache:
+            applied.update(configure_compile_cache(self.compile_cache))
+        self._env_applied = applied
+        self.cores = os.environ[NEURON_CORES]
+
+    def teardown(self) -> None:
+        restore_env(self._env_applied)
+        self._env_applied = {}
+
+    def describe(self) -> str:
+        cores = f"NeuronCores {self.cores}" if self.cores else "NeuronCores not yet chosen"
+        text = f"neuron (NxDI's compiled programs, called with host tensors; {cores}"
+        if self.compile_cache:
+            text += f"; compile cache {self.compile_cache}"
+        return text + ")"

@@ -64,6 +64,7 @@ class DistributedRuns:
         self.ranks = ranks or rank_info()
         self.active = settings.mode is not None
         self.neuron = settings.target_name == "neuron"
+        self.compiled = self.neuron and settings.port == "nxdi"  # NxDI's programs, compiled per layer
         self.xla = settings.target_name == "xla"
         self.cuda = uses_cuda(settings)
         self.quiet = self.active and self.ranks.torchrun and not self.ranks.reports
@@ -86,13 +87,30 @@ class DistributedRuns:
             return
         workers = _xdist_workers(config)
         self._check_torchrun(workers)
-        if self.neuron:
+        if self.neuron and self.compiled:
+            self._check_compiled(workers)
+        elif self.neuron:
             try:
                 check_tp_degree(self.settings.tp_degree, self.ranks)
             except ValueError as exc:
                 raise pytest.UsageError(f"--neuron: {exc}") from None
         if workers:
             self._plan_workers(workers)
+
+    def _check_compiled(self, workers: int) -> None:
+        """--port nxdi --target neuron: one process drives each program over tp_degree cores."""
+        tp = self.settings.tp_degree
+        if self.ranks.torchrun and self.ranks.world_size > 1:
+            raise pytest.UsageError(
+                f"--port nxdi --target neuron compiles each layer for {tp} NeuronCore(s) and runs it from one process "
+                f"(NxDI's ModelBuilder); this run has WORLD_SIZE={self.ranks.world_size}: drop torchrun"
+            )
+        cores = self.settings.cores_per_worker
+        if workers and 0 < cores < tp:
+            raise pytest.UsageError(
+                f"--port nxdi --target neuron --tp-degree {tp} -n {workers}: each worker's programs run on {tp} "
+                f"NeuronCores, and --cores-per-worker is {cores}: add --cores-per-worker {tp}"
+            )
 
     def _check_torchrun(self, workers: int) -> None:
         if not (self.ranks.torchrun and self.ranks.world_size > 1):

@@ -19,6 +19,9 @@ in the prompt pass, ``(B, 1, 1, S_past)`` in a decode step), the position ids (N
 its own rotary embedding from them, so the port's RoPE is under test too), and in a decode
 step ``past_key_value=(keys, values)``; the keys and values NxDI returns are appended to the
 cache it was given, where the decode-step test reads them.
+
+Under ``--target neuron`` the same layer is compiled instead (``ports/compiled.py``), and
+:class:`HFCallToProgram` makes the compiled program's positional call of the HF call.
 """
 
 from __future__ import annotations
@@ -35,8 +38,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .compiled import make_layer
+
 if TYPE_CHECKING:
     from ..reference.model import ModelSource
+    from .compiled import CompiledPrograms
 
 #: NxDI's application class of each architecture whose decoder layer has been run here
 #: against transformers' (NxDI's ``utils.constants.MODEL_TYPES`` lists the same classes).
@@ -187,9 +193,12 @@ class CpuMode:
 class NxdiPort:
     """Builds layer N of the NxDI port of one checkpoint, for one (batch, sequence) shape."""
 
-    def __init__(self, source: Callable[[], ModelSource], app_spec: str | None = None) -> None:
+    def __init__(
+        self, source: Callable[[], ModelSource], app_spec: str | None = None, compiled: CompiledPrograms | None = None
+    ) -> None:
         self.source = source  # the session's model folder, read when first needed
         self.app_spec = app_spec
+        self.compiled = compiled  # --target neuron: the programs NxDI's builder compiles; else CPU mode
         self.runtime = CpuMode()
         self.stood_in: list[str] = []
         self._app: type | None = None
@@ -215,6 +224,8 @@ class NxdiPort:
 
     def stop(self) -> None:
         self.runtime.teardown()
+        if self.compiled is not None:
+            self.compiled.cleanup()
 
     @property
     def app(self) -> type:
@@ -226,10 +237,12 @@ class NxdiPort:
         app = self.app
         layer = decoder_layer_class(app)
         version = _version("neuronx-distributed-inference")
-        text = (
-            f"NxDI port {app.__name__} / {layer.__name__} (neuronx-distributed-inference {version}), "
-            f"NxD CPU mode (gloo, world size 1), no Neuron compile"
+        runs = (
+            "NxD CPU mode (gloo, world size 1), no Neuron compile"
+            if self.compiled is None
+            else self.compiled.describe()
         )
+        text = f"NxDI port {app.__name__} / {layer.__name__} (neuronx-distributed-inference {version}), {runs}"
         if self.stood_in:
             text += f"; stand-ins for the closed-source {', '.join(self.stood_in)}"
         return text
@@ -237,14 +250,20 @@ class NxdiPort:
     def inference_config(self, dtype: torch.dtype, batch_size: int, seq_len: int) -> Any:
         from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
 
-        if dtype == torch.float16:
+        if dtype == torch.float16 and self.compiled is None:
             raise PortError(
                 "--port nxdi --target cpu: NxDI runs float16 only on Neuron (to_cpu refuses it); "
                 "use --dtype bfloat16 or float32"
             )
         config_cls = self.app.get_config_cls()
+        if self.compiled is None:
+            placement: dict[str, Any] = {"tp_degree": 1, "on_cpu": True}
+        else:
+            placement = {"tp_degree": self.compiled.tp_degree}
+            if self.compiled.logical_nc_config is not None:
+                placement["logical_nc_config"] = self.compiled.logical_nc_config
         neuron_config = config_cls.get_neuron_config_cls()(
-            tp_degree=1, batch_size=batch_size, seq_len=seq_len, torch_dtype=dtype, on_cpu=True
+            batch_size=batch_size, seq_len=seq_len, torch_dtype=dtype, **placement
         )
         return config_cls(
             neuron_config, load_config=load_pretrained_config(hf_config=hf_config_for_nxdi(self.source().config_json))
@@ -279,18 +298,37 @@ class NxdiPort:
 
     def build(self, index: int, dtype: torch.dtype, batch_size: int, seq_len: int) -> torch.nn.Module:
         """Layer ``index`` of the port, weights loaded, in eval mode, wrapped to take the
-        HuggingFace layer's call."""
+        HuggingFace layer's call (under --target neuron: compiled for each call shape at its first call)."""
         with nxd_warnings_quiet():
+            if self.compiled is not None:
+                return self._build_compiled(index, dtype, batch_size, seq_len)
             self.runtime.setup()
             return self._build(index, dtype, batch_size, seq_len)
+
+    def _build_compiled(self, index: int, dtype: torch.dtype, batch_size: int, seq_len: int) -> torch.nn.Module:
+        compiled = self.compiled
+        assert compiled is not None
+        config = self.inference_config(dtype, batch_size, seq_len)
+        layer_cls = decoder_layer_class(self.app)
+        programs: dict[tuple, Callable[..., Any]] = {}
+
+        def program_for(example: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
+            key = tuple((tuple(t.shape), t.dtype) for t in example)
+            if key not in programs:
+                with nxd_warnings_quiet():
+                    programs[key] = compiled.build(
+                        self.app, layer_cls, config, index, lambda: self.layer_state(index, config, dtype), example
+                    )
+            return programs[key]
+
+        return HFCallToProgram(program_for, index)
 
     def _build(self, index: int, dtype: torch.dtype, batch_size: int, seq_len: int) -> torch.nn.Module:
         from neuronx_distributed.trace.trace import get_sharded_checkpoint
 
         config = self.inference_config(dtype, batch_size, seq_len)
         layer_cls = decoder_layer_class(self.app)
-        params = inspect.signature(layer_cls.__init__).parameters
-        layer = layer_cls(config, index) if "layer_idx" in params else layer_cls(config)
+        layer = make_layer(layer_cls, config, index)
         if dtype == torch.bfloat16:
             layer.bfloat16()  # as to_cpu does
         state = self.layer_state(index, config, dtype)
@@ -358,8 +396,35 @@ class HFCallToNxDI(torch.nn.Module):
                 allowed = given[..., -1:, :length].expand(batch, 1, 1, length)
             else:
                 allowed = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=device)
-        outputs = self.layer(hidden_states, attention_mask=allowed, position_ids=position_ids, past_key_value=past)
-        present = outputs[1] if isinstance(outputs, (tuple, list)) and len(outputs) > 1 else None
+        output, present = self.call_layer(hidden_states, allowed, position_ids, past)
         if cache is not None and present is not None:
             cache.update(present[0], present[1], self.index)
-        return outputs[0]
+        return output
+
+    def call_layer(
+        self, hidden_states: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: tuple | None
+    ) -> tuple[torch.Tensor, tuple | None]:
+        """NxDI's call: the output and the keys and values the layer made (None if it made none)."""
+        outputs = self.layer(hidden_states, attention_mask=mask, position_ids=position_ids, past_key_value=past)
+        present = outputs[1] if isinstance(outputs, (tuple, list)) and len(outputs) > 1 else None
+        return outputs[0], present
+
+
+class HFCallToProgram(HFCallToNxDI):
+    """The HF call made into the positional call of the layer's compiled program (one program
+    per call shape, from ``program_for(example)``); its routers are inside the program."""
+
+    def __init__(self, program_for: Callable[[tuple[torch.Tensor, ...]], Callable[..., Any]], index: int) -> None:
+        torch.nn.Module.__init__(self)
+        self.program_for = program_for
+        self.index = index
+
+    def call_layer(
+        self, hidden_states: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: tuple | None
+    ) -> tuple[torch.Tensor, tuple | None]:
+        example = (hidden_states, mask.contiguous(), position_ids.contiguous(), *(t.contiguous() for t in past or ()))
+        outputs = self.program_for(example)(*example)
+        if isinstance(outputs, torch.Tensor):
+            return outputs, None
+        outputs = tuple(outputs)
+        return outputs[0], (outputs[1], outputs[2]) if len(outputs) >= 3 else None

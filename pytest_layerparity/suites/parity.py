@@ -19,7 +19,12 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
     if not outcome.passed:
         rerun = session.commands.rerun(str(layerparity_case), f"layer_{layerparity_case}")
         text = failure_text(outcome, f"on {session.backend.describe()}", rerun)
-        if session.settings.op_compare and session.port is not None:
+        if session.settings.op_compare and session.port is not None and session.port.compiled is not None:
+            text += (
+                "\n  op compare: not available for a compiled program (its ops are inside one NEFF); compare the "
+                "port's sub-blocks eagerly with: pytest --port nxdi --target cpu --op-compare"
+            )
+        elif session.settings.op_compare and session.port is not None:
             from ..target.blocks import block_compare
 
             blocks = block_compare(session.target, layerparity_case)

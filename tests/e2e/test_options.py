@@ -65,7 +65,21 @@ import pytest
         (["--port", "neuronx"], "*argument --port: invalid choice: 'neuronx'*"),
         (
             ["--xla", "--port", "nxdi"],
-            "*--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode: use --port nxdi --target cpu*",
+            "*--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode (--target cpu) or compiled for "
+            "NeuronCores (--target neuron), not on --target xla*",
+        ),
+        (
+            ["--target", "cpu", "--logical-nc-config", "2"],
+            "*--logical-nc-config sets the programs NxDI compiles: use it with --port nxdi --target neuron*",
+        ),
+        (
+            ["--port", "nxdi", "--target", "neuron", "--tp-degree", "4", "-n", "2"],
+            "*--port nxdi --target neuron --tp-degree 4 -n 2: each worker's programs run on 4 NeuronCores, and "
+            "--cores-per-worker is 1: add --cores-per-worker 4*",
+        ),
+        (
+            ["--port", "nxdi", "--target", "neuron"],
+            "*--neuron: torch_neuronx* not installed; install the AWS Neuron SDK from AWS's repository*",
         ),
         (["--target", "cpu", "--nxdi-app", "a.b:C"], "*--nxdi-app names the NxDI application class of --port nxdi*"),
         (

@@ -1,0 +1,127 @@
+"""A CPU stand-in for neuronx-distributed-inference's ``utils.testing.build_module`` (named as
+one: the real one traces with NxD's ModelBuilder and compiles with neuronx-cc, which cannot run
+here). What it keeps of the real contract, so that the plugin's ``--port nxdi --target neuron``
+wiring is tested against it:
+
+- the arguments: ``example_inputs`` a list of exactly one tuple of tensors, the module class
+  and its init kwargs, ``checkpoint_path`` loaded with ``checkpoint_loader_fn`` (torch.load) and
+  sharded with NxD's ``get_sharded_checkpoint`` into the module built from them (every
+  parameter must come from the checkpoint, as ModelBuilder's weight loading needs);
+- the process group: like ModelBuilder's trace it sets up its own (a world of ``tp_degree``)
+  and ``parallel_state`` to build the module and destroys both before returning, so a process
+  group the caller left set up makes it fail the way the real one does (torch refuses a second
+  default group);
+- the compiled program: called with tensors of exactly the example's shapes and dtypes (a NEFF
+  takes nothing else), on host tensors, returning a tuple of host tensors.
+
+Only ``tp_degree`` 1 is built (NxD's CPU mode in one process). Each build is recorded, one JSON
+line in ``builds.jsonl`` in the working directory: what the plugin passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@contextmanager
+def world(tp_degree: int):
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    before = os.environ.get("NXD_CPU_MODE")
+    os.environ["NXD_CPU_MODE"] = "1"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=tp_degree)
+    try:
+        parallel_state.initialize_model_parallel(tp_degree, 1, expert_model_parallel_size=1, skip_collective_init=True)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+    finally:
+        dist.destroy_process_group()
+        if before is None:
+            del os.environ["NXD_CPU_MODE"]
+        else:
+            os.environ["NXD_CPU_MODE"] = before
+
+
+class StandinProgram:
+    def __init__(self, module: torch.nn.Module, example: tuple[torch.Tensor, ...], tp_degree: int) -> None:
+        self.module = module
+        self.signature = [(tuple(t.shape), t.dtype) for t in example]
+        self.tp_degree = tp_degree
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        given = [(tuple(t.shape), t.dtype) for t in inputs]
+        if given != self.signature:
+            raise ValueError(f"the compiled program takes {self.signature}, was given {given}")
+        if any(t.device.type != "cpu" for t in inputs):
+            raise ValueError("the compiled program takes host tensors")
+        with world(self.tp_degree), torch.no_grad():
+            outputs = self.module(*inputs)
+        return tuple(t.detach().clone() for t in outputs)
+
+
+def build_module(
+    module_cls,
+    example_inputs,
+    module_init_kwargs=None,
+    tp_degree=1,
+    world_size=None,
+    local_ranks_size=None,
+    compiler_args=None,
+    compiler_workdir=None,
+    checkpoint_path=None,
+    priority_model_idx=0,
+    logical_nc_config=1,
+    dry_run=False,
+    checkpoint_loader_fn=torch.load,
+):
+    from neuronx_distributed.trace.trace import get_sharded_checkpoint
+
+    if not (
+        isinstance(example_inputs, list)
+        and len(example_inputs) == 1
+        and isinstance(example_inputs[0], tuple)
+        and all(isinstance(t, torch.Tensor) for t in example_inputs[0])
+    ):
+        raise ValueError("example_inputs must be a list of exactly one tuple of tensors")
+    if tp_degree != 1:
+        raise NotImplementedError("the CPU stand-in of build_module builds tp_degree 1 only")
+    if checkpoint_path is None or not Path(checkpoint_path).exists():
+        raise FileNotFoundError(f"checkpoint_path {checkpoint_path}: the stand-in does not make random weights")
+    workdir = Path(compiler_workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "compiler_args.txt").write_text(compiler_args or "")
+    with world(tp_degree):
+        module = module_cls(**(module_init_kwargs or {}))
+        state = checkpoint_loader_fn(checkpoint_path)
+        get_sharded_checkpoint(state, module, 0, tp_degree)
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("rank_util.rank")]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {checkpoint_path}: missing {missing}, unexpected {unexpected}")
+    record = {
+        "module": module_cls.__name__,
+        "init": sorted(module_init_kwargs or {}),
+        "index": (module_init_kwargs or {}).get("index"),
+        "example": [[list(t.shape), str(t.dtype)] for t in example_inputs[0]],
+        "tp_degree": tp_degree,
+        "logical_nc_config": logical_nc_config,
+        "compiler_args": compiler_args,
+        "compiler_workdir": str(compiler_workdir),
+        "checkpoint_path": str(checkpoint_path),
+    }
+    with open("builds.jsonl", "a") as sink:
+        sink.write(json.dumps(record) + "\n")
+    return StandinProgram(module.eval(), example_inputs[0], tp_degree)
+
+
+def pytest_layerparity_nxdi_build_module(settings: Any):
+    return build_module
