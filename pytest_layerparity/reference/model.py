@@ -268,33 +268,107 @@ class Checkpoint:
     def files_for(self, keys: Iterable[str]) -> list[str]:
         return sorted({self.weight_map[key] for key in keys})
 
+    def nbytes(self, keys: Iterable[str]) -> dict[str, int]:
+        """Each tensor's size in bytes, from the shards' headers (nothing read)."""
+        by_file: dict[str, list[str]] = {}
+        for key in keys:
+            by_file.setdefault(self.weight_map[key], []).append(key)
+        out = {}
+        for name, file_keys in by_file.items():
+            with _open_shard(self.root / name) as handle:
+                for key in file_keys:
+                    part = handle.get_slice(key)
+                    count = 1
+                    for n in part.get_shape():
+                        count *= n
+                    out[key] = count * _DTYPE_BYTES.get(part.get_dtype(), 4)
+        return out
+
+    def load_into(self, model: torch.nn.Module, keys: Iterable[str], dtype: torch.dtype, device: str = "cpu") -> None:
+        """Load these tensors into ``model`` (see :func:`load_state_into`), one conversion at a
+        time, the largest first: the sources that transformers' loader turns into one
+        parameter (every expert's ``w1`` and ``w3``, stacked and concatenated into
+        ``gate_up_proj``) are read together, and no other group's are in memory meanwhile, so
+        a layer loads in less than twice its size."""
+        release_large_frees()
+        keys = list(keys)
+        sizes = self.nbytes(keys)
+        groups = conversion_groups(model, keys)
+        for group in sorted(groups, key=lambda g: -sum(sizes[k] for k in g)):
+            load_state_into(model, self.read(group), dtype, device=device)
+
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read just these tensors, opening only the shards that hold them."""
-        from safetensors import safe_open
 
         by_file: dict[str, list[str]] = {}
         for key in keys:
             by_file.setdefault(self.weight_map[key], []).append(key)
         out = {}
         for name, file_keys in sorted(by_file.items()):
-            with safe_open(str(self.root / name), "pt") as handle:
+            with _open_shard(self.root / name) as handle:
                 for key in file_keys:
                     out[key] = handle.get_tensor(key)
         return out
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2}
+
+
+def conversion_groups(model: torch.nn.Module, keys: list[str]) -> list[list[str]]:
+    """``keys`` split by the transformers conversion that makes a parameter of several of them
+    (one group per converter and module: ``layers.3.mlp.experts.*.w1/w3`` → ``gate_up_proj``);
+    the keys no such conversion takes form one more group."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter
+    except ImportError:
+        return [keys]
+    patterns = []
+    for number, converter in enumerate(get_model_conversion_mapping(model)):
+        if isinstance(converter, WeightConverter) and len(converter.source_patterns) > 0:
+            for source in converter.source_patterns:
+                text = re.escape(source).replace(r"\*", r"\d+")
+                patterns.append((number, re.compile(text)))
+    groups: dict[tuple, list[str]] = {}
+    for key in keys:
+        for number, pattern in patterns:
+            found = pattern.search(key)
+            if found:
+                groups.setdefault((number, key[: found.start()]), []).append(key)
+                break
+        else:
+            groups.setdefault((), []).append(key)
+    return list(groups.values())
+
+
+def _open_shard(path: Path) -> Any:
+    """A safetensors shard opened for reads into memory of the tensors' own (``pread``): a
+    memory-mapped read leaves the file's pages resident for as long as any tensor read from
+    it lives, which doubles a loaded layer's resident memory."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), "pt", device="cpu", backend="pread")
+    except TypeError:  # safetensors before the backend argument
+        return safe_open(str(path), "pt")
 
 
 def load_state_into(
     model: torch.nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu"
 ) -> None:
     """Load a partial checkpoint state dict into a (meta) model, applying transformers'
-    own checkpoint-to-module conversions (renames, fused experts) where the model has them."""
+    own checkpoint-to-module conversions (renames, fused experts) where the model has them.
+    ``state``'s values are tensors or safetensors slices (read as transformers' loader needs them)."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
     except ImportError:  # an older transformers: names map one to one
+        import torch
+
+        tensors = {k: v if isinstance(v, torch.Tensor) else v[...] for k, v in state.items()}
         model.load_state_dict(
-            {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in state.items()},
+            {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in tensors.items()},
             strict=False,
             assign=True,
         )
@@ -312,6 +386,30 @@ def meta_tensors(module: torch.nn.Module) -> list[str]:
     names = [n for n, p in module.named_parameters() if p.device.type == "meta"]
     names += [n for n, b in module.named_buffers() if b.device.type == "meta"]
     return names
+
+
+_LARGE_FREES_RELEASED = False
+
+
+def release_large_frees() -> None:
+    """Have glibc give freed blocks of 1 MiB and more back to the system at once (a fixed
+    ``M_MMAP_THRESHOLD``). By default the threshold follows the largest block freed, up to
+    32 MiB, after which freed tensors stay in the heap of the thread that allocated them,
+    where other threads do not reuse them: a layer loaded by transformers' loader threads
+    would leave its sources' memory resident (measured: 118 MB after loading a 54 MB layer,
+    58 MB with this). Once per process; Linux only."""
+    global _LARGE_FREES_RELEASED
+    import sys
+
+    if _LARGE_FREES_RELEASED or not sys.platform.startswith("linux"):
+        return
+    _LARGE_FREES_RELEASED = True
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def give_back_memory() -> None:
@@ -342,7 +440,7 @@ def load_layer(
         )
     pristine = copy.deepcopy(layers[index])
     try:
-        load_state_into(skeleton, checkpoint.read(keys), dtype)
+        checkpoint.load_into(skeleton, keys, dtype)
         layer = layers[index]
     finally:
         layers[index] = pristine  # the skeleton stays weightless; the caller owns the layer

@@ -161,13 +161,18 @@ def layer_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     return 4 * tokens * hidden * itemsize_ + attention + mlp
 
 
+LOAD_OR_ACTIVATIONS = "loading it, or one layer's activations (the widest pass) where more"
+
+
 def stream_extraction_needs(
     plan: Plan, cfg: dict[str, Any], dtype_name: str, batch: int, seq: int, options: RunOptions
 ) -> dict[str, int]:
     """What streaming extraction holds at its peak, by what it is (bytes; code aside):
 
-    * a unit being loaded: the checkpoint's tensors and the module's converted ones, both in
-      the run dtype, for the largest unit (a decoder layer, or the embeddings or head);
+    * the largest unit (a decoder layer, or the embeddings or head) in the run dtype, and
+      beside it the more of: what loading it adds (the tensors read and converted, at most
+      about one more unit: ``Checkpoint.load_into`` converts one group at a time, the
+      largest first), or one layer's activations (they do not coexist with a load);
     * one layer's activations, at the widest of: the reference forward; the precision floor
       (the same tensors in the floor dtype, float32 or float64); a perturbed run of the noise
       envelope (the run's tensors, and each op's operands and result one precision wider,
@@ -190,9 +195,10 @@ def stream_extraction_needs(
             widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
     hidden = attention_shape(cfg)[0]
     logits = plan.logits * (2 if options.decode_steps else 1)
+    unit = max(plan.largest_layer[1], plan.largest_outside)
     return {
-        "a unit being loaded (2 x the largest unit)": 2 * max(plan.largest_layer[1], plan.largest_outside),
-        "one layer's activations (the widest pass)": widest,
+        "the largest unit": unit,
+        LOAD_OR_ACTIVATIONS: max(unit, widest),
         "the prompt's logits" + (" (x2 while decoding)" if options.decode_steps else ""): logits,
         "the KV cache of every layer (decode steps)": plan.kv_cache if options.decode_steps else 0,
         "one captured call (hidden states in and out)": 2 * batch * seq * hidden * size,

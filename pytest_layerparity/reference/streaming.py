@@ -89,7 +89,7 @@ def _load(
     model: torch.nn.Module, checkpoint: modeling.Checkpoint, keys: list[str], dtype: torch.dtype, device: Device
 ) -> None:
     if keys:
-        modeling.load_state_into(model, checkpoint.read(keys), dtype, device=str(device))
+        checkpoint.load_into(model, keys, dtype, device=str(device))
 
 
 @contextmanager

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from pytest_layerparity.reference.perturb import WiderArithmetic
-from pytest_layerparity.reference.plan import Plan, RunOptions, layer_activations, stream_extraction_needs
+from pytest_layerparity.reference.plan import (
+    LOAD_OR_ACTIVATIONS,
+    Plan,
+    RunOptions,
+    layer_activations,
+    stream_extraction_needs,
+)
 from pytest_layerparity.reference.spill import SpilledCalls
 from pytest_layerparity.store.callspec import CallRecord
 from pytest_layerparity.store.golden import _all_finite_by_sum, check_finite
@@ -126,13 +132,19 @@ def test_layer_activations_count_the_widest_tensors():
 def test_stream_extraction_needs_name_every_term_and_follow_the_options():
     plan = Plan(0, (0, 10_000), 5_000, 0, 4_000, {}, largest_outside=20_000, logits=1_000)
     full = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
-    assert full["a unit being loaded (2 x the largest unit)"] == 40_000  # the embeddings outweigh a layer
+    assert full["the largest unit"] == 20_000  # the embeddings outweigh a layer
     assert full["the prompt's logits (x2 while decoding)"] == 2_000
     assert full["the KV cache of every layer (decode steps)"] == 4_000
     assert full["one captured call (hidden states in and out)"] == 2 * 8 * 64 * 2
-    bare = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, RunOptions(precision_floor=False, envelope=False))
-    assert bare["one layer's activations (the widest pass)"] == layer_activations(CONFIG, 1, 8, 2, False)
-    assert full["one layer's activations (the widest pass)"] > 2 * bare["one layer's activations (the widest pass)"]
+    no_floor = RunOptions(precision_floor=False, envelope=False)
+    bare = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, no_floor)
+    small = Plan(0, (0, 10), 5_000, 0, 4_000, {}, largest_outside=0, logits=1_000)  # activations outweigh loading
+    bare_small = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, no_floor)
+    assert bare[LOAD_OR_ACTIVATIONS] == 20_000  # loading the embeddings outweighs a plain pass over 8 tokens
+    assert full[LOAD_OR_ACTIVATIONS] > 20_000  # the floor's and the envelope's passes do not
+    full_small = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
+    assert bare_small[LOAD_OR_ACTIVATIONS] == layer_activations(CONFIG, 1, 8, 2, False)
+    assert full_small[LOAD_OR_ACTIVATIONS] > 2 * bare_small[LOAD_OR_ACTIVATIONS]
     assert (
         "the KV cache of every layer (decode steps)" in bare and bare["the KV cache of every layer (decode steps)"] == 0
     )
