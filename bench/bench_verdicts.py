@@ -392,6 +392,9 @@ def main() -> None:
     parser.add_argument("--skip-k", action="store_true", help="leave out the choice of K")
     parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
     parser.add_argument(
+        "--bug-chains", action="store_true", help="also run each planted bug in a chain over all layers"
+    )
+    parser.add_argument(
         "--golden-device", default="cpu", help="where the goldens are made (cpu, cuda, auto); default cpu"
     )
     parser.add_argument(
@@ -407,6 +410,7 @@ def main() -> None:
     started = time.time()
     correct = defaultdict(lambda: [0, 0])  # (split, kind) -> [tests, false alarms]
     caught = defaultdict(lambda: [0, 0])  # (split of the model, split of the bug kind) -> [bugs, caught]
+    chained = defaultdict(lambda: [0, 0, 0])  # the same -> [bugs, chain failed, first failing layer the planted one]
     misses, alarms, sweep = [], [], defaultdict(dict)
     timing = []
     for name, model, extra in models(work, args.layers):
@@ -454,6 +458,15 @@ def main() -> None:
                 caught[(split, bug_split)][1] += not outcome.passed
                 if outcome.passed:
                     misses.append(f"{name} {dtype} {bug}")
+                if args.bug_chains:
+                    chain = session(model, store, extra, planted(plant, mid), target=target).parity_range(layers)
+                    first = next((o.layer for o in chain if not o.passed), None)
+                    counts = chained[(split, bug_split)]
+                    counts[0] += 1
+                    counts[1] += first is not None
+                    counts[2] += first == mid
+                    if first != mid:
+                        misses.append(f"{name} {dtype} {bug} (chain: first failing layer {first}, planted {mid})")
             if not args.skip_sweep and name in DECODERS:
                 for eps in (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05):
                     outcome = session(model, store, extra, planted(scaled_out_proj(1 + eps), mid), target=target)
@@ -478,6 +491,11 @@ def main() -> None:
     print(f"{'models':<13} {'bug kinds':<12} {'bugs':>5} {'caught':>7}")
     for (split, bug_split), (n, hit) in sorted(caught.items()):
         print(f"{split:<13} {bug_split:<12} {n:>5} {hit:>7}  ({100 * hit / n:.0f}%)")
+    if chained:
+        print("\nplanted bugs in a chain over all layers (caught = the chain fails; named = its first failing layer)")
+        print(f"{'models':<13} {'bug kinds':<12} {'bugs':>5} {'caught':>7} {'named':>6}")
+        for (split, bug_split), (n, hit, named) in sorted(chained.items()):
+            print(f"{split:<13} {bug_split:<12} {n:>5} {hit:>7} {named:>6}")
     for line in misses:
         print(f"  missed: {line}")
     if sweep:

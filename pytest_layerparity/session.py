@@ -286,7 +286,9 @@ class LayerParitySession:
         leaves tolerance, in O(log n) chained range runs; see :func:`target.chains.bisect`."""
         from .target.chains import bisect
 
-        return bisect(layers, lambda prefix: self.target.chain(prefix)[-1].passed)
+        # every layer of the prefix: a layer's own (local) check fails only at that layer, and
+        # "some layer failed" grows with the prefix, as bisection needs
+        return bisect(layers, lambda prefix: all(o.passed for o in self.target.chain(prefix)))
 
     def extract_layer(self, index: int) -> dict[str, Any]:
         """Write the golden of one layer (running the reference once per session)."""

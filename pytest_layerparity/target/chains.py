@@ -10,7 +10,7 @@ from collections.abc import Callable
 def bisect(layers: list[int], passes: Callable[[list[int]], bool]) -> tuple[int | None, list[tuple[int, bool]]]:
     """The first layer whose chained output leaves tolerance, with O(log n) calls of
     ``passes(prefix)`` (does the chain over ``prefix``, from the golden input of its first
-    layer, pass at its last layer?). Returns (first bad layer or None, [(end layer of each
+    layer, pass at every layer?). Returns (first bad layer or None, [(end layer of each
     probe, passed)]). Assumes that once a chain fails, every longer chain fails too."""
     probes: list[tuple[int, bool]] = []
 

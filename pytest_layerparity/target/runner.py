@@ -223,6 +223,45 @@ class TargetSide:
         store.begin(header, compare_keys=(*EXTRACTION_KEYS, "target"))
         return store
 
+    def _local(
+        self,
+        index: int,
+        entry: GoldenEntry,
+        run: TargetRun,
+        target_in: torch.Tensor,
+        reference: torch.nn.Module,
+        tainted: set[int],
+    ) -> LayerOutcome:
+        """Layer ``index`` of a chain judged on its own: the target's output against the
+        reference layer fed the same input the target layer was fed (the target's own upstream
+        output), in the golden's dtype and in the floor's, with the layer's isolated noise
+        envelope. Upstream drift cancels out, so a layer whose own error is small beside the
+        drift accumulated before it is still seen."""
+        import torch
+
+        spec = entry.metadata["call"]
+        given = target_in.detach().to("cpu")
+        floor, ref_routing = self.floor.evaluate(index, spec, entry.tensors, given, layer=reference)
+        call = replace_hidden_input(spec, dict(entry.tensors), given.to(self.floor.golden_dtype))
+        args, kwargs = decode_call(spec, call)
+        routing: dict[str, torch.Tensor] = {}
+        with torch.no_grad(), capture_routing(reference, self.model.top_k, routing):
+            golden = first_tensor(reference(*args, **kwargs)).detach().to("cpu", copy=True)
+        output = primary_output_name(spec)
+        local = {**entry.tensors, output: golden, FLOOR_KEY: floor, **routing, **ref_routing}
+        return judge_golden(
+            index,
+            local,
+            output,
+            run.output,
+            run.routing,
+            self.settings,
+            self.dtype_name,
+            hidden_in=given.to(self.floor.dtype),
+            envelope=entry.envelope,
+            tainted=sorted(tainted),
+        )
+
     def save_output(self, index: int, entry: GoldenEntry, run: TargetRun) -> None:
         spec = entry.metadata["call"]
         tensors = {k: v for k, v in entry.tensors.items() if not k.startswith(("routing.", "ref_"))}
@@ -258,18 +297,25 @@ class TargetSide:
             if ref_hidden is None:
                 ref_hidden = entry.tensors[hidden_input_name(spec)].to(self.floor.dtype)
             ref_in = ref_hidden
+            target_in = hidden
             run = self.run(self.build(index), entry, hidden)
             hidden = run.output
-            envelope = None
+            envelope = local = None
             if FLOOR_KEY in entry.tensors:
-                ref_hidden, _ = self.floor.evaluate(index, spec, entry.tensors, ref_hidden)
+                reference = self.floor.load(index)  # once for the floor chain, the local check, the envelope's runs
+                ref_hidden, _ = self.floor.evaluate(index, spec, entry.tensors, ref_hidden, layer=reference)
+                if target_in is not None:
+                    local = self._local(index, entry, run, target_in, reference, tainted)
                 entry = replace(entry, tensors={**entry.tensors, FLOOR_KEY: ref_hidden})
                 if samples:
                     assert self.perturbed is not None
                     # The target's drift so far is clean (no near-tie flip upstream) or not: it is
                     # held to the perturbed chains in the same state (all of them when too few are).
                     clean = [k for k in range(samples) if not sample_flipped[k]]
-                    for k, perturbed in enumerate(self.perturbed.runs(index, spec, entry.tensors, sample_hidden)):
+                    on_cpu = reference if self.perturbed.device == "cpu" else None
+                    for k, perturbed in enumerate(
+                        self.perturbed.runs(index, spec, entry.tensors, sample_hidden, layer=on_cpu)
+                    ):
                         sample_hidden[k] = perturbed.output
                         sample_flipped[k] |= flipped_tokens(entry.tensors, perturbed.routing)
                     chosen = clean if not tainted and len(clean) >= MIN_CLEAN_CHAINS else list(range(samples))
@@ -280,7 +326,10 @@ class TargetSide:
                         ref_in,
                         [sample_flipped[k] for k in chosen],
                     )
+                del reference
             outcome = self.judge(index, entry, run, hidden_in=ref_in, envelope=envelope, tainted=tainted)
+            if local is not None:  # the layer's own computation, on the input the target gave it
+                outcome.checks.extend(replace(c, name=f"local_{c.name}") for c in local.checks)
             outcomes.append(outcome)
             tainted |= {
                 t for r in outcome.routing for t in r.near_tie_tokens

@@ -29,6 +29,17 @@ def bf16_store(tmp_path_factory):
     return store
 
 
+EPS_BUG_IN_LAYER_3 = """
+import pytest
+
+@pytest.hookimpl
+def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+    if layer_idx == 3:
+        reference_layer.input_layernorm.variance_epsilon = 0.5
+    return reference_layer.to(device)
+"""
+
+
 def _ini(pytester, model, store):
     pytester.makeini(f"[pytest]\nlayerparity_model = {model}\nlayerparity_golden_dir = {store}\n")
 
@@ -129,18 +140,24 @@ def test_bisect_names_the_planted_layer(pytester, bf16_store):
     assert runs <= 4  # 1 + ceil(log2(6))
 
 
-def test_reports_csv_html_and_offline_compare(pytester, bf16_store):
-    pytester.makeconftest(
-        """
-        import pytest
+def test_a_chain_sees_a_layers_own_error_that_upstream_drift_would_hide(pytester, bf16_store):
+    """RMSNorm epsilon 0.5 in layer 3 (bf16): against the accumulated drift of perturbed chains
+    alone, the chain over 1-4 passed while the isolated layer 3 failed (noise ratio 9.0); the
+    local check (layer 3 of the reference fed the target's own layer-3 input) fails it there,
+    and bisection names it."""
+    pytester.makeconftest(EPS_BUG_IN_LAYER_3)
+    _ini(pytester, DEFAULT_MODEL, bf16_store)
+    result = pytester.runpytest("--target", "cpu", "--layers", "1-4", "--chain", "--bisect", "-k", "chain or bisect")
+    result.assert_outcomes(failed=2, deselected=8)
+    result.stdout.fnmatch_lines(["chain 1-4: 1 of 4 layers leave tolerance; the first is layer 3"])
+    rows = {line.split()[0]: line.split()[-1] for line in result.stdout.lines if line.startswith("  ") and line.split()}
+    assert rows["noise_ratio"] == "ok"  # the accumulated drift hides layer 3's error
+    assert rows["local_noise_ratio"] == "FAIL"  # its own computation, on the input it was given, does not
+    result.stdout.fnmatch_lines(["bisect 1-4: the chain first leaves tolerance at layer 3 *"])
 
-        @pytest.hookimpl
-        def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
-            if layer_idx == 3:
-                reference_layer.input_layernorm.variance_epsilon = 0.5
-            return reference_layer.to(device)
-        """
-    )
+
+def test_reports_csv_html_and_offline_compare(pytester, bf16_store):
+    pytester.makeconftest(EPS_BUG_IN_LAYER_3)
     _ini(pytester, DEFAULT_MODEL, bf16_store)
     result = pytester.runpytest("--target", "cpu", "--parity-report", "rep", "--save-outputs", "out")
     result.assert_outcomes(passed=11, failed=2)  # layer 3 fails in the prompt and in its decode steps
