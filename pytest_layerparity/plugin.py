@@ -101,13 +101,12 @@ def pytest_configure(config: pytest.Config) -> None:
 def _check_installed(settings: Settings, sdk_builds: bool = True) -> None:
     from .backends import BackendUnavailable, check_installed
 
+    target = settings.target_name
     try:
         check_installed("reference")
-        target = settings.target_name
         if settings.mode == "parity" and (target == "xla" or (target == "neuron" and sdk_builds)):
             check_installed(settings.target_name)
     except BackendUnavailable as exc:
-        target = settings.target_name
         if settings.mode != "parity":
             flag = "--gpu-golden"
         else:

@@ -12,7 +12,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .options import Settings
+from .options import Settings, is_url
 from .reference.model import ModelSource, checkpoint_dtype, model_dir_of
 from .report.progress import SILENT, Progress
 from .selection import (
@@ -66,7 +66,7 @@ class LayerParitySession:
                     nxdi_build_module,
                     tp_degree=settings.tp_degree,
                     logical_nc_config=settings.logical_nc_config,
-                    root=Path(cache) if cache and "://" not in cache else None,
+                    root=Path(cache) if cache and not is_url(cache) else None,
                 )
             self.port = NxdiPort(lambda: self.model, settings.nxdi_app, compiled)
         self.progress: Progress = SILENT  # the plugin shows bars on a terminal

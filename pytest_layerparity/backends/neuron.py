@@ -205,10 +205,10 @@ class CompiledProgramsBackend(Backend):
         visible = os.environ.get(NEURON_CORES)
         if visible is None:
             applied[NEURON_CORES] = os.environ[NEURON_CORES] = format_core_list(list(range(self.tp_degree)))
-        elif len(parse_core_list(visible)) < self.tp_degree:
+        elif (count := len(parse_core_list(visible))) < self.tp_degree:
             raise BackendUnavailable(
                 f"--tp-degree {self.tp_degree}: each layer's program runs on {self.tp_degree} NeuronCores, and "
-                f"{NEURON_CORES}={visible} has {len(parse_core_list(visible))}; widen it or lower --tp-degree"
+                f"{NEURON_CORES}={visible} has {count}; widen it or lower --tp-degree"
             )
         if self.compile_cache:
             applied.update(configure_compile_cache(self.compile_cache))

@@ -87,7 +87,7 @@ class DistributedRuns:
             return
         workers = _xdist_workers(config)
         self._check_torchrun(workers)
-        if self.neuron and self.compiled:
+        if self.compiled:
             self._check_compiled(workers)
         elif self.neuron:
             try:

@@ -192,7 +192,7 @@ class CompiledPrograms:
         checkpoint = folder / "checkpoint.pt"
         init = {"layer_cls": layer_cls, "config": config, "index": index}
         with FileLock(str(folder) + ".lock"):  # xdist workers may compile the same layer
-            if not checkpoint.exists() or not self._wrote(index):
+            if not self._wrote(index):  # once per process: a file left by another session may be stale
                 self._write_checkpoint(checkpoint, state())
             extra = {} if self.logical_nc_config is None else {"logical_nc_config": self.logical_nc_config}
             program = self.build_module(

@@ -11,7 +11,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import re
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -270,18 +272,14 @@ class Checkpoint:
 
     def nbytes(self, keys: Iterable[str]) -> dict[str, int]:
         """Each tensor's size in bytes, from the shards' headers (nothing read)."""
-        by_file: dict[str, list[str]] = {}
-        for key in keys:
-            by_file.setdefault(self.weight_map[key], []).append(key)
+        keys = list(keys)
         out = {}
-        for name, file_keys in by_file.items():
-            with _open_shard(self.root / name) as handle:
-                for key in file_keys:
-                    part = handle.get_slice(key)
-                    count = 1
-                    for n in part.get_shape():
-                        count *= n
-                    out[key] = count * _DTYPE_BYTES.get(part.get_dtype(), 4)
+        for name in sorted({self.weight_map[key] for key in keys}):
+            header = read_header(self.root / name)
+            for key in keys:
+                if key in header:
+                    info = header[key]
+                    out[key] = math.prod(info["shape"]) * SAFETENSORS_ITEMSIZE.get(info["dtype"], 4)
         return out
 
     def load_into(self, model: torch.nn.Module, keys: Iterable[str], dtype: torch.dtype, device: str = "cpu") -> None:
@@ -299,7 +297,6 @@ class Checkpoint:
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read just these tensors, opening only the shards that hold them."""
-
         by_file: dict[str, list[str]] = {}
         for key in keys:
             by_file.setdefault(self.weight_map[key], []).append(key)
@@ -311,7 +308,32 @@ class Checkpoint:
         return out
 
 
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2}
+#: Bytes per element of each safetensors dtype name.
+SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return header
 
 
 def conversion_groups(model: torch.nn.Module, keys: list[str]) -> list[list[str]]:
@@ -357,18 +379,14 @@ def load_state_into(
     model: torch.nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu"
 ) -> None:
     """Load a partial checkpoint state dict into a (meta) model, applying transformers'
-    own checkpoint-to-module conversions (renames, fused experts) where the model has them.
-    ``state``'s values are tensors or safetensors slices (read as transformers' loader needs them)."""
+    own checkpoint-to-module conversions (renames, fused experts) where the model has them."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
     except ImportError:  # an older transformers: names map one to one
-        import torch
-
-        tensors = {k: v if isinstance(v, torch.Tensor) else v[...] for k, v in state.items()}
         model.load_state_dict(
-            {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in tensors.items()},
+            {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in state.items()},
             strict=False,
             assign=True,
         )

@@ -9,43 +9,21 @@ The seeds' formulas (for one forward of ``batch`` x ``seq`` tokens)::
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .model import LAYER_LIST_CANDIDATES, Checkpoint, ModelSource, hidden_size_from_config
-
-_ITEMSIZE = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-
+from .model import (
+    LAYER_LIST_CANDIDATES,
+    SAFETENSORS_ITEMSIZE,
+    Checkpoint,
+    ModelSource,
+    hidden_size_from_config,
+    read_header,
+)
 
 # -- checkpoint sizes from headers -------------------------------------------------------------
-
-
-def read_header(path: Path) -> dict[str, Any]:
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
-    header.pop("__metadata__", None)
-    return header
 
 
 @dataclass
@@ -62,7 +40,7 @@ def checkpoint_sizes(checkpoint: Checkpoint) -> CheckpointSizes:
             for dim in info["shape"]:
                 n *= dim
             sizes.numel[key] = n
-            nbytes = n * _ITEMSIZE.get(info["dtype"], 4)
+            nbytes = n * SAFETENSORS_ITEMSIZE.get(info["dtype"], 4)
             sizes.by_dtype[info["dtype"]] = sizes.by_dtype.get(info["dtype"], 0) + nbytes
     return sizes
 
