@@ -222,7 +222,9 @@ OPTIONS = (
     Option(
         "neuron",
         "--neuron",
-        "Run each layer on AWS Neuron through torch-neuronx (same as --target neuron).",
+        "Test NxDI's port of the architecture compiled for NeuronCores (same as --port nxdi --target neuron; "
+        "with a conftest's pytest_layerparity_build_target_layer, or --port hf, its port runs eagerly on the "
+        "NeuronCore through torch-neuronx).",
         action="store_true",
         default=False,
     ),
@@ -239,9 +241,10 @@ OPTIONS = (
         "Whose implementation of each layer is under test: hf (the model's own HuggingFace layer, or the port a "
         "conftest's build hook returns) or nxdi (the neuronx-distributed-inference port of the architecture, built "
         "as NxDI builds it: with --target cpu eagerly in NxD's CPU mode, with --target neuron compiled through NxDI's "
-        "build_module). Default: hf.",
+        "build_module). Default: nxdi with --neuron (or --target neuron), unless a conftest implements "
+        "pytest_layerparity_build_target_layer (then hf: the conftest's own port); hf otherwise.",
         choices=("hf", "nxdi"),
-        default="hf",
+        default=None,
         ini=True,
     ),
     Option(
@@ -610,7 +613,8 @@ OPTIONS = (
     Option(
         "tp_degree",
         "--tp-degree",
-        "Tensor-parallel degree for --neuron (neuronx-distributed parallel_state; one torchrun rank per NeuronCore), "
+        "Tensor-parallel degree for a layer run eagerly on Neuron (--neuron --port hf: neuronx-distributed "
+        "parallel_state; one torchrun rank per NeuronCore), "
         "or of each program compiled under --port nxdi --target neuron (one process over N NeuronCores). Default: 1.",
         type=positive_int,
         default=1,
@@ -762,6 +766,11 @@ class Settings:
         return self.target
 
     @property
+    def compiled(self) -> bool:
+        """NxDI's port compiled per layer through build_module (--port nxdi --target neuron)."""
+        return self.port == "nxdi" and self.target_name == "neuron"
+
+    @property
     def mode(self) -> str | None:
         """'extract', 'verify' (re-run the reference against the store), 'parity' or None."""
         if self.gpu_golden:
@@ -779,7 +788,16 @@ def make_settings(**values: Any) -> Settings:
     if unknown:
         raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
     base.update(values)
+    if base["port"] is None:
+        base["port"] = default_port(base["target"], base["xla"], base["neuron"], own_port=False)
     return Settings(**base)
+
+
+def default_port(target: str | None, xla: bool, neuron: bool, own_port: bool) -> str:
+    """The port under test when --port is not given: NxDI's on Neuron (``--neuron`` is
+    ``--port nxdi --target neuron``), except where a conftest supplies its own layer."""
+    on_neuron = neuron or (target == "neuron" and not xla)
+    return "nxdi" if on_neuron and not own_port else "hf"
 
 
 def read_settings(config: pytest.Config) -> Settings:
@@ -791,6 +809,10 @@ def read_settings(config: pytest.Config) -> Settings:
             if raw not in (None, "", []):
                 value = _parse_ini(opt, raw)
         values[opt.dest] = opt.default if value is None else value
+    if values["port"] is None:
+        hook = getattr(config.pluginmanager.hook, "pytest_layerparity_build_target_layer", None)
+        own_port = bool(hook is not None and hook.get_hookimpls())
+        values["port"] = default_port(values["target"], values["xla"], values["neuron"], own_port)
     names = {f.name for f in fields(Settings)}
     return Settings(**{k: v for k, v in values.items() if k in names})
 
@@ -911,7 +933,7 @@ def check_combinations(settings: Settings) -> None:
             f"--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode (--target cpu) or compiled for "
             f"NeuronCores (--target neuron), not on --target {settings.target_name}"
         )
-    if settings.logical_nc_config is not None and not (settings.port == "nxdi" and settings.target_name == "neuron"):
+    if settings.logical_nc_config is not None and not settings.compiled:
         raise pytest.UsageError(
             "--logical-nc-config sets the programs NxDI compiles: use it with --port nxdi --target neuron"
         )

@@ -82,7 +82,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # torch-xla (a few hundred MB of memory) just because it is installed.
         os.environ.setdefault("USE_TORCH_XLA", "0")
     nxdi_builder = None  # --port nxdi --target neuron: a conftest's builder in place of NxDI's (no SDK needed)
-    if settings.mode == "parity" and settings.port == "nxdi" and settings.target_name == "neuron":
+    if settings.mode == "parity" and settings.compiled:
         nxdi_builder = config.hook.pytest_layerparity_nxdi_build_module(settings=settings)
     _check_installed(settings, sdk_builds=nxdi_builder is None)
     session = _start_session(config, settings, nxdi_builder)
@@ -129,7 +129,14 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
     def build_target_model(**kwargs: Any) -> Any:
         return config.hook.pytest_layerparity_build_target_model(**kwargs)
 
-    session = LayerParitySession(settings, Path(config.rootpath), build_target_layer, build_target_model, nxdi_builder)
+    own_layer = config.pluginmanager.hook.pytest_layerparity_build_target_layer.get_hookimpls()
+    session = LayerParitySession(
+        settings,
+        Path(config.rootpath),
+        build_target_layer if own_layer else None,
+        build_target_model,
+        nxdi_builder,
+    )
     session.progress = for_pytest(config)
     try:
         session.selected_layers  # noqa: B018  parsed now: a bad spec is a usage error

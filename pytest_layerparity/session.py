@@ -58,7 +58,7 @@ class LayerParitySession:
             from .ports.nxdi import NxdiPort
 
             compiled = None
-            if settings.target_name == "neuron":
+            if settings.compiled:
                 from .ports.compiled import CompiledPrograms
 
                 cache = settings.compile_cache
@@ -252,6 +252,12 @@ class LayerParitySession:
             lines.append(f"layerparity: target {s.target_name}, dtype {self.dtype_name}")
             if self.port is not None:
                 lines.append(f"layerparity: port {self.port.describe()}")
+            elif self._build_target_layer is not None:
+                lines.append(
+                    "layerparity: port hf: the layer the conftest's pytest_layerparity_build_target_layer builds"
+                )
+            else:
+                lines.append("layerparity: port hf: the model's own HuggingFace layers")
         lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
         return lines
 

@@ -2,7 +2,8 @@
 launch, and which devices and ports each xdist worker gets. Pure functions of the
 environment, tested on their own; :mod:`.runs` applies them in a pytest run.
 
-- torchrun (``torchrun --nproc_per_node=N -m pytest --neuron ...``): every rank runs the same
+- torchrun (``torchrun --nproc_per_node=N -m pytest --neuron --port hf ...``, a layer run eagerly
+  on the NeuronCores): every rank runs the same
   tests (tensor parallelism needs every rank in every collective); rank 0 reports (terminal,
   ``--junitxml``, ``--parity-report``), the other ranks run quietly and say one line on stderr
   when something failed there.
@@ -204,8 +205,8 @@ def check_tp_degree(tp_degree: int, ranks: RankInfo) -> None:
         raise ValueError(
             f"--tp-degree {tp_degree} needs {tp_degree} processes, one per NeuronCore, and this run has "
             f"WORLD_SIZE={world} (neuronx-distributed would quietly use tensor_model_parallel_size={world}); "
-            f"launch the ranks with: torchrun --nproc_per_node={tp_degree} -m pytest --neuron --tp-degree {tp_degree} "
-            "..."
+            f"launch the ranks with: torchrun --nproc_per_node={tp_degree} -m pytest --neuron --port hf "
+            f"--tp-degree {tp_degree} ..."
         )
     if world % tp_degree:
         raise ValueError(

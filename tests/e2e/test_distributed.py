@@ -128,7 +128,7 @@ def test_xdist_workers_get_their_own_neuroncores_and_rendezvous(recorded, monkey
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     result = recorded.runpytest_subprocess(
-        "--neuron", "-n", "2", "--cores-per-worker", "2", "--layers", "0-1", "-p", "no:cacheprovider"
+        "--neuron", "--port", "hf", "-n", "2", "--cores-per-worker", "2", "--layers", "0-1", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=2)
     env, calls = recorded.read_records()

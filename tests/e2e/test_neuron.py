@@ -246,13 +246,13 @@ def test_neuron_sdk_missing_is_a_usage_error_with_the_install_hint(project):
 
 
 def test_tp_degree_beyond_the_world_size_names_the_torchrun_command(project):
-    result = project.runpytest("--neuron", "--tp-degree", "4")
+    result = project.runpytest("--neuron", "--port", "hf", "--tp-degree", "4")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
             "*--neuron: --tp-degree 4 needs 4 processes, one per NeuronCore, and this run has WORLD_SIZE=1 "
             "(neuronx-distributed would quietly use tensor_model_parallel_size=1); launch the ranks with: torchrun "
-            "--nproc_per_node=4 -m pytest --neuron --tp-degree 4 ...*"
+            "--nproc_per_node=4 -m pytest --neuron --port hf --tp-degree 4 ...*"
         ]
     )
 
@@ -271,7 +271,7 @@ def test_neuron_session_sets_up_once_and_tears_down(project, monkeypatch):
     for name in DIST_VARS:
         monkeypatch.delenv(name, raising=False)
     result = project.runpytest_subprocess(
-        "--neuron", "--layers", "0-1", "--compile-cache=ncache", "-v", "-p", "no:cacheprovider"
+        "--neuron", "--port", "hf", "--layers", "0-1", "--compile-cache=ncache", "-v", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines([f"layerparity: compile cache {project.path / 'ncache'} (NEURON_COMPILE_CACHE_URL)"])

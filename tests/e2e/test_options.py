@@ -164,3 +164,34 @@ def test_help_lists_every_option(pytester):
     text = result.stdout.str()
     for option in OPTIONS:
         assert option.flag in text
+
+
+OWN_LAYER = """
+import pytest
+
+@pytest.hookimpl
+def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+    return None
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "own_layer", "port", "compiled"),
+    [
+        (["--neuron"], False, "nxdi", True),  # --neuron is --port nxdi --target neuron
+        (["--target", "neuron"], False, "nxdi", True),
+        (["--neuron"], True, "hf", False),  # a conftest's own port runs eagerly on the NeuronCore
+        (["--neuron", "--port", "hf"], False, "hf", False),
+        (["--neuron", "--port", "nxdi"], True, "nxdi", True),  # the option wins over the hook
+        (["--xla"], False, "hf", False),
+        (["--target", "cpu"], False, "hf", False),
+        (["--port", "nxdi", "--target", "cpu"], False, "nxdi", False),
+    ],
+)
+def test_which_port_is_under_test(pytester, args, own_layer, port, compiled):
+    from pytest_layerparity.options import read_settings
+
+    if own_layer:
+        pytester.makeconftest(OWN_LAYER)
+    settings = read_settings(pytester.parseconfig(*args))
+    assert (settings.port, settings.compiled) == (port, compiled)

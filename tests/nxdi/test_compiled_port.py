@@ -21,16 +21,20 @@ from standin_build_module import pytest_layerparity_nxdi_build_module
 """
 
 
-def run(pytester: pytest.Pytester, name: str, dtype: str, *args: str, builder: str = STANDIN) -> pytest.RunResult:
+def run(
+    pytester: pytest.Pytester,
+    name: str,
+    dtype: str,
+    *args: str,
+    builder: str = STANDIN,
+    flags: tuple[str, ...] = ("--port", "nxdi", "--target", "neuron"),
+) -> pytest.RunResult:
     if builder:
         pytester.makeconftest(builder)
     return pytester.runpytest_subprocess(
         "-p",
         "no:cacheprovider",
-        "--port",
-        "nxdi",
-        "--target",
-        "neuron",
+        *flags,
         f"--model={checkpoint(name)}",
         f"--golden-dir={golden_dir(name, dtype)}",
         *args,
@@ -76,8 +80,18 @@ def test_compiled_port_passes_every_layer_prompt_decode_and_model(pytester, name
 
 
 def test_compiled_qwen3_moe_port_fails_on_the_unnormalised_checkpoint(pytester):
-    result = run(pytester, "qwen3_moe_unnormalized", "float32", "-k", "layer_parity and layer_0", "--op-compare")
+    # --neuron alone is --port nxdi --target neuron
+    result = run(
+        pytester,
+        "qwen3_moe_unnormalized",
+        "float32",
+        "-k",
+        "layer_parity and layer_0",
+        "--op-compare",
+        flags=("--neuron",),
+    )
     result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["layerparity: port NxDI port NeuronQwen3MoeForCausalLM *, compiled per layer*"])
     result.stdout.fnmatch_lines(
         [
             "*op compare: not available for a compiled program (its ops are inside one NEFF); compare the port's "

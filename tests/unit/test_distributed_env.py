@@ -117,7 +117,7 @@ def test_rank_info_reads_torchrun():
 def test_tp_degree_against_the_world_size():
     check_tp_degree(1, RankInfo(0, 1, 0, 1, False))
     check_tp_degree(2, RankInfo(0, 4, 0, 4, True))
-    with pytest.raises(ValueError, match="torchrun --nproc_per_node=2 -m pytest --neuron --tp-degree 2"):
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node=2 -m pytest --neuron --port hf --tp-degree 2"):
         check_tp_degree(2, RankInfo(0, 1, 0, 1, False))
     with pytest.raises(ValueError, match="WORLD_SIZE=6 is not a multiple of --tp-degree 4"):
         check_tp_degree(4, RankInfo(0, 6, 0, 6, True))

@@ -142,8 +142,11 @@ def test_parse_max_memory_refuses(text, message):
 def test_make_settings_defaults_are_the_option_table():
     settings = make_settings()
     for opt in OPTIONS:
-        assert getattr(settings, opt.dest) == opt.default, opt.flag
+        if opt.dest != "port":  # decided from the target (below)
+            assert getattr(settings, opt.dest) == opt.default, opt.flag
     assert settings.mode is None and settings.target_name is None
+    assert settings.port == "hf" and make_settings(neuron=True).port == "nxdi"
+    assert make_settings(target="neuron", port="hf").compiled is False
 
 
 def test_make_settings_refuses_unknown_names():
