@@ -72,7 +72,7 @@ def planned(model: Path, seq: int, extra: list[str], work: Path) -> tuple[float,
         check=False,
     )
     total = re.search(r"--device-map stream on \S+: needs ([\d.]+ [GM]B)", proc.stdout)
-    tensors = re.search(r"tensors the run allocates: ([\d.]+ [GM]B)", proc.stdout)
+    tensors = re.search(r"tensors the run allocates[^:]*: ([\d.]+ [GM]B)", proc.stdout)
     if not total or not tensors:
         raise SystemExit(f"no stream lines in --plan output:\n{proc.stdout}\n{proc.stderr}")
     return _gb(tensors.group(1)), _gb(total.group(1))

@@ -50,7 +50,9 @@ import torch
 
 from pytest_layerparity.compare.envelope import Envelope
 from pytest_layerparity.options import make_settings
+from pytest_layerparity.selection import decode_key
 from pytest_layerparity.session import LayerParitySession
+from pytest_layerparity.store.golden import GoldenStore
 
 PROMPT = (
     "The quick brown fox jumps over the lazy dog while the committee reviews the quarterly report on renewable energy."
@@ -59,10 +61,14 @@ PROMPT_2 = (
     "Researchers measured the river's flow every morning for three years and found that spring floods arrived "
     "earlier each decade."
 )
-DECODERS = ("minimax_m2", "llama", "qwen3_moe", "mixtral", "qwen2", "olmoe")
+DECODERS = ("minimax_m2", "llama", "qwen3_moe", "mixtral", "qwen2", "olmoe", "gpt_neox", "phi", "starcoder2")
 CALIBRATION_MODELS = ("minimax_m2", "llama")
 # Held out until the perturbation model was final (added after the first evaluation round; see bench/README.md).
 SECOND_ROUND_MODELS = ("qwen2", "olmoe", "minilm (trained, 2nd prompt)")
+# Held out until the third perturbation model (composite norms and softmax decomposed, one-pass
+# variance, every op's error doubled) was final: LayerNorm decoders never run before it.
+THIRD_ROUND_MODELS = ("gpt_neox", "phi", "starcoder2")
+DECODE_STEPS = 2
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -290,6 +296,52 @@ def topk_not_renormalised(layer, config):
     return layer
 
 
+def projection_bias_dropped(layer, config):
+    """A weight converter that maps q/k/v weights but forgets their biases (left at zero)."""
+    found = [
+        m
+        for n, m in layer.named_modules()
+        if n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "query_key_value", "query", "key", "value")
+        and getattr(m, "bias", None) is not None
+    ]
+    return _zero_biases(layer, found)
+
+
+def norm_bias_dropped(layer, config):
+    """A converter that loads a LayerNorm's weight and leaves its bias at zero."""
+    found = [m for _, m in layer.named_modules() if isinstance(m, torch.nn.LayerNorm) and m.bias is not None]
+    return _zero_biases(layer, found)
+
+
+def _zero_biases(layer, modules):
+    if not modules:
+        return None
+    with torch.no_grad():
+        for module in modules:
+            module.bias.zero_()
+    return layer
+
+
+def gelu_variant_swapped(layer, config):
+    """hidden_act read wrong: GELU's tanh approximation where the model uses erf, or erf where
+    it uses the approximation."""
+    from transformers.activations import ACT2FN
+
+    for module in layer.modules():
+        for attr in ("act", "act_fn", "activation_fn", "intermediate_act_fn"):
+            act = getattr(module, attr, None)
+            if act is None:
+                continue
+            name = type(act).__name__
+            if name == "GELUActivation":
+                setattr(module, attr, ACT2FN["gelu_pytorch_tanh"])
+                return layer
+            if name in ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation"):
+                setattr(module, attr, ACT2FN["gelu"])
+                return layer
+    return None
+
+
 # name -> (plant, split); a plant returns None where the architecture has nothing to break
 BUGS = {
     "wrong norm epsilon": (wrong_norm_eps, "calibration"),
@@ -305,6 +357,9 @@ BUGS = {
     "key/value heads misgrouped": (kv_heads_misgrouped, "evaluation"),
     "router correction bias dropped": (router_bias_dropped, "evaluation"),
     "top-k weights not renormalised": (topk_not_renormalised, "evaluation"),
+    "q/k/v biases dropped": (projection_bias_dropped, "evaluation 3"),
+    "LayerNorm bias dropped": (norm_bias_dropped, "evaluation 3"),
+    "GELU variant swapped (erf/tanh)": (gelu_variant_swapped, "evaluation 3"),
 }
 
 
@@ -360,6 +415,7 @@ def extract(model, store, extra, dtype, layers, samples, golden_device="auto"):
         extract=True,
         dtype=dtype,
         seq_len=32,
+        decode_steps=DECODE_STEPS,
         envelope_samples=samples,
         **({"prompt": extra["prompt"]} if "prompt" in extra else {}),
     )
@@ -421,6 +477,8 @@ def main() -> None:
             if name in CALIBRATION_MODELS
             else "evaluation 2"
             if name in SECOND_ROUND_MODELS
+            else "evaluation 3"
+            if name in THIRD_ROUND_MODELS
             else "evaluation"
         )
         count = len(session(model, work / "probe", extra).model.layer_list[1])
@@ -442,6 +500,15 @@ def main() -> None:
                     if not outcome.passed:
                         correct[(split, kind)][1] += 1
                         alarms.append(f"{name} {dtype} layer {i} {kind}: {failing(outcome)}")
+            stored = GoldenStore(store).read_manifest()["files"]
+            target_side = runs[f"isolated ({label})"].target
+            for i in layers:  # each decode step of each layer (none for an encoder), with the keys and values appended
+                steps = [step for step in range(DECODE_STEPS) if decode_key(i, step) in stored]
+                for step, outcome in zip(steps, target_side.parity_decode(i, steps), strict=True):
+                    correct[(split, f"decode step ({label})")][0] += 1
+                    if not outcome.passed:
+                        correct[(split, f"decode step ({label})")][1] += 1
+                        alarms.append(f"{name} {dtype} layer {i} decode step {step}: {failing(outcome)}")
             chain = runs[f"isolated ({label})"].parity_range(layers)
             correct[(split, f"chain ({label})")][0] += 1
             bad = [o for o in chain if not o.passed]
@@ -532,8 +599,6 @@ def choose_k(work: Path, golden_device: str) -> None:
         f"  extraction: plain {plain:.1f} s; "
         + ", ".join(f"K={k} {t:.1f} s ({t / plain:.1f}x)" for k, t in timed.items())
     )
-    from pytest_layerparity.store.golden import GoldenStore
-
     store = GoldenStore(work / "k-48")
     for i in range(4):
         env = store.load(f"layer_{i}").envelope

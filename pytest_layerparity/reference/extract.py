@@ -165,7 +165,8 @@ class ReferenceSide:
         if whole and all(bool(t.isfinite().all()) for t in (run.model_io["logits"], *run.decode_logits)):
             run.model_golden = self._model_golden(model, run, device)  # (NaN logits: the layers' goldens say where)
         self._run = run
-        del model
+        del model, output
+        give_back_memory()  # the streamed units' and the forward's freed memory, before the layers load
         return run
 
     @contextlib.contextmanager
@@ -310,6 +311,9 @@ class ReferenceSide:
             if run.model_golden is not None and not self.store.verifies(MODEL_LOGITS_KEY):
                 self.store.write(MODEL_LOGITS_KEY, *run.model_golden)
             self._model_io_checked = True
+            run.model_io.clear()  # written: the prompt's logits (seq x vocab) need not stay for every layer
+            run.decode_logits.clear()
+            give_back_memory()  # with the serialisation's buffers
         # One load of the layer for the floor and the envelope of all its goldens (the prompt
         # and each decode step); the envelope's runs use it where they run on the CPU too.
         layer = None if self.settings.no_precision_floor else self.floor.load(index)

@@ -294,6 +294,7 @@ class Checkpoint:
         groups = conversion_groups(model, keys)
         for group in sorted(groups, key=lambda g: -sum(sizes[k] for k in g)):
             load_state_into(model, self.read(group), dtype, device=device)
+            give_back_memory()  # the group's sources, freed in the loader's heaps: back before the next
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         """Read just these tensors, opening only the shards that hold them."""

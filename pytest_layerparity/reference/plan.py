@@ -139,48 +139,58 @@ def layer_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     return 4 * tokens * hidden * itemsize_ + attention + mlp
 
 
-LOAD_OR_ACTIVATIONS = "loading it, or one layer's activations (the widest pass) where more"
+LOAD_OR_ACTIVATIONS = "loading it, or one layer's activations where more"
+LOAD_OR_WIDEST = "loading it, or one layer's activations (the widest pass: the floor's or the envelope's) where more"
+FORWARD = "the reference forward"
+GOLDENS = "each layer's goldens"
 
 
 def stream_extraction_needs(
     plan: Plan, cfg: dict[str, Any], dtype_name: str, batch: int, seq: int, options: RunOptions
-) -> dict[str, int]:
-    """What streaming extraction holds at its peak, by what it is (bytes; code aside):
+) -> tuple[str, dict[str, int]]:
+    """What streaming extraction holds at its peak (bytes; code aside), and in which of its
+    two phases, the larger:
 
-    * the largest unit (a decoder layer, or the embeddings or head) in the run dtype, and
-      beside it the more of: what loading it adds (the tensors read and converted, at most
-      about one more unit: ``Checkpoint.load_into`` converts one group at a time, the
-      largest first), or one layer's activations (they do not coexist with a load);
-    * one layer's activations, at the widest of: the reference forward; the precision floor
-      (the same tensors in the floor dtype, float32 or float64); a perturbed run of the noise
-      envelope (the run's tensors, and each op's operands and result one precision wider,
-      a fused attention's by the math attention: seq x seq scores per head);
-    * the logits of the prompt (kept for the model's inputs and outputs), twice while the
-      decode steps run the prompt again, with the KV cache of every layer then;
-    * one captured layer call (its hidden states in and out), read back to write its golden.
+    * the reference forward (every unit streamed, then the decode steps): the largest unit (a
+      decoder layer, or the embeddings or head) in the run dtype, and beside it the more of
+      what loading it adds (the tensors read and converted, at most about one more unit:
+      ``Checkpoint.load_into`` converts one group at a time, the largest first) or one
+      layer's activations (they do not coexist with a load); the logits of the prompt, twice
+      while the decode steps run the prompt again, with the KV cache of every layer then
+      (the layers' calls go to disk);
+    * each layer's goldens (the layer loaded once for its precision floor and noise envelope;
+      the forward's logits are written and dropped before): the largest layer, and beside it
+      the more of what loading it adds or one layer's activations at the widest of the
+      precision floor (the same tensors in the floor dtype, float32 or float64) and a
+      perturbed run (the run's tensors, and each op's operands and result one precision
+      wider, a fused attention's by the math attention: seq x seq scores per head); and one
+      captured layer call (its hidden states in and out), read back to write its golden.
     """
     size = itemsize(dtype_name)
     floor_size = 8 if dtype_name == "float32" else 4
     eager = options.attn_implementation == "eager"
     act = layer_activations(cfg, batch, seq, size, eager)
-    widest = act
-    if options.precision_floor:
-        widest = max(widest, layer_activations(cfg, batch, seq, floor_size, eager))
-        if options.envelope:
-            # a fused attention's wider result comes from the math attention: its scores and
-            # probabilities, batch x heads x seq x seq in the floor dtype (perturb.attention_reference)
-            math_scores = 0 if eager else 2 * batch * attention_shape(cfg)[1] * seq * seq * floor_size
-            widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
     hidden = attention_shape(cfg)[0]
-    logits = plan.logits * (2 if options.decode_steps else 1)
     unit = max(plan.largest_layer[1], plan.largest_outside)
-    return {
+    forward = {
         "the largest unit": unit,
-        LOAD_OR_ACTIVATIONS: max(unit, widest),
-        "the prompt's logits" + (" (x2 while decoding)" if options.decode_steps else ""): logits,
+        LOAD_OR_ACTIVATIONS: max(unit, act),
+        "the prompt's logits" + (" (x2 while decoding)" if options.decode_steps else ""): plan.logits
+        * (2 if options.decode_steps else 1),
         "the KV cache of every layer (decode steps)": plan.kv_cache if options.decode_steps else 0,
-        "one captured call (hidden states in and out)": 2 * batch * seq * hidden * size,
     }
+    call = {"one captured call (hidden states in and out)": 2 * batch * seq * hidden * size}
+    if not options.precision_floor:
+        return (FORWARD, forward) if sum(forward.values()) >= sum(call.values()) else (GOLDENS, call)
+    widest = max(act, layer_activations(cfg, batch, seq, floor_size, eager))
+    if options.envelope:
+        # a fused attention's wider result comes from the math attention: its scores and
+        # probabilities, batch x heads x seq x seq in the floor dtype (perturb.attention_reference)
+        math_scores = 0 if eager else 2 * batch * attention_shape(cfg)[1] * seq * seq * floor_size
+        widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
+    layer = plan.largest_layer[1]
+    goldens = {"the largest layer": layer, LOAD_OR_WIDEST: max(layer, widest), **call}
+    return (FORWARD, forward) if sum(forward.values()) >= sum(goldens.values()) else (GOLDENS, goldens)
 
 
 def imported_code_bytes(model: ModelSource) -> int:
@@ -274,7 +284,7 @@ def plan_lines(
     free = free_memory()
     gpus = [d for d in free if d.startswith("cuda")]
     need_whole = plan.weights + plan.activations + plan.kv_cache + plan.logits
-    stream = stream_extraction_needs(plan, model.config_json, dtype_name, batch, seq, options)
+    phase, stream = stream_extraction_needs(plan, model.config_json, dtype_name, batch, seq, options)
     code = imported_code_bytes(model) if golden_device == "cpu" else 0
     data_stream = sum(stream.values())
     need_stream = data_stream + code
@@ -306,7 +316,7 @@ def plan_lines(
     lines.append(
         f"    --device-map stream on {target}: needs {gb(need_stream)}: {_fits(need_stream, free.get(target, 0))}"
     )
-    lines.append(f"      tensors the run allocates: {gb(data_stream)}")
+    lines.append(f"      tensors the run allocates, at its peak in {phase}: {gb(data_stream)}")
     lines += [f"        {what}: {gb(n)}" for what, n in stream.items() if n]
     if code:
         lines.append(

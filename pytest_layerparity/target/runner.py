@@ -177,7 +177,9 @@ class TargetSide:
             entry = self.load_golden(decode_key(index, step))
             run = self.run(module, entry)
             outcome = self.judge(index, entry, run)
-            outcome.checks.extend(judge_appended_kv(entry.tensors, run.appended_kv, self.settings, self.dtype_name))
+            outcome.checks.extend(
+                judge_appended_kv(entry.tensors, run.appended_kv, self.settings, self.dtype_name, outcome.envelope)
+            )
             outcomes.append(outcome)
         return outcomes
 

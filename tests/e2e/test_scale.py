@@ -110,11 +110,9 @@ def test_plan_reads_headers_only(pytester):
             "  devices: cpu * free",
             "    whole model on cpu: needs * fits",
             "    --device-map stream on cpu: needs * fits",
-            "      tensors the run allocates: *",
-            "        the largest unit: 0.32 MB",
-            "        loading it, or one layer's activations (the widest pass) where more: *",
-            "        the prompt's logits (x2 while decoding): 0.52 MB",
-            "        the KV cache of every layer (decode steps): 0.10 MB",
+            "      tensors the run allocates, at its peak in each layer's goldens: *",
+            "        the largest layer: 0.32 MB",
+            "        loading it, or one layer's activations (the widest pass: the floor's or the envelope's) where *",
             "        one captured call (hidden states in and out): 0.03 MB",
         ]
     )

@@ -361,3 +361,24 @@ def test_a_missing_or_short_cache_update_fails_and_a_prompt_golden_has_no_kv_che
         ("new_values_positions", 0, False),
     ]
     assert judge_appended_kv({"output": torch.ones(2)}, None, settings, "bfloat16") == []
+
+
+def test_appended_kv_noise_ratio_limit_widens_to_the_steps_envelope_never_narrows():
+    from pytest_layerparity.compare.envelope import EnvelopeLimits
+
+    golden = _kv_golden()
+    settings = make_settings()
+    noisy = golden["cache.new_values"].float() * 1.006  # outside the table's limit
+
+    def limits(max_ratio):
+        return EnvelopeLimits(max_ratio, max_ratio, -5.0, 5.0, {}, 12, 5.0)
+
+    def ratio_check(envelope):
+        checks = judge_appended_kv(golden, (golden["cache.new_keys"], noisy), settings, "bfloat16", envelope)
+        return next(c for c in checks if c.name == "new_values_noise_ratio")
+
+    table = ratio_check(None)
+    assert table.limit == 1.5 and not table.ok
+    wide = ratio_check(limits(table.value * 2))
+    assert wide.limit == table.value * 2 and wide.ok
+    assert ratio_check(limits(0.5)).limit == 1.5  # a narrower envelope leaves the table's limit

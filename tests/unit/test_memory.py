@@ -11,7 +11,10 @@ import torch
 
 from pytest_layerparity.reference.perturb import WiderArithmetic
 from pytest_layerparity.reference.plan import (
+    FORWARD,
+    GOLDENS,
     LOAD_OR_ACTIVATIONS,
+    LOAD_OR_WIDEST,
     Plan,
     RunOptions,
     layer_activations,
@@ -130,21 +133,22 @@ def test_layer_activations_count_the_widest_tensors():
 
 
 def test_stream_extraction_needs_name_every_term_and_follow_the_options():
-    plan = Plan(0, (0, 10_000), 5_000, 0, 4_000, {}, largest_outside=20_000, logits=1_000)
-    full = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
-    assert full["the largest unit"] == 20_000  # the embeddings outweigh a layer
+    plan = Plan(0, (0, 10_000), 5_000, 0, 4_000, {}, largest_outside=100_000, logits=1_000)
+    phase, full = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
+    assert phase == FORWARD  # the embeddings outweigh a layer and its floor's pass over 8 tokens
+    assert full["the largest unit"] == 100_000
+    assert full[LOAD_OR_ACTIVATIONS] == 100_000  # loading the embeddings outweighs a plain pass over 8 tokens
     assert full["the prompt's logits (x2 while decoding)"] == 2_000
     assert full["the KV cache of every layer (decode steps)"] == 4_000
-    assert full["one captured call (hidden states in and out)"] == 2 * 8 * 64 * 2
     no_floor = RunOptions(precision_floor=False, envelope=False)
-    bare = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, no_floor)
-    small = Plan(0, (0, 10), 5_000, 0, 4_000, {}, largest_outside=0, logits=1_000)  # activations outweigh loading
-    bare_small = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, no_floor)
-    assert bare[LOAD_OR_ACTIVATIONS] == 20_000  # loading the embeddings outweighs a plain pass over 8 tokens
-    assert full[LOAD_OR_ACTIVATIONS] > 20_000  # the floor's and the envelope's passes do not
-    full_small = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
-    assert bare_small[LOAD_OR_ACTIVATIONS] == layer_activations(CONFIG, 1, 8, 2, False)
-    assert full_small[LOAD_OR_ACTIVATIONS] > 2 * bare_small[LOAD_OR_ACTIVATIONS]
-    assert (
-        "the KV cache of every layer (decode steps)" in bare and bare["the KV cache of every layer (decode steps)"] == 0
-    )
+    assert stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, no_floor)[1]["the prompt's logits"] == 1_000
+    # a small layer: the goldens' phase (the floor's and the envelope's passes) is the peak
+    small = Plan(0, (0, 10), 5_000, 0, 4_000, {}, largest_outside=0, logits=1_000)
+    phase, goldens = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
+    assert phase == GOLDENS and goldens["the largest layer"] == 10
+    assert goldens["one captured call (hidden states in and out)"] == 2 * 8 * 64 * 2
+    plain = layer_activations(CONFIG, 1, 8, 2, False)
+    assert goldens[LOAD_OR_WIDEST] > 2 * plain  # the run's tensors and the floor's, wider
+    phase, bare = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, no_floor)
+    assert phase == FORWARD and bare[LOAD_OR_ACTIVATIONS] == plain  # no floor: no second phase to speak of
+    assert bare["the KV cache of every layer (decode steps)"] == 0
