@@ -468,6 +468,14 @@ def main() -> None:
     caught = defaultdict(lambda: [0, 0])  # (split of the model, split of the bug kind) -> [bugs, caught]
     chained = defaultdict(lambda: [0, 0, 0])  # the same -> [bugs, chain failed, first failing layer the planted one]
     misses, alarms, sweep = [], [], defaultdict(dict)
+
+    def tally(key, outcome, what):
+        """One correct-port test: counted, and a false alarm where it failed."""
+        correct[key][0] += 1
+        if not outcome.passed:
+            correct[key][1] += 1
+            alarms.append(what)
+
     timing = []
     for name, model, extra in models(work, args.layers):
         if args.models and name.split(" ")[0] not in args.models.split(","):
@@ -496,25 +504,17 @@ def main() -> None:
             for kind, s in runs.items():
                 for i in layers:
                     outcome = s.parity_layer(i)
-                    correct[(split, kind)][0] += 1
-                    if not outcome.passed:
-                        correct[(split, kind)][1] += 1
-                        alarms.append(f"{name} {dtype} layer {i} {kind}: {failing(outcome)}")
+                    tally((split, kind), outcome, f"{name} {dtype} layer {i} {kind}: {failing(outcome)}")
             stored = GoldenStore(store).read_manifest()["files"]
             target_side = runs[f"isolated ({label})"].target
             for i in layers:  # each decode step of each layer (none for an encoder), with the keys and values appended
                 steps = [step for step in range(DECODE_STEPS) if decode_key(i, step) in stored]
                 for step, outcome in zip(steps, target_side.parity_decode(i, steps), strict=True):
-                    correct[(split, f"decode step ({label})")][0] += 1
-                    if not outcome.passed:
-                        correct[(split, f"decode step ({label})")][1] += 1
-                        alarms.append(f"{name} {dtype} layer {i} decode step {step}: {failing(outcome)}")
+                    what = f"{name} {dtype} layer {i} decode step {step}: {failing(outcome)}"
+                    tally((split, f"decode step ({label})"), outcome, what)
             chain = runs[f"isolated ({label})"].parity_range(layers)
-            correct[(split, f"chain ({label})")][0] += 1
-            bad = [o for o in chain if not o.passed]
-            if bad:
-                correct[(split, f"chain ({label})")][1] += 1
-                alarms.append(f"{name} {dtype} chain: layer {bad[0].layer} {failing(bad[0])}")
+            first = next((o for o in chain if not o.passed), chain[-1])  # the first failing layer, if any
+            tally((split, f"chain ({label})"), first, f"{name} {dtype} chain: layer {first.layer} {failing(first)}")
             print(f"{name} {dtype}: correct ports done ({time.time() - started:.0f} s)", flush=True)
             for bug, (plant, bug_split) in BUGS.items():
                 probe = session(model, store, extra, target="cpu").model.load_layer(mid, getattr(torch, dtype))

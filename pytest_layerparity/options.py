@@ -800,6 +800,13 @@ def default_port(target: str | None, xla: bool, neuron: bool, own_port: bool) ->
     return "nxdi" if on_neuron and not own_port else "hf"
 
 
+def conftest_builds_layer(config: pytest.Config) -> bool:
+    """Whether a conftest (or plugin) implements ``pytest_layerparity_build_target_layer``:
+    its own port of the layer."""
+    hook = getattr(config.pluginmanager.hook, "pytest_layerparity_build_target_layer", None)
+    return bool(hook is not None and hook.get_hookimpls())
+
+
 def read_settings(config: pytest.Config) -> Settings:
     values = {}
     for opt in OPTIONS:
@@ -810,9 +817,8 @@ def read_settings(config: pytest.Config) -> Settings:
                 value = _parse_ini(opt, raw)
         values[opt.dest] = opt.default if value is None else value
     if values["port"] is None:
-        hook = getattr(config.pluginmanager.hook, "pytest_layerparity_build_target_layer", None)
-        own_port = bool(hook is not None and hook.get_hookimpls())
-        values["port"] = default_port(values["target"], values["xla"], values["neuron"], own_port)
+        own = conftest_builds_layer(config)
+        values["port"] = default_port(values["target"], values["xla"], values["neuron"], own)
     names = {f.name for f in fields(Settings)}
     return Settings(**{k: v for k, v in values.items() if k in names})
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import hookspecs
-from .options import add_options, current_settings, read_settings, resolve_paths
+from .options import add_options, conftest_builds_layer, current_settings, read_settings, resolve_paths
 from .state import REGEN_KEY, SESSION_KEY
 
 if TYPE_CHECKING:
@@ -129,11 +129,10 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
     def build_target_model(**kwargs: Any) -> Any:
         return config.hook.pytest_layerparity_build_target_model(**kwargs)
 
-    own_layer = config.pluginmanager.hook.pytest_layerparity_build_target_layer.get_hookimpls()
     session = LayerParitySession(
         settings,
         Path(config.rootpath),
-        build_target_layer if own_layer else None,
+        build_target_layer if conftest_builds_layer(config) else None,
         build_target_model,
         nxdi_builder,
     )

@@ -179,17 +179,16 @@ def stream_extraction_needs(
         * (2 if options.decode_steps else 1),
         "the KV cache of every layer (decode steps)": plan.kv_cache if options.decode_steps else 0,
     }
-    call = {"one captured call (hidden states in and out)": 2 * batch * seq * hidden * size}
-    if not options.precision_floor:
-        return (FORWARD, forward) if sum(forward.values()) >= sum(call.values()) else (GOLDENS, call)
-    widest = max(act, layer_activations(cfg, batch, seq, floor_size, eager))
-    if options.envelope:
-        # a fused attention's wider result comes from the math attention: its scores and
-        # probabilities, batch x heads x seq x seq in the floor dtype (perturb.attention_reference)
-        math_scores = 0 if eager else 2 * batch * attention_shape(cfg)[1] * seq * seq * floor_size
-        widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
-    layer = plan.largest_layer[1]
-    goldens = {"the largest layer": layer, LOAD_OR_WIDEST: max(layer, widest), **call}
+    goldens = {"one captured call (hidden states in and out)": 2 * batch * seq * hidden * size}
+    if options.precision_floor:  # the layer is loaded for its floor and envelope
+        widest = max(act, layer_activations(cfg, batch, seq, floor_size, eager))
+        if options.envelope:
+            # a fused attention's wider result comes from the math attention: its scores and
+            # probabilities, batch x heads x seq x seq in the floor dtype (perturb.attention_reference)
+            math_scores = 0 if eager else 2 * batch * attention_shape(cfg)[1] * seq * seq * floor_size
+            widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
+        layer = plan.largest_layer[1]
+        goldens = {"the largest layer": layer, LOAD_OR_WIDEST: max(layer, widest), **goldens}
     return (FORWARD, forward) if sum(forward.values()) >= sum(goldens.values()) else (GOLDENS, goldens)
 
 
