@@ -8,7 +8,9 @@
    allocated: its peak RSS above its RSS once the model's code is imported and its
    weightless skeleton built (sampled every 0.5 ms in the extracting process), with their
    ratio; and the whole process's peak RSS against the plan's total (tensors + the code it
-   measured) + the RSS of ``import torch, transformers``. Extraction runs ``--layers 0-3``
+   measured) + the RSS of ``import torch, transformers``; and the measured peak against the
+   bound extraction keeps to: twice the largest layer in the run's dtype plus one layer's
+   activations (``bound``). Extraction runs ``--layers 0-3``
    of 16 (the run holds one layer's call at a time: flat in depth) and
    ``--envelope-samples 2`` (the perturbed runs are sequential: their number changes the
    time, not the peak).
@@ -124,6 +126,18 @@ def probe(args: list[str], work: Path) -> tuple[float, float]:
     return (peak - ready) / 1e9, peak / 1e9
 
 
+def bound(model: Path, seq: int, extra: list[str]) -> float:
+    """Twice the largest layer in the run's dtype plus one layer's activations (GB)."""
+    from pytest_layerparity.reference.model import ModelSource
+    from pytest_layerparity.reference.plan import layer_activations, make_plan
+
+    dtype = extra[extra.index("--dtype") + 1] if "--dtype" in extra else "bfloat16"
+    source = ModelSource(model)
+    plan = make_plan(source, dtype, 1, seq)
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}[dtype]
+    return (2 * plan.largest_layer[1] + layer_activations(source.config_json, 1, seq, size, False)) / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=None)
@@ -138,7 +152,8 @@ def main() -> None:
     print(f"checkpoint: {model} ({size:.2f} GB bf16, 16 layers); import torch + transformers: {floor:.3f} GB")
     print(
         f"{'options':<10} {'seq':>5} {'planned':>8} {'measured':>9} {'ratio':>6}   "
-        f"{'plan+floor':>10} {'process':>8} {'ratio':>6}  (GB; tensors the run allocates, then the whole process)"
+        f"{'plan+floor':>10} {'process':>8} {'ratio':>6}   {'bound':>6} {'measured/bound':>14}"
+        "  (GB; tensors the run allocates, then the whole process)"
     )
     for variant in opts.variants.split(","):
         extra = VARIANTS[variant]
@@ -150,9 +165,11 @@ def main() -> None:
                 args += ["--envelope-samples", "2"]
             got, process = probe([*args, *common], work)
             tensors, total = planned(model, seq, extra, work)
+            limit = bound(model, seq, extra)
             print(
                 f"{variant:<10} {seq:>5} {tensors:>8.3f} {got:>9.3f} {got / tensors:>6.2f}   "
-                f"{total + floor:>10.3f} {process:>8.3f} {process / (total + floor):>6.2f}",
+                f"{total + floor:>10.3f} {process:>8.3f} {process / (total + floor):>6.2f}   "
+                f"{limit:>6.3f} {got / limit:>14.2f}",
                 flush=True,
             )
 

@@ -443,7 +443,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4, help="layers of each generated model")
     parser.add_argument("--samples", type=int, default=12, help="K, perturbed runs per layer")
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--dtypes", default="bfloat16,float32,float16")
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--skip-k", action="store_true", help="leave out the choice of K")
     parser.add_argument("--models", default="", help="comma-separated model names (default: all)")

@@ -355,13 +355,13 @@ def _version(dist_name: str) -> str:
 # -- the call ------------------------------------------------------------------------------------
 
 
-class HFCallToNxDI(torch.nn.Module):
-    """Takes a HuggingFace decoder layer's call and makes NxDI's call of it (the NxDI layer is
-    the submodule ``layer``)."""
+class HFCall(torch.nn.Module):
+    """Takes a HuggingFace decoder layer's call (layer ``index`` of the model) and makes the
+    call NxDI's layers take: a boolean mask, position ids, the past keys and values of this
+    layer from the HF cache; ``call_layer`` (a subclass's) makes the call itself."""
 
-    def __init__(self, layer: torch.nn.Module, index: int) -> None:
+    def __init__(self, index: int) -> None:
         super().__init__()
-        self.layer = layer
         self.index = index
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -404,20 +404,33 @@ class HFCallToNxDI(torch.nn.Module):
     def call_layer(
         self, hidden_states: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: tuple | None
     ) -> tuple[torch.Tensor, tuple | None]:
+        """The layer's output and the keys and values it made (None if it made none)."""
+        raise NotImplementedError
+
+
+class HFCallToNxDI(HFCall):
+    """The HF call made into NxDI's call of its decoder layer (the submodule ``layer``)."""
+
+    def __init__(self, layer: torch.nn.Module, index: int) -> None:
+        super().__init__(index)
+        self.layer = layer
+
+    def call_layer(
+        self, hidden_states: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: tuple | None
+    ) -> tuple[torch.Tensor, tuple | None]:
         """NxDI's call: the output and the keys and values the layer made (None if it made none)."""
         outputs = self.layer(hidden_states, attention_mask=mask, position_ids=position_ids, past_key_value=past)
         present = outputs[1] if isinstance(outputs, (tuple, list)) and len(outputs) > 1 else None
         return outputs[0], present
 
 
-class HFCallToProgram(HFCallToNxDI):
+class HFCallToProgram(HFCall):
     """The HF call made into the positional call of the layer's compiled program (one program
     per call shape, from ``program_for(example)``); its routers are inside the program."""
 
     def __init__(self, program_for: Callable[[tuple[torch.Tensor, ...]], Callable[..., Any]], index: int) -> None:
-        torch.nn.Module.__init__(self)
+        super().__init__(index)
         self.program_for = program_for
-        self.index = index
 
     def call_layer(
         self, hidden_states: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: tuple | None

@@ -5,6 +5,7 @@ goldens; or re-run it and check that the stored goldens reproduce."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -148,6 +149,11 @@ class ReferenceSide:
                     )
                 with self._capturing(layer_list, layers, run.calls.__setitem__, routing):
                     output = model(input_ids=ids.to(device), use_cache=False)
+                has_logits = getattr(output, "logits", None) is not None
+                # the prompt's logits, held once: the tensor itself where it is on the CPU already
+                logits = output.logits if has_logits else output.last_hidden_state
+                run.model_io["logits"] = logits.detach().to("cpu")
+                del output, logits
                 if steps:
                     self._decode(model, layer_list, layers, ids.to(device), run)
         finally:
@@ -156,16 +162,12 @@ class ReferenceSide:
                 tick.remove()
         for i, tensors in routing.items():
             run.calls.add(i, tensors)
-        logits = getattr(output, "logits", None)
-        if logits is None:
-            logits = output.last_hidden_state
         run.model_io["input_ids"] = ids.cpu()
-        run.model_io["logits"] = logits.detach().to("cpu", copy=True)
-        whole = not streaming and self.settings.logits_topk and getattr(output, "logits", None) is not None
+        whole = not streaming and self.settings.logits_topk and has_logits
         if whole and all(bool(t.isfinite().all()) for t in (run.model_io["logits"], *run.decode_logits)):
             run.model_golden = self._model_golden(model, run, device)  # (NaN logits: the layers' goldens say where)
         self._run = run
-        del model, output
+        del model
         give_back_memory()  # the streamed units' and the forward's freed memory, before the layers load
         return run
 
@@ -193,7 +195,9 @@ class ReferenceSide:
         call (its past keys and values included) per step."""
         import torch
 
-        output = model(input_ids=ids, use_cache=True)
+        # the prompt again, for its cache: of its logits only the last position's are used
+        last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        output = model(input_ids=ids, use_cache=True, **last_only)
         cache = getattr(output, "past_key_values", None)
         if cache is None or getattr(output, "logits", None) is None:
             run.decode_skipped = f"{type(model).__name__} returns no KV cache and logits: no decode steps"

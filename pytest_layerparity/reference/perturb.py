@@ -38,7 +38,13 @@ which results a correct port's kernels legitimately give):
 * fused norms and softmax (``DECOMPOSED_OPS``) run as their decompositions, so their mean,
   variance and sum are perturbed on their own and their error is shared by the whole row;
 * a variance is computed half the time in one pass (E[x^2] - E[x]^2, ``one_pass_var_mean``),
-  as fused norm kernels do, and otherwise as torch does (two passes).
+  as fused norm kernels do, and otherwise as torch does (two passes);
+* a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
+  (``SIXTEEN_BIT_ACCUMULATION``): tensor cores' float16-accumulate mode, cuBLAS's reduced-precision
+  reductions (on by default in PyTorch), XLA's CPU backend (its float16 dot measured 12 times
+  eager's error: bench/README.md). Its error is drawn at the size of one sequential float16 sum
+  of the same products (:func:`sequential_sum_error_std`), the least accurate of the orders such
+  kernels use. Not for bfloat16: no kernel sums in bfloat16 (8 significant bits).
 
 Each run under a new seed is one legitimate implementation of the same layer: the spread of
 a statistic over runs is what a correct port's statistic is judged against.
@@ -46,6 +52,7 @@ a statistic over runs is what a correct port's statistic is judged against.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -180,6 +187,12 @@ MODES = ("jitter", "stochastic", "random")
 #: rsqrt; a blocked or sequential summation against the reference's pairwise one; a compiler
 #: that fuses, reassociates and rounds intermediates where eager did not).
 ERROR_SCALE = 2.0
+#: Result dtypes whose matmuls a legitimate kernel may accumulate in the result's own dtype.
+SIXTEEN_BIT_ACCUMULATION = frozenset({torch.float16})
+#: Matmul ops, by packet name, with the positions of their two factors (m x k and k x n).
+ACCUMULATING_OPS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
+#: Checkpoints along the summed dimension at which the partial sums are computed exactly.
+_CHECKPOINTS = 8
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -244,6 +257,29 @@ def another_rounding(
     return stochastic_round(point, result.dtype, generator)
 
 
+def sequential_sum_error_std(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The standard deviation of the error of ``a @ b`` (batched or not) summed sequentially
+    in ``dtype``: each of the k additions rounds its partial sum S_j to nearest, an error
+    uniform within half an ulp of S_j, of variance u^2 S_j^2 / (8 ln 2) over S_j's position
+    within its binade, so the total's is u^2 / (8 ln 2) * sum_j S_j^2. The partial sums are
+    computed exactly at ``_CHECKPOINTS`` points along k (block products, same work as one
+    matmul); between two checkpoints S_j runs from one to the next (the straight part) with
+    a random-walk bridge around it (sixth of the block's sum of squared products)."""
+    wide = _WIDER.get(dtype, torch.float32)
+    a, b = a.detach().to(wide), b.detach().to(wide)
+    k = a.shape[-1]
+    step = max(1, -(-k // _CHECKPOINTS))
+    total = torch.zeros(a.shape[:-1] + b.shape[-1:], dtype=wide, device=a.device)
+    before = torch.zeros_like(total)
+    for start in range(0, k, step):
+        width = min(step, k - start)
+        after = before + a[..., start : start + width] @ b[..., start : start + width, :]
+        total += width * (before * before + before * after + after * after) / 3
+        before = after
+    total += step * ((a * a) @ (b * b)) / 6
+    return (_UNIT_ROUNDOFF[dtype] ** 2 * total / (8 * math.log(2))).sqrt()
+
+
 def _widen(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in _WIDER:
         return value.detach().to(_WIDER[value.dtype])
@@ -275,21 +311,45 @@ def _named_arguments(func: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 def attention_reference(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     """The attention output of a fused attention op (``func`` called with ``args`` and
     ``kwargs``), computed one precision wider by the math attention: the reference its first
-    result is perturbed around. Arguments are read by name from the op's schema."""
+    result is perturbed around. Arguments are read by name from the op's schema. The queries
+    go through in blocks (:func:`query_block`), so the scores held at once are about the size
+    of the queries themselves, not batch x heads x seq x seq."""
+    import torch
+
     named = _named_arguments(func, args, kwargs)
     query, key, value = (_widen(named[n]) for n in ("query", "key", "value"))
-    mask = named.get("attn_mask", named.get("attn_bias"))
-    output, _ = torch.ops.aten._scaled_dot_product_attention_math(
-        query,
-        key,
-        value,
-        _widen(mask),
-        0.0,
-        bool(named.get("is_causal", False)),
-        scale=named.get("scale"),
-        enable_gqa=query.shape[-3] != key.shape[-3],
-    )
-    return output
+    mask = _widen(named.get("attn_mask", named.get("attn_bias")))
+    causal = bool(named.get("is_causal", False))
+    length, source = query.shape[-2], key.shape[-2]
+    step = query_block(length, query.shape[-1], source)
+    parts = []
+    for start in range(0, length, step):
+        stop = min(start + step, length)
+        rows = mask[..., start:stop, :] if mask is not None and mask.shape[-2] == length else mask
+        if causal:  # top-left aligned, as the op's is_causal: query i sees keys 0..i
+            seen = torch.arange(source, device=query.device) <= torch.arange(start, stop, device=query.device)[:, None]
+            # additive, as the op takes its mask (the front end turns a boolean one into this)
+            hidden = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(~seen, float("-inf"))
+            rows = hidden if rows is None else rows + hidden
+        output, _ = torch.ops.aten._scaled_dot_product_attention_math(
+            query[..., start:stop, :],
+            key,
+            value,
+            rows,
+            0.0,
+            False,
+            scale=named.get("scale"),
+            enable_gqa=query.shape[-3] != key.shape[-3],
+        )
+        parts.append(output)
+    return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+
+
+def query_block(length: int, head_dim: int, source: int) -> int:
+    """Queries per block of the math attention over ``length`` queries and ``source`` keys: a
+    block's scores (heads x rows x keys) about the size of all the queries (heads x length x
+    head_dim), at least one row."""
+    return max(1, length * head_dim // max(source, 1))
 
 
 def _decomposed_ops() -> dict[Any, Any]:
@@ -398,6 +458,14 @@ class PerturbedArithmetic(TorchDispatchMode):
             )
         return (var, mean) if func.overloadpacket is torch.ops.aten.var_mean else var
 
+    @staticmethod
+    def _accumulation_error(name: str, args: tuple, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+        """A draw of the error of summing matmul ``name``'s products in ``dtype``
+        (Gaussian, the size :func:`sequential_sum_error_std` gives)."""
+        first, second = ACCUMULATING_OPS[name]
+        std = sequential_sum_error_std(args[first], args[second], dtype)
+        return std * torch.randn(std.shape, generator=generator, dtype=std.dtype, device=std.device)
+
     def _wider_results(self, func: Any, args: tuple, kwargs: dict) -> list[Any] | None:
         """The op's results computed from its inputs widened one step, or None when it
         cannot be (an op that insists on its dtypes)."""
@@ -446,9 +514,10 @@ class PerturbedArithmetic(TorchDispatchMode):
                     results.append(value)
                     continue
                 self.ops += 1
-                perturbed = another_rounding(
-                    value, wide, self._generator(value.device), self.mode == "jitter", self._scale(value.dtype)
-                )
+                generator = self._generator(value.device)
+                if name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION:
+                    wide = wide + self._accumulation_error(name, args, value.dtype, generator)
+                perturbed = another_rounding(value, wide, generator, self.mode == "jitter", self._scale(value.dtype))
             if id(value) in inputs:  # an in-place op: perturb the tensor itself
                 value.copy_(perturbed)
                 results.append(value)

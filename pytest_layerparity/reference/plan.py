@@ -22,6 +22,8 @@ from .model import (
     hidden_size_from_config,
     read_header,
 )
+from .perturb import query_block
+from .streaming import ROW_BLOCK_FRACTION
 
 # -- checkpoint sizes from headers -------------------------------------------------------------
 
@@ -30,6 +32,7 @@ from .model import (
 class CheckpointSizes:
     by_dtype: dict[str, int] = field(default_factory=dict)  # bytes on disk per stored dtype
     numel: dict[str, int] = field(default_factory=dict)  # per tensor
+    ndim: dict[str, int] = field(default_factory=dict)  # per tensor
 
 
 def checkpoint_sizes(checkpoint: Checkpoint) -> CheckpointSizes:
@@ -40,6 +43,7 @@ def checkpoint_sizes(checkpoint: Checkpoint) -> CheckpointSizes:
             for dim in info["shape"]:
                 n *= dim
             sizes.numel[key] = n
+            sizes.ndim[key] = len(info["shape"])
             nbytes = n * SAFETENSORS_ITEMSIZE.get(info["dtype"], 4)
             sizes.by_dtype[info["dtype"]] = sizes.by_dtype.get(info["dtype"], 0) + nbytes
     return sizes
@@ -57,8 +61,12 @@ class Plan:
     activations: int
     kv_cache: int
     by_dtype: dict[str, int]
-    largest_outside: int = 0  # the largest tensor outside the layers (embeddings, head), in the run dtype
+    #: The most a unit outside the layers holds at once, in the run dtype: a matrix (embeddings,
+    #: head) is read by rows, at most a block of ROW_BLOCK_FRACTION of the largest layer; any
+    #: other tensor whole.
+    largest_outside: int = 0
     logits: int = 0  # one set of the model's logits over the prompt, in the run dtype
+    resident: int = 0  # tied embeddings and head: read whole once, held through the forward
 
 
 def attention_shape(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -90,7 +98,12 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
     hidden, _, kv_heads, head_dim = attention_shape(cfg)
     activations = batch * seq * hidden * num_layers * size
     kv = 2 * batch * num_layers * seq * kv_heads * head_dim * size
-    outside = max((n for k, n in sizes.numel.items() if k not in claimed), default=0) * size
+    outside = [k for k in sizes.numel if k not in claimed]
+    matrices = max((sizes.numel[k] for k in outside if sizes.ndim[k] == 2), default=0)
+    others = max((sizes.numel[k] for k in outside if sizes.ndim[k] != 2), default=0)
+    largest_numel = per_layer[largest] // size if per_layer else 0
+    tied = _tied(model)
+    by_rows = 0 if tied else min(matrices, max(int(ROW_BLOCK_FRACTION * largest_numel), 1))
     vocab = text.get("vocab_size") or 0
     return Plan(
         total,
@@ -99,9 +112,22 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
         activations,
         kv,
         sizes.by_dtype,
-        largest_outside=outside,
+        largest_outside=max(others, by_rows) * size,
         logits=batch * seq * vocab * size,
+        resident=matrices * size if tied else 0,
     )
+
+
+def _tied(model: ModelSource) -> bool:
+    """Whether the model ties its embeddings and head (streaming then holds them whole)."""
+    text = model.config_json.get("text_config") or {}
+    for scope in (text, model.config_json):
+        if "tie_word_embeddings" in scope:
+            return bool(scope["tie_word_embeddings"])
+    try:
+        return bool(getattr(model.hf_config, "tie_word_embeddings", False))
+    except Exception:  # a config transformers cannot read here: its default
+        return False
 
 
 @dataclass(frozen=True)
@@ -152,18 +178,19 @@ def stream_extraction_needs(
     two phases, the larger:
 
     * the reference forward (every unit streamed, then the decode steps): the largest unit (a
-      decoder layer, or the embeddings or head) in the run dtype, and beside it the more of
+      decoder layer, or a block of the embeddings' or head's rows; tied ones whole, held
+      through the forward) in the run dtype, and beside it the more of
       what loading it adds (the tensors read and converted, at most about one more unit:
       ``Checkpoint.load_into`` converts one group at a time, the largest first) or one
-      layer's activations (they do not coexist with a load); the logits of the prompt, twice
-      while the decode steps run the prompt again, with the KV cache of every layer then
-      (the layers' calls go to disk);
+      layer's activations (they do not coexist with a load); the logits of the prompt (held
+      once: the decode steps' pass over the prompt keeps its last position's alone), with the
+      KV cache of every layer while the decode steps run (the layers' calls go to disk);
     * each layer's goldens (the layer loaded once for its precision floor and noise envelope;
       the forward's logits are written and dropped before): the largest layer, and beside it
       the more of what loading it adds or one layer's activations at the widest of the
       precision floor (the same tensors in the floor dtype, float32 or float64) and a
       perturbed run (the run's tensors, and each op's operands and result one precision
-      wider, a fused attention's by the math attention: seq x seq scores per head); and one
+      wider, a fused attention's by the math attention: a block of queries' scores per head); and one
       captured layer call (its hidden states in and out), read back to write its golden.
     """
     size = itemsize(dtype_name)
@@ -175,17 +202,19 @@ def stream_extraction_needs(
     forward = {
         "the largest unit": unit,
         LOAD_OR_ACTIVATIONS: max(unit, act),
-        "the prompt's logits" + (" (x2 while decoding)" if options.decode_steps else ""): plan.logits
-        * (2 if options.decode_steps else 1),
+        "the prompt's logits": plan.logits,
         "the KV cache of every layer (decode steps)": plan.kv_cache if options.decode_steps else 0,
+        "tied embeddings and head (held through the forward)": plan.resident,
     }
     goldens = {"one captured call (hidden states in and out)": 2 * batch * seq * hidden * size}
     if options.precision_floor:  # the layer is loaded for its floor and envelope
         widest = max(act, layer_activations(cfg, batch, seq, floor_size, eager))
         if options.envelope:
-            # a fused attention's wider result comes from the math attention: its scores and
-            # probabilities, batch x heads x seq x seq in the floor dtype (perturb.attention_reference)
-            math_scores = 0 if eager else 2 * batch * attention_shape(cfg)[1] * seq * seq * floor_size
+            # a fused attention's wider result comes from the math attention, its queries in
+            # blocks: one block's scores and probabilities, batch x heads x rows x seq in the
+            # floor dtype (perturb.attention_reference)
+            heads, head_dim = attention_shape(cfg)[1], attention_shape(cfg)[3]
+            math_scores = 0 if eager else 2 * batch * heads * query_block(seq, head_dim, seq) * seq * floor_size
             widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
         layer = plan.largest_layer[1]
         goldens = {"the largest layer": layer, LOAD_OR_WIDEST: max(layer, widest), **goldens}

@@ -138,7 +138,7 @@ def test_stream_extraction_needs_name_every_term_and_follow_the_options():
     assert phase == FORWARD  # the embeddings outweigh a layer and its floor's pass over 8 tokens
     assert full["the largest unit"] == 100_000
     assert full[LOAD_OR_ACTIVATIONS] == 100_000  # loading the embeddings outweighs a plain pass over 8 tokens
-    assert full["the prompt's logits (x2 while decoding)"] == 2_000
+    assert full["the prompt's logits"] == 1_000  # once: the decode steps keep the last position's alone
     assert full["the KV cache of every layer (decode steps)"] == 4_000
     no_floor = RunOptions(precision_floor=False, envelope=False)
     assert stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, no_floor)[1]["the prompt's logits"] == 1_000

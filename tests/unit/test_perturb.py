@@ -12,6 +12,8 @@ from pytest_layerparity.reference.perturb import (
     another_rounding,
     attention_reference,
     one_pass_var_mean,
+    query_block,
+    sequential_sum_error_std,
     stochastic_round,
 )
 
@@ -81,6 +83,46 @@ def test_error_scale_multiplies_an_ops_error():
         out = another_rounding(result, wide, torch.Generator().manual_seed(2), scale=scale)
         sizes.append(((out.double() - wide).abs() / (wide * 2**-24)).mean().item())
     assert sizes[0] == pytest.approx(5.0, abs=0.6) and sizes[1] == pytest.approx(10.0, abs=1.2)
+
+
+def _sequential_float16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b summed one product at a time in float16 (each product and partial sum rounded)."""
+    total = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float16)
+    for i in range(a.shape[1]):
+        total = (total.float() + (a[:, i : i + 1].float() * b[i : i + 1].float()).half().float()).half()
+    return total
+
+
+@pytest.mark.parametrize(("k", "offset"), [(256, 0.0), (1024, 0.0), (1024, 0.5)])
+def test_sequential_sum_error_std_is_the_size_of_a_float16_sums_error(k, offset):
+    """The predicted error of a float16 sequential sum (zero-mean products, and products with a
+    drift) is within 25% of the error measured on such a sum, and far above one rounding."""
+    g = torch.Generator().manual_seed(k)
+    a = (torch.randn(32, k, generator=g) + offset).half()
+    b = (torch.randn(k, 16, generator=g) / 16).half()
+    exact = a.double() @ b.double()
+    measured = (_sequential_float16(a, b).double() - exact).pow(2).mean().sqrt()
+    predicted = sequential_sum_error_std(a, b, torch.float16).double().pow(2).mean().sqrt()
+    assert predicted == pytest.approx(measured.item(), rel=0.25)
+    assert predicted > 4 * (exact.half().double() - exact).pow(2).mean().sqrt()
+
+
+def test_float16_matmuls_are_perturbed_as_float16_accumulation_and_bfloat16_ones_are_not():
+    """Under the perturbation a float16 matmul is off by about a float16 sum's error; a
+    bfloat16 one by about its final rounding alone (no kernel sums in bfloat16)."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 1024, generator=g), torch.randn(1024, 32, generator=g) / 32
+    relative = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        a, b = x.to(dtype), w.to(dtype)
+        exact = a.double() @ b.double()
+        with PerturbedArithmetic(5):
+            out = a @ b
+        error = (out.double() - exact).pow(2).mean().sqrt()
+        rounding = (exact.to(dtype).double() - exact).pow(2).mean().sqrt()
+        relative[dtype] = (error / rounding).item()
+    assert relative[torch.float16] > 4
+    assert relative[torch.bfloat16] < 2
 
 
 def test_norms_and_softmax_are_perturbed_reduction_by_reduction():
@@ -178,3 +220,24 @@ def test_perturbed_attention_stays_within_rounding_of_the_plain_one():
         perturbed = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert mode.ops >= 1 and not torch.equal(perturbed, plain)
     assert ((perturbed.float() - plain.float()).abs() <= 4 * 2**-8 * plain.float().abs().amax()).all()
+
+
+@pytest.mark.parametrize(
+    ("length", "mask_rows", "causal"),
+    [(64, 64, False), (64, 1, False), (64, None, True), (64, None, False), (1, 1, False), (48, None, True)],
+)
+def test_the_math_attention_reference_goes_through_the_queries_in_blocks(length, mask_rows, causal):
+    """The reference of a fused attention, its queries in blocks of about head_dim x seq / keys
+    rows, equals the math attention over all queries at once (float64 inputs: a wider
+    reference's own precision), for a mask per query, one mask for every query, and causal."""
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(1, 4, length, 8, generator=g, dtype=torch.float32)
+    k, v = (torch.randn(1, 2, 64, 8, generator=g, dtype=torch.float32) for _ in range(2))
+    mask = None if mask_rows is None else torch.randn(1, 1, mask_rows, 64, generator=g)
+    func = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    blocked = attention_reference(func, (q, k, v, 0.0, causal), {"attn_mask": mask})
+    whole, _ = torch.ops.aten._scaled_dot_product_attention_math(
+        q.double(), k.double(), v.double(), None if mask is None else mask.double(), 0.0, causal, enable_gqa=True
+    )
+    assert blocked.dtype == torch.float64 and torch.allclose(blocked, whole, rtol=1e-12, atol=1e-12)
+    assert query_block(length, 8, 64) == max(1, length * 8 // 64)  # several blocks whenever length > 8
