@@ -477,7 +477,7 @@ def main() -> None:
     )
     parser.add_argument("--tallies-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    label = {"xla": "torch-xla", "cuda": "CUDA"}.get(args.port_target, args.port_target)
+    label = target_label(args.port_target)
     started = time.time()
     groups = tuple(g for g in MODEL_GROUPS if not args.models or g in args.models.split(","))
     if args.one_process or args.tallies_out or len(groups) == 1:
@@ -490,6 +490,11 @@ def main() -> None:
     report(tallies, args, label, time.time() - started)
     if not args.skip_k:
         choose_k(Path(tempfile.mkdtemp(prefix="verdicts-k-")), args.golden_device)
+
+
+def target_label(target: str) -> str:
+    """How the tables name where the ports run."""
+    return {"xla": "torch-xla", "cuda": "CUDA"}.get(target, target)
 
 
 def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
@@ -526,7 +531,7 @@ def _sum_rows(rows: list, width: int) -> dict:
 def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     """Every case of ``groups`` in this process: the tallies, as plain lists (JSON)."""
     target = args.port_target
-    label = {"xla": "torch-xla", "cuda": "CUDA"}.get(target, target)
+    label = target_label(target)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     work = Path(tempfile.mkdtemp(prefix="verdicts-"))
     started = time.time()

@@ -314,8 +314,6 @@ def attention_reference(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     result is perturbed around. Arguments are read by name from the op's schema. The queries
     go through in blocks (:func:`query_block`), so the scores held at once are about the size
     of the queries themselves, not batch x heads x seq x seq."""
-    import torch
-
     named = _named_arguments(func, args, kwargs)
     query, key, value = (_widen(named[n]) for n in ("query", "key", "value"))
     mask = _widen(named.get("attn_mask", named.get("attn_bias")))

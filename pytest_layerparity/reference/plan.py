@@ -20,7 +20,6 @@ from .model import (
     Checkpoint,
     ModelSource,
     hidden_size_from_config,
-    read_header,
 )
 from .perturb import query_block
 from .streaming import ROW_BLOCK_FRACTION
@@ -38,7 +37,7 @@ class CheckpointSizes:
 def checkpoint_sizes(checkpoint: Checkpoint) -> CheckpointSizes:
     sizes = CheckpointSizes()
     for name in sorted(set(checkpoint.weight_map.values())):
-        for key, info in read_header(checkpoint.root / name).items():
+        for key, info in checkpoint.shard_header(name)[0].items():
             n = 1
             for dim in info["shape"]:
                 n *= dim
@@ -197,7 +196,7 @@ def stream_extraction_needs(
     floor_size = 8 if dtype_name == "float32" else 4
     eager = options.attn_implementation == "eager"
     act = layer_activations(cfg, batch, seq, size, eager)
-    hidden = attention_shape(cfg)[0]
+    hidden, heads, _, head_dim = attention_shape(cfg)
     unit = max(plan.largest_layer[1], plan.largest_outside)
     forward = {
         "the largest unit": unit,
@@ -213,7 +212,6 @@ def stream_extraction_needs(
             # a fused attention's wider result comes from the math attention, its queries in
             # blocks: one block's scores and probabilities, batch x heads x rows x seq in the
             # floor dtype (perturb.attention_reference)
-            heads, head_dim = attention_shape(cfg)[1], attention_shape(cfg)[3]
             math_scores = 0 if eager else 2 * batch * heads * query_block(seq, head_dim, seq) * seq * floor_size
             widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
         layer = plan.largest_layer[1]

@@ -169,9 +169,9 @@ def streamed(
     try:
         block = int(ROW_BLOCK_FRACTION * _layer_elements(checkpoint, plan))
         for unit in plan.units:
-            kind = unit.by_rows()
             if unit.resident:
                 continue
+            kind = unit.by_rows()
             if kind == "linear":
                 unit.module.forward = functools.partial(
                     _blocked_linear, unit, checkpoint, dtype, device, block, on_unit
