@@ -57,9 +57,68 @@ def token_mask(rows: int, left_out: Iterable[int]) -> torch.Tensor | None:
     return keep
 
 
+#: Elements of one block of tokens the statistics are computed on (float64: 2 MB a tensor,
+#: about ten at once). Whole, a layer's output at seq 2048 and hidden 1024 is 17 MB in
+#: float64, and the statistics held ten such tensors: more than the layer's activations.
+BLOCK_ELEMENTS = 1 << 18
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    x = x.detach().to("cpu", torch.float64)
+    x = x.detach()
     return x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
+
+
+@dataclass
+class _Sums:
+    """What the statistics need, summed over blocks of tokens (float64)."""
+
+    err_g: list[torch.Tensor]  # per token ||golden - ref||
+    err_t: list[torch.Tensor]  # per token ||target - ref||
+    ref_sq: float = 0.0
+    dg_dt: float = 0.0  # (golden - input) . (target - input)
+    dg_sq: float = 0.0
+    dt_sq: float = 0.0
+    u_sq: float = 0.0  # ||ref - input||^2: the layer's own contribution
+    tg_u: float = 0.0  # (target - golden) . (ref - input)
+    gr_u: float = 0.0  # (golden - ref) . (ref - input)
+
+    def add(self, g: torch.Tensor, t: torch.Tensor, r: torch.Tensor, x: torch.Tensor | None) -> None:
+        self.err_g.append((g - r).norm(dim=-1))
+        self.err_t.append((t - r).norm(dim=-1))
+        self.ref_sq += float(r.pow(2).sum())
+        if x is None:
+            return
+        dg, dt, u = g - x, t - x, r - x
+        self.dg_dt += float((dg * dt).sum())
+        self.dg_sq += float(dg.pow(2).sum())
+        self.dt_sq += float(dt.pow(2).sum())
+        self.u_sq += float(u.pow(2).sum())
+        self.tg_u += float(((t - g) * u).sum())
+        self.gr_u += float(((g - r) * u).sum())
+
+
+def _sums(
+    golden: torch.Tensor,
+    target: torch.Tensor,
+    reference: torch.Tensor,
+    hidden_in: torch.Tensor | None,
+    keep_tokens: torch.Tensor | None,
+) -> tuple[_Sums, int, int]:
+    """The sums over the kept tokens, a block of tokens at a time in float64 (never a
+    float64 copy of the whole tensors); with the number of tokens and of elements kept."""
+    g, t, r = _rows(golden), _rows(target), _rows(reference)
+    x = _rows(hidden_in) if hidden_in is not None and hidden_in.shape == golden.shape else None
+    sums = _Sums([], [])
+    step = max(1, BLOCK_ELEMENTS // max(1, g.shape[-1]))
+    kept = 0
+    for start in range(0, g.shape[0], step):
+        block = slice(start, start + step)
+        parts = [a[block] if a is not None else None for a in (g, t, r, x)]
+        if keep_tokens is not None:
+            parts = [a[keep_tokens[block]] if a is not None else None for a in parts]
+        kept += parts[0].shape[0]
+        sums.add(*(a.to("cpu", torch.float64) if a is not None else None for a in parts))
+    return sums, kept, kept * g.shape[-1]
 
 
 def floor_stats(
@@ -71,17 +130,11 @@ def floor_stats(
 ) -> FloorStats:
     """The statistics against the floor ``reference``, over tokens (optionally only the
     ``keep_tokens`` boolean mask)."""
-    g, t, r = _rows(golden), _rows(target), _rows(reference)
-    x = _rows(hidden_in) if hidden_in is not None and hidden_in.shape == golden.shape else None
-    if keep_tokens is not None:
-        g, t, r = g[keep_tokens], t[keep_tokens], r[keep_tokens]
-        x = x[keep_tokens] if x is not None else None
-    tokens = g.shape[0]
+    sums, tokens, elements = _sums(golden, target, reference, hidden_in, keep_tokens)
     if tokens == 0:
         return FloorStats(0.0, 0.0, -1, 0.0, 0.0, None, 0)
-    err_g = (g - r).norm(dim=-1)
-    err_t = (t - r).norm(dim=-1)
-    tiny = 1e-12 * float(r.norm()) + 1e-300
+    err_g, err_t = torch.cat(sums.err_g), torch.cat(sums.err_t)
+    tiny = 1e-12 * sums.ref_sq**0.5 + 1e-300
     golden_error = float(err_g.norm())
     target_error = float(err_t.norm())
     ratio = target_error / (golden_error + tiny)
@@ -89,19 +142,17 @@ def floor_stats(
     per_token = err_t / floor
     worst = int(per_token.argmax())
     delta_cos = z_t = z_g = None
-    if x is not None:
-        dg, dt = (g - x).flatten(), (t - x).flatten()
-        denom = float(dg.norm() * dt.norm())
-        delta_cos = max(-1.0, min(1.0, float(dg @ dt) / denom)) if denom > 0 else 1.0
+    has_input = hidden_in is not None and hidden_in.shape == golden.shape
+    if has_input:
+        denom = (sums.dg_sq * sums.dt_sq) ** 0.5
+        delta_cos = max(-1.0, min(1.0, sums.dg_dt / denom)) if denom > 0 else 1.0
         # A bug that scales or skews the layer's own contribution (output - input) leaves a
         # consistent component along it. The golden's rounding may have one too (16-bit
         # rounding of a large contribution is biased), so the target is measured against the
         # golden along that direction, in units of the golden's noise per element.
-        u = (r - x).flatten()
-        unorm = float(u.norm())
+        unorm = sums.u_sq**0.5
         if unorm > 0 and golden_error > 0:
-            u = u / unorm
-            scale = (u.numel() ** 0.5) / golden_error
-            z_t = float((t - g).flatten() @ u) * scale
-            z_g = float((g - r).flatten() @ u) * scale
+            scale = (elements**0.5) / golden_error
+            z_t = sums.tg_u / unorm * scale
+            z_g = sums.gr_u / unorm * scale
     return FloorStats(ratio, float(per_token[worst]), worst, golden_error, target_error, delta_cos, tokens, z_t, z_g)

@@ -150,6 +150,7 @@ class PerturbedRunner:
         with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
             for k in range(self.samples):
                 runs.append(self.run(layer, spec, tensors, BASE_SEED + k, hidden[k] if hidden is not None else None))
+                give_back_memory()  # the run's freed temporaries: the next run's heap starts empty
                 bar.update(1)
         if owned:
             del layer

@@ -28,7 +28,7 @@ from .inputs import input_description, make_input_ids
 from .model import ModelError, ModelSource, build_skeleton, find_layer_list, give_back_memory, layer_count_from_config
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
 from .plan import resolve_golden_device
-from .spill import SpilledCalls
+from .spill import SpilledCalls, SpilledKV
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,21 @@ class ReferenceRun:
     decode_skipped: str | None = None  # why there are no decode steps, when asked for
     decode_logits: list[torch.Tensor] = field(default_factory=list)  # each decode step's logits (CPU)
     model_golden: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # whole-model golden and metadata
+    spilled_io: SpilledCalls | None = None  # model_io's tensors kept on disk (streaming: the prompt's logits)
+
+    def io_tensors(self) -> dict[str, torch.Tensor]:
+        """``model_io``'s tensors, with those kept on disk read back."""
+        io = dict(self.model_io)
+        if self.spilled_io is not None and MODEL_IO_KEY in self.spilled_io:
+            io.update(self.spilled_io[MODEL_IO_KEY].tensors)
+        return io
+
+    def drop_io(self) -> None:
+        """Forget ``model_io`` (written), on disk too."""
+        self.model_io.clear()
+        self.decode_logits.clear()
+        if self.spilled_io is not None:
+            self.spilled_io.clear()
 
 
 class ReferenceSide:
@@ -150,12 +165,21 @@ class ReferenceSide:
                 with self._capturing(layer_list, layers, run.calls.__setitem__, routing):
                     output = model(input_ids=ids.to(device), use_cache=False)
                 has_logits = getattr(output, "logits", None) is not None
-                # the prompt's logits, held once: the tensor itself where it is on the CPU already
-                logits = output.logits if has_logits else output.last_hidden_state
-                run.model_io["logits"] = logits.detach().to("cpu")
-                del output, logits
+                # the prompt's logits, held once: the tensor itself where it is on the CPU already;
+                # streaming puts them on disk (seq x vocab: more than a layer's activations)
+                logits = (output.logits if has_logits else output.last_hidden_state).detach().to("cpu")
+                del output
+                if streaming:
+                    run.spilled_io = SpilledCalls(self.store.root)
+                    run.spilled_io[MODEL_IO_KEY] = CallRecord(tensors={"logits": logits})
+                else:
+                    run.model_io["logits"] = logits
+                del logits
                 if steps:
-                    self._decode(model, layer_list, layers, ids.to(device), run)
+                    kv = SpilledKV(self.store.root) if streaming else None  # flat in depth
+                    if kv is not None:
+                        stack.callback(kv.close)
+                    self._decode(model, layer_list, layers, ids.to(device), run, kv)
         finally:
             handle.remove()
             for tick in ticks:
@@ -188,16 +212,27 @@ class ReferenceSide:
             yield
 
     def _decode(
-        self, model: PreTrainedModel, layer_list: Any, layers: list[int], ids: torch.Tensor, run: ReferenceRun
+        self,
+        model: PreTrainedModel,
+        layer_list: Any,
+        layers: list[int],
+        ids: torch.Tensor,
+        run: ReferenceRun,
+        kv: SpilledKV | None = None,
     ) -> None:
         """The decode steps after the prompt: the prompt once more with the KV cache, then
         ``--decode-steps`` greedy tokens, one forward each, recording every selected layer's
-        call (its past keys and values included) per step."""
+        call (its past keys and values included) per step. With ``kv``, the cache is held a
+        layer at a time (the rest on disk)."""
         import torch
+
+        def spilling() -> contextlib.AbstractContextManager[None]:
+            return kv.hooks(layer_list) if kv is not None else contextlib.nullcontext()
 
         # the prompt again, for its cache: of its logits only the last position's are used
         last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        output = model(input_ids=ids, use_cache=True, **last_only)
+        with spilling():
+            output = model(input_ids=ids, use_cache=True, **last_only)
         cache = getattr(output, "past_key_values", None)
         if cache is None or getattr(output, "logits", None) is None:
             run.decode_skipped = f"{type(model).__name__} returns no KV cache and logits: no decode steps"
@@ -211,7 +246,7 @@ class ReferenceSide:
             def sink(i: int, record: CallRecord, step: int = step) -> None:
                 run.decode_calls[(i, step)] = record
 
-            with self._capturing(layer_list, layers, sink, routing):
+            with self._capturing(layer_list, layers, sink, routing), spilling():  # spilled after the capture saw it
                 output = model(input_ids=token, past_key_values=cache, use_cache=True)
             run.decode_logits.append(output.logits.detach().to("cpu", copy=True))
             for i, tensors in routing.items():
@@ -308,15 +343,15 @@ class ReferenceSide:
             self._header_written = True
         if not self._model_io_checked:
             if not self.store.verifies(MODEL_IO_KEY):  # absent or damaged: (re)write it; NaN logits are left out
-                io = run.model_io
+                io = run.io_tensors()
                 if run.model_golden is not None:  # the whole model's logits are kept compact there
                     io = {k: v for k, v in io.items() if k != "logits"}
                 self.store.write(MODEL_IO_KEY, io, {"kind": "model_io"}, omit_nonfinite=True)
+                del io
             if run.model_golden is not None and not self.store.verifies(MODEL_LOGITS_KEY):
                 self.store.write(MODEL_LOGITS_KEY, *run.model_golden)
             self._model_io_checked = True
-            run.model_io.clear()  # written: the prompt's logits (seq x vocab) need not stay for every layer
-            run.decode_logits.clear()
+            run.drop_io()  # written: the prompt's logits (seq x vocab) need not stay for every layer
             give_back_memory()  # with the serialisation's buffers
         # One load of the layer for the floor and the envelope of all its goldens (the prompt
         # and each decode step); the envelope's runs use it where they run on the CPU too.

@@ -87,5 +87,5 @@ class FloorEvaluator:
         del args, kwargs, upcast
         if owned:
             del layer
-            give_back_memory()
+        give_back_memory()  # the wider pass's freed temporaries (and the layer, when owned)
         return out.detach().to("cpu", self.dtype), extras

@@ -65,6 +65,7 @@ class Plan:
     #: other tensor whole.
     largest_outside: int = 0
     logits: int = 0  # one set of the model's logits over the prompt, in the run dtype
+    kv_layer: int = 0  # one layer's share of kv_cache
     resident: int = 0  # tied embeddings and head: read whole once, held through the forward
 
 
@@ -113,6 +114,7 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
         sizes.by_dtype,
         largest_outside=max(others, by_rows) * size,
         logits=batch * seq * vocab * size,
+        kv_layer=kv // num_layers if num_layers else 0,
         resident=matrices * size if tied else 0,
     )
 
@@ -164,7 +166,8 @@ def layer_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     return 4 * tokens * hidden * itemsize_ + attention + mlp
 
 
-LOAD_OR_ACTIVATIONS = "loading it, or one layer's activations where more"
+LOAD_OR_ACTIVATIONS = "loading it, or one unit's activations (a layer's, or the head's: the prompt's logits) where more"
+KV_ONE_LAYER = "one layer's KV cache (decode steps; the other layers' on disk)"
 LOAD_OR_WIDEST = "loading it, or one layer's activations (the widest pass: the floor's or the envelope's) where more"
 FORWARD = "the reference forward"
 GOLDENS = "each layer's goldens"
@@ -181,11 +184,12 @@ def stream_extraction_needs(
       through the forward) in the run dtype, and beside it the more of
       what loading it adds (the tensors read and converted, at most about one more unit:
       ``Checkpoint.load_into`` converts one group at a time, the largest first) or one
-      layer's activations (they do not coexist with a load); the logits of the prompt (held
-      once: the decode steps' pass over the prompt keeps its last position's alone), with the
-      KV cache of every layer while the decode steps run (the layers' calls go to disk);
+      unit's activations (they do not coexist with a load): a layer's, or the head's, the
+      prompt's logits (they go to disk as the forward returns; the decode steps' pass over
+      the prompt keeps its last position's alone); while the decode steps run, one layer's
+      KV cache (the others' on disk, as the layers' calls);
     * each layer's goldens (the layer loaded once for its precision floor and noise envelope;
-      the forward's logits are written and dropped before): the largest layer, and beside it
+      the prompt's logits are written before, from disk): the largest layer, and beside it
       the more of what loading it adds or one layer's activations at the widest of the
       precision floor (the same tensors in the floor dtype, float32 or float64) and a
       perturbed run (the run's tensors, and each op's operands and result one precision
@@ -200,9 +204,8 @@ def stream_extraction_needs(
     unit = max(plan.largest_layer[1], plan.largest_outside)
     forward = {
         "the largest unit": unit,
-        LOAD_OR_ACTIVATIONS: max(unit, act),
-        "the prompt's logits": plan.logits,
-        "the KV cache of every layer (decode steps)": plan.kv_cache if options.decode_steps else 0,
+        LOAD_OR_ACTIVATIONS: max(unit, act, plan.logits),
+        KV_ONE_LAYER: plan.kv_layer if options.decode_steps else 0,
         "tied embeddings and head (held through the forward)": plan.resident,
     }
     goldens = {"one captured call (hidden states in and out)": 2 * batch * seq * hidden * size}

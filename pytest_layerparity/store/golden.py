@@ -22,7 +22,7 @@ import os
 import re
 import stat
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 from ..compare.envelope import Envelope
 from ..selection import golden_layer, parse_decode_key, parse_layer_key
+from . import tensorfile
 from .callspec import tensor_names
 from .commands import extract_command
 
@@ -102,22 +103,18 @@ def _umask() -> int:
     return mask
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """``os.write`` until every byte is out: a short write is retried, a full disk raises."""
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _write_temp(path: Path, data: bytes) -> Path:
-    """Write ``data`` to a new temporary file beside ``path`` and fsync it; return its path.
-    On any failure the temporary file is removed and the error raised."""
+def _write_temp(path: Path, data: bytes | Callable[[int], Any]) -> Path:
+    """Write ``data`` (bytes, or a function writing to the file descriptor it is given) to
+    a new temporary file beside ``path`` and fsync it; return its path. On any failure the
+    temporary file is removed and the error raised."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         try:
             os.fchmod(fd, 0o666 & ~_umask())
-            _write_all(fd, data)
+            if callable(data):
+                data(fd)
+            else:
+                tensorfile.write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -298,8 +295,6 @@ class GoldenStore:
         under ``omitted`` in the entry's metadata. Raises GoldenError when the file or the
         manifest cannot be written; the store then keeps what it had for ``key``.
         """
-        from safetensors.torch import save
-
         metadata = dict(metadata)
         if omit_nonfinite:
             tensors, omitted = _split_nonfinite(key, tensors)
@@ -309,16 +304,20 @@ class GoldenStore:
             check_finite(key, tensors)
         name = _file_name(key)
         path = self.root / name
-        payload = save(
-            {name_: tensor.detach().contiguous().cpu() for name_, tensor in tensors.items()},
-            metadata={"layerparity": json.dumps(metadata, sort_keys=True)},
-        )
-        record = {"file": name, "sha256": hashlib.sha256(payload).hexdigest(), "bytes": len(payload)}
+        written: dict[str, tuple[str, int]] = {}  # the file written from the tensors' own memory
+
+        def fill(fd: int) -> None:
+            written["file"] = tensorfile.write_tensors(
+                fd, tensors, {"layerparity": json.dumps(metadata, sort_keys=True)}
+            )
+
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = _write_temp(path, payload)
+            tmp = _write_temp(path, fill)
         except OSError as exc:
             raise GoldenError(self._write_failure(key, path, exc)) from exc
+        sha256, size = written["file"]
+        record = {"file": name, "sha256": sha256, "bytes": size}
         renamed = False
         try:
             with self.locked():

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save
 from support import DEFAULT_GOLDENS, DEFAULT_MODEL
 
 from pytest_layerparity.reference.model import config_sha256, read_config_json
-from pytest_layerparity.store import golden
+from pytest_layerparity.store import golden, tensorfile
 from pytest_layerparity.store.golden import GoldenError, GoldenStore
 
 USAGE_ERROR = pytest.ExitCode.USAGE_ERROR  # 4
@@ -146,9 +146,9 @@ def extract_cmd(root: Path, layers: str | None = None, model: Path | None = None
 
 
 def full_disk_for(name_part: str, written: list[str] | None = None):
-    """A stand-in for golden._write_all that writes half of the bytes of files whose
+    """A stand-in for tensorfile.write_all (every byte the store writes) that writes half of the bytes of files whose
     (temporary) name contains ``name_part`` and then fails as a full disk does."""
-    real = golden._write_all
+    real = tensorfile.write_all
 
     def write_all(fd: int, data: bytes) -> None:
         target = os.readlink(f"/proc/self/fd/{fd}")
@@ -362,7 +362,7 @@ def test_full_disk_leaves_the_store_unchanged(store_copy, monkeypatch):
     old = (root / "layer_00002.safetensors").read_bytes()
     entry = store_copy.load("layer_2")
     written: list[str] = []
-    monkeypatch.setattr(golden, "_write_all", full_disk_for("layer_0000", written))
+    monkeypatch.setattr(tensorfile, "write_all", full_disk_for("layer_0000", written))
     for key, index in (("layer_2", 2), ("layer_7", 7)):
         path = root / f"layer_{index:05d}.safetensors"
         with pytest.raises(GoldenError) as info:
@@ -383,7 +383,7 @@ def test_full_disk_leaves_the_store_unchanged(store_copy, monkeypatch):
 def test_full_disk_while_writing_the_manifest_leaves_the_store_unchanged(store_copy, monkeypatch):
     root = store_copy.root
     before = {p.name: p.read_bytes() for p in root.iterdir()}
-    monkeypatch.setattr(golden, "_write_all", full_disk_for("manifest.json"))
+    monkeypatch.setattr(tensorfile, "write_all", full_disk_for("manifest.json"))
     with pytest.raises(GoldenError) as info:
         store_copy.write("layer_2", {"output": torch.ones(2)}, {"call": {}})
     assert str(info.value).startswith(
@@ -395,7 +395,7 @@ def test_full_disk_while_writing_the_manifest_leaves_the_store_unchanged(store_c
 
 def test_full_disk_when_creating_the_manifest(tmp_path, monkeypatch):
     store = GoldenStore(tmp_path / "store")
-    monkeypatch.setattr(golden, "_write_all", full_disk_for("manifest.json"))
+    monkeypatch.setattr(tensorfile, "write_all", full_disk_for("manifest.json"))
     with pytest.raises(GoldenError) as info:
         store.begin({"dtype": "float32"}, compare_keys=("dtype",))
     assert str(info.value) == (
@@ -429,7 +429,7 @@ def test_extraction_on_a_full_disk_fails_that_layer_saying_which_file_and_why(pr
     path = goldens / "layer_00002.safetensors"
     old = path.read_bytes()
     record = read_manifest(goldens)["files"]["layer_2"]
-    monkeypatch.setattr(golden, "_write_all", full_disk_for(".layer_00002.safetensors."))
+    monkeypatch.setattr(tensorfile, "write_all", full_disk_for(".layer_00002.safetensors."))
     result = project.runpytest("--gpu-golden", "--extract", "--layers", "1-3", "-v")
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*test_extract_golden?layer_2? FAILED*"])

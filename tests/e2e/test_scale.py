@@ -32,6 +32,8 @@ def test_streaming_goldens_equal_whole_model_goldens_bit_for_bit(pytester):
     streamed, whole = (load_file(pytester.path / d / "model_io.safetensors") for d in ("stream", "whole"))
     for name in ("input_ids", "embeddings", "decode_ids"):
         assert torch.equal(streamed[name], whole[name]), name
+    assert streamed["logits"].shape[:2] == streamed["input_ids"].shape  # every position's, back from disk
+    assert not list((pytester.path / "stream").glob(".layerparity-calls-*"))  # the spilled logits and KV cache: gone
     assert (pytester.path / "whole" / "model_logits.safetensors").exists()
     assert not (pytester.path / "stream" / "model_logits.safetensors").exists()
 

@@ -382,3 +382,22 @@ def test_appended_kv_noise_ratio_limit_widens_to_the_steps_envelope_never_narrow
     wide = ratio_check(limits(table.value * 2))
     assert wide.limit == table.value * 2 and wide.ok
     assert ratio_check(limits(0.5)).limit == 1.5  # a narrower envelope leaves the table's limit
+
+
+@pytest.mark.parametrize("drop", [[], [3, 150, 299]])
+def test_floor_stats_in_blocks_of_tokens_equal_one_block(monkeypatch, drop):
+    from pytest_layerparity.compare import floor
+
+    g0 = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 300, 64, generator=g0)
+    ref = x + 0.3 * torch.randn(x.shape, generator=g0)
+    golden = (ref + 1e-3 * torch.randn(x.shape, generator=g0)).bfloat16()
+    target = (1.01 * ref + 1e-3 * torch.randn(x.shape, generator=g0)).bfloat16()
+    keep = floor.token_mask(300, drop)
+    whole = floor_stats(golden, target, ref, x.bfloat16(), keep).as_dict()
+    monkeypatch.setattr(floor, "BLOCK_ELEMENTS", 64 * 7)  # 43 blocks of 7 tokens
+    blocked = floor_stats(golden, target, ref, x.bfloat16(), keep).as_dict()
+    assert blocked["tokens"] == 300 - len(drop) and blocked["worst_token"] == whole["worst_token"]
+    assert whole["contribution_z"] > 1  # the 1% scale is seen along the contribution
+    for name, value in whole.items():
+        assert blocked[name] == pytest.approx(value, rel=1e-12), name

@@ -4,6 +4,7 @@ plan's account of what streaming extraction allocates."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -13,6 +14,7 @@ from pytest_layerparity.reference.perturb import WiderArithmetic
 from pytest_layerparity.reference.plan import (
     FORWARD,
     GOLDENS,
+    KV_ONE_LAYER,
     LOAD_OR_ACTIVATIONS,
     LOAD_OR_WIDEST,
     Plan,
@@ -133,15 +135,18 @@ def test_layer_activations_count_the_widest_tensors():
 
 
 def test_stream_extraction_needs_name_every_term_and_follow_the_options():
-    plan = Plan(0, (0, 10_000), 5_000, 0, 4_000, {}, largest_outside=100_000, logits=1_000)
+    plan = Plan(0, (0, 10_000), 5_000, 0, 4_000, {}, largest_outside=100_000, logits=1_000, kv_layer=500)
     phase, full = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
     assert phase == FORWARD  # the embeddings outweigh a layer and its floor's pass over 8 tokens
     assert full["the largest unit"] == 100_000
     assert full[LOAD_OR_ACTIVATIONS] == 100_000  # loading the embeddings outweighs a plain pass over 8 tokens
-    assert full["the prompt's logits"] == 1_000  # once: the decode steps keep the last position's alone
-    assert full["the KV cache of every layer (decode steps)"] == 4_000
+    assert full[KV_ONE_LAYER] == 500  # the other layers' on disk
+    assert "the prompt's logits" not in full  # the head's activations: on disk once the forward returns
+    wide_vocab = dataclasses.replace(plan, logits=300_000)
+    assert (
+        stream_extraction_needs(wide_vocab, CONFIG, "bfloat16", 1, 8, RunOptions())[1][LOAD_OR_ACTIVATIONS] == 300_000
+    )
     no_floor = RunOptions(precision_floor=False, envelope=False)
-    assert stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, no_floor)[1]["the prompt's logits"] == 1_000
     # a small layer: the goldens' phase (the floor's and the envelope's passes) is the peak
     small = Plan(0, (0, 10), 5_000, 0, 4_000, {}, largest_outside=0, logits=1_000)
     phase, goldens = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
@@ -151,4 +156,70 @@ def test_stream_extraction_needs_name_every_term_and_follow_the_options():
     assert goldens[LOAD_OR_WIDEST] > 2 * plain  # the run's tensors and the floor's, wider
     phase, bare = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, no_floor)
     assert phase == FORWARD and bare[LOAD_OR_ACTIVATIONS] == plain  # no floor: no second phase to speak of
-    assert bare["the KV cache of every layer (decode steps)"] == 0
+    assert bare[KV_ONE_LAYER] == 0
+
+
+def test_spilled_calls_give_each_file_a_name_of_its_own(tmp_path):
+    calls = SpilledCalls(tmp_path)
+    calls[0] = CallRecord(tensors={"a": torch.zeros(2)})
+    calls[1] = CallRecord(tensors={"a": torch.ones(2)})
+    del calls[0]
+    calls[2] = CallRecord(tensors={"a": torch.full((2,), 2.0)})  # not the file of call 1
+    calls[1] = CallRecord(tensors={"a": torch.full((2,), 3.0)})  # replaced: the old file goes
+    assert [float(calls[k].tensors["a"][0]) for k in (1, 2)] == [3.0, 2.0]
+    assert len(list(calls.folder.iterdir())) == 2
+
+
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return LlamaForCausalLM(config).eval()
+
+
+def _decode(model, spill=None, sink=None):
+    """The prompt with a cache, then two greedy steps; each step's logits and the calls of
+    layer 1 (its past keys captured)."""
+    import contextlib
+
+    from pytest_layerparity.capture.calls import capture_calls
+
+    layers = model.model.layers
+
+    def hooks():
+        return spill.hooks(layers) if spill is not None else contextlib.nullcontext()
+
+    ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
+    with torch.no_grad(), hooks():
+        out = model(input_ids=ids, use_cache=True)
+    cache, logits, calls = out.past_key_values, [out.logits], []
+    for _ in range(2):
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        with torch.no_grad(), capture_calls({1: layers[1]}, lambda i, r: calls.append(r)), hooks():
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        logits.append(out.logits)
+    return logits, calls, cache
+
+
+def test_spilled_kv_cache_holds_one_layer_and_computes_the_same_bit_for_bit(tmp_path):
+    from pytest_layerparity.reference.spill import SpilledKV
+
+    model = _tiny_llama()
+    want_logits, want_calls, _ = _decode(model)
+    spill = SpilledKV(tmp_path)
+    got_logits, got_calls, cache = _decode(model, spill)
+    assert all(torch.equal(a, b) for a, b in zip(got_logits, want_logits, strict=True))
+    for got, want in zip(got_calls, want_calls, strict=True):  # the capture saw the real past, and what was appended
+        assert got.tensors.keys() == want.tensors.keys() and any("keys" in k for k in got.tensors)
+        assert all(torch.equal(got.tensors[k], want.tensors[k]) for k in want.tensors)
+    # between forwards every layer's keys and values are on disk; the cache keeps their shape
+    assert [layer.keys.device.type for layer in cache.layers] == ["meta"] * 3
+    assert cache.get_seq_length() == 8
+    folder = spill._files.folder
+    assert len(list(folder.iterdir())) == 3
+    spill.close()
+    assert not folder.exists()
