@@ -223,14 +223,23 @@ def _rounds(func: Any, args: tuple, out: Any) -> bool:
 def stochastic_round(exact: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """``exact`` (a wider dtype) rounded to ``dtype`` up or down at random, each neighbour
     with probability in proportion to its closeness (unbiased: E[result] = exact)."""
+    # In place where it can be (the same values): a perturbed op's temporaries are the peak of
+    # extraction's perturbed runs, several copies of the op's result one precision wider.
     nearest = exact.to(dtype)
     back = nearest.to(exact.dtype)
-    toward = torch.where(back < exact, torch.full_like(nearest, float("inf")), torch.full_like(nearest, -float("inf")))
+    toward = torch.full_like(nearest, -float("inf")).masked_fill_(back < exact, float("inf"))
     other = torch.nextafter(nearest, toward)
-    gap = (other.to(exact.dtype) - back).abs()
-    p_other = ((exact - back).abs() / gap).nan_to_num(0.0).clamp(0, 1)
+    del toward
+    p_other = (exact - back).abs_()
+    gap = other.to(exact.dtype).sub_(back).abs_()
+    p_other.div_(gap).nan_to_num_(0.0).clamp_(0, 1)
+    del gap
     draw = torch.rand(exact.shape, generator=generator, dtype=exact.dtype, device=exact.device)
-    take = (draw < p_other) & torch.isfinite(other) & (back != exact)
+    take = draw < p_other
+    del draw, p_other
+    take &= torch.isfinite(other)
+    take &= back != exact
+    del back
     return torch.where(take, other, nearest)
 
 
@@ -247,13 +256,19 @@ def another_rounding(
     as another reduction order would; recomputing wider alone would drop that error and
     make every run more accurate than the golden. ``scale`` multiplies both errors: a kernel
     that is that many times less accurate than the reference's."""
-    error = result.to(wide.dtype) - wide
-    sign = torch.randint(0, 2, wide.shape, generator=generator, device=wide.device).to(wide.dtype) * 2 - 1
-    point = torch.where(torch.isfinite(error), wide + sign * error * scale, wide)
+    error = result.to(wide.dtype).sub_(wide)
+    # the sign drawn in the wide dtype: the same draws as in int64 (tested), a quarter of the bytes
+    point = torch.randint(0, 2, wide.shape, generator=generator, device=wide.device, dtype=wide.dtype)
+    point.mul_(2).sub_(1).mul_(error).mul_(scale).add_(wide)  # wide + sign * error * scale
+    finite = torch.isfinite(error)
+    del error
+    point = torch.where(finite, point, wide)
+    del finite
     if jitter:  # anywhere within half an ulp (times scale) of the point, then to nearest
         u = _UNIT_ROUNDOFF[result.dtype] * scale
-        jitter = torch.rand(wide.shape, generator=generator, dtype=wide.dtype, device=wide.device) * 2 - 1
-        return (point * (1 + u * jitter)).to(result.dtype)
+        factor = torch.rand(wide.shape, generator=generator, dtype=wide.dtype, device=wide.device)
+        factor.mul_(2).sub_(1).mul_(u).add_(1)  # 1 + u * (2 rand - 1)
+        return point.mul_(factor).to(result.dtype)
     return stochastic_round(point, result.dtype, generator)
 
 

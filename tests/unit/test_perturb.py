@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_layerparity.reference import perturb
 from pytest_layerparity.reference.perturb import (
     ERROR_SCALE,
     PerturbedArithmetic,
@@ -241,3 +242,37 @@ def test_the_math_attention_reference_goes_through_the_queries_in_blocks(length,
     )
     assert blocked.dtype == torch.float64 and torch.allclose(blocked, whole, rtol=1e-12, atol=1e-12)
     assert query_block(length, 8, 64) == max(1, length * 8 // 64)  # several blocks whenever length > 8
+
+
+def _plain_another_rounding(result, wide, generator, jitter, scale):
+    """The rule written plainly, out of place (the oracle of the in-place code)."""
+    error = result.to(wide.dtype) - wide
+    sign = torch.randint(0, 2, wide.shape, generator=generator).to(wide.dtype) * 2 - 1
+    point = torch.where(torch.isfinite(error), wide + sign * error * scale, wide)
+    if jitter:
+        u = perturb.unit_roundoff(result.dtype) * scale
+        return (point * (1 + u * (torch.rand(wide.shape, generator=generator, dtype=wide.dtype) * 2 - 1))).to(
+            result.dtype
+        )
+    nearest = point.to(result.dtype)
+    back = nearest.to(point.dtype)
+    toward = torch.where(back < point, torch.full_like(nearest, float("inf")), torch.full_like(nearest, -float("inf")))
+    other = torch.nextafter(nearest, toward)
+    p_other = ((point - back).abs() / (other.to(point.dtype) - back).abs()).nan_to_num(0.0).clamp(0, 1)
+    draw = torch.rand(point.shape, generator=generator, dtype=point.dtype)
+    return torch.where((draw < p_other) & torch.isfinite(other) & (back != point), other, nearest)
+
+
+@pytest.mark.parametrize("jitter", [False, True])
+@pytest.mark.parametrize(("narrow", "wide"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)])
+def test_another_rounding_in_place_draws_what_the_plain_rule_draws(narrow, wide, jitter):
+    g = torch.Generator().manual_seed(1)
+    exact = 10 * torch.randn(5000, generator=g, dtype=torch.float64).to(wide)
+    exact[::97] = 0
+    exact[5], exact[7], exact[9] = float("inf"), float("nan"), 1e-40
+    result = (exact * (1 + 1e-3 * torch.randn(5000, generator=g, dtype=wide))).to(narrow)
+    got = perturb.another_rounding(result, exact, torch.Generator().manual_seed(7), jitter, 2.0)
+    want = _plain_another_rounding(result, exact, torch.Generator().manual_seed(7), jitter, 2.0)
+    assert got.dtype == narrow
+    assert torch.equal(got.float().nan_to_num(123.0), want.float().nan_to_num(123.0))
+    assert not torch.equal(got, result)  # it did move the result
