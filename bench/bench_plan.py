@@ -1,19 +1,21 @@
 """``--plan`` against the real extraction: predicted vs measured peak memory.
 
     PJRT_DEVICE=CPU python bench/bench_plan.py [--work DIR] [--seq-lens 128,512,2048]
+        [--model-type minimax_m2|qwen3_moe|llama] [--envelope-samples K]
 
-1. Generates a MiniMax-M2-shaped checkpoint of about 1 GB, 16 layers (bf16, sharded).
+1. Generates a checkpoint of about 1 GB, 16 layers (bf16, sharded): MiniMax-M2-shaped by
+   default (the calibration model of the plan), or another architecture (evaluation).
 2. For each sequence length and each set of options, prints the tensors ``pytest --plan``
    says ``--device-map stream`` extraction allocates, and what the extraction really
-   allocated: its peak RSS above its RSS once the model's code is imported and its
-   weightless skeleton built (sampled every 0.5 ms in the extracting process), with their
-   ratio; and the whole process's peak RSS against the plan's total (tensors + the code it
-   measured) + the RSS of ``import torch, transformers``; and the measured peak against the
-   bound extraction keeps to: twice the largest layer in the run's dtype plus one layer's
-   activations (``bound``). Extraction runs ``--layers 0-3``
-   of 16 (the run holds one layer's call at a time: flat in depth) and
-   ``--envelope-samples 2`` (the perturbed runs are sequential: their number changes the
-   time, not the peak).
+   allocated: the peak of its anonymous resident memory (``RssAnon``: what the process
+   allocated, without the file-backed pages of the libraries' code and of mapped files,
+   which the kernel takes back when it needs them) above the state once the model's code is
+   imported and its weightless skeleton built, sampled every 0.5 ms in the extracting
+   process, with their ratio; the whole process's peak RSS (file-backed pages included)
+   against the plan's total (tensors + the code it measured) + the RSS of ``import torch,
+   transformers``; and the measured peak against the bound extraction keeps to: twice the
+   largest layer in the run's dtype plus one layer's activations (``bound``). Extraction
+   runs ``--layers 0-3`` of 16 (the run holds one layer's call at a time: flat in depth).
 """
 
 from __future__ import annotations
@@ -31,17 +33,41 @@ from bench_streaming import measure, pytest_args
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "fixtures"))
-WIDTH = {
-    "hidden_size": 1024,
-    "intermediate_size": 1024,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "rotary_dim": 32,
-    "num_local_experts": 8,
-    "num_experts_per_tok": 2,
-    "vocab_size": 32000,
-    "max_position_embeddings": 8192,
+#: The checkpoints: MiniMax-M2's shape is the one the plan was built against (calibration);
+#: the other two were first run after the plan's terms were fixed (evaluation).
+MODELS = {
+    "minimax_m2": {
+        "hidden_size": 1024,
+        "intermediate_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rotary_dim": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 8192,
+    },
+    "qwen3_moe": {
+        "hidden_size": 768,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 768,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "vocab_size": 48000,
+        "max_position_embeddings": 8192,
+    },
+    "llama": {
+        "hidden_size": 1536,
+        "intermediate_size": 4096,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "vocab_size": 40000,
+        "max_position_embeddings": 8192,
+    },
 }
 VARIANTS = {
     "default": [],
@@ -50,12 +76,12 @@ VARIANTS = {
 }
 
 
-def checkpoint(work: Path) -> Path:
+def checkpoint(work: Path, kind: str) -> Path:
     from tiny_models import make
 
-    out = work / "minimax-16"
+    out = work / f"{kind}-16"
     if not (out / "config.json").exists():
-        make("minimax_m2", out, num_layers=16, shard_size="200MB", **WIDTH)
+        make(kind, out, num_layers=16, shard_size="200MB", **MODELS[kind])
     return out
 
 
@@ -86,13 +112,15 @@ import pytest
 from pytest_layerparity.reference import extract
 
 page = os.sysconf("SC_PAGE_SIZE")
-def rss():
+def rss():  # (resident, anonymous resident): statm's resident less its file-backed and shared
     with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * page
-state = {"peak": 0, "ready": None, "stop": False}
+        fields = f.read().split()
+    return int(fields[1]) * page, (int(fields[1]) - int(fields[2])) * page
+state = {"peak": (0, 0), "ready": None, "stop": False}
 def sample():
     while not state["stop"]:
-        state["peak"] = max(state["peak"], rss())
+        now = rss()
+        state["peak"] = (max(state["peak"][0], now[0]), max(state["peak"][1], now[1]))
         time.sleep(0.0005)
 load = extract.ReferenceSide._load
 def probed(self, streaming):
@@ -105,12 +133,13 @@ threading.Thread(target=sample, daemon=True).start()
 code = pytest.main(sys.argv[1:])
 state["stop"] = True
 time.sleep(0.01)
-print("PROBE", code, state["ready"], state["peak"])
+print("PROBE", code, *state["ready"], *state["peak"])
 """
 
 
-def probe(args: list[str], work: Path) -> tuple[float, float]:
-    """(peak RSS above the state once the skeleton is built, whole-process peak RSS), GB."""
+def probe(args: list[str], work: Path) -> tuple[float, float, float]:
+    """(peak anonymous RSS above the state once the skeleton is built, the same for all of
+    RSS, whole-process peak RSS), GB."""
     proc = subprocess.run(
         [sys.executable, "-c", PROBE, "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *args],
         cwd=work,
@@ -119,11 +148,11 @@ def probe(args: list[str], work: Path) -> tuple[float, float]:
         check=False,
         env={**os.environ, "PJRT_DEVICE": "CPU"},
     )
-    found = re.search(r"PROBE (\d+) (\d+) (\d+)", proc.stdout)
+    found = re.search(r"PROBE (\d+) (\d+) (\d+) (\d+) (\d+)", proc.stdout)
     if not found or found.group(1) != "0":
         raise SystemExit(f"failed: {args}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    ready, peak = int(found.group(2)), int(found.group(3))
-    return (peak - ready) / 1e9, peak / 1e9
+    ready, ready_anon, peak, peak_anon = (int(found.group(i)) for i in range(2, 6))
+    return (peak_anon - ready_anon) / 1e9, (peak - ready) / 1e9, peak / 1e9
 
 
 def bound(model: Path, seq: int, extra: list[str]) -> float:
@@ -143,16 +172,23 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--seq-lens", default="128,512,2048")
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--model-type", choices=sorted(MODELS), default="minimax_m2")
+    parser.add_argument(
+        "--envelope-samples", type=int, default=2, help="perturbed runs per layer (the plugin's default is 12)"
+    )
     opts = parser.parse_args()
     work = opts.work or Path(tempfile.mkdtemp(prefix="bench-plan-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = checkpoint(work)
+    model = checkpoint(work, opts.model_type)
     size = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9
     floor, _ = measure([sys.executable, "-c", "import torch, transformers"], work)
-    print(f"checkpoint: {model} ({size:.2f} GB bf16, 16 layers); import torch + transformers: {floor:.3f} GB")
     print(
-        f"{'options':<10} {'seq':>5} {'planned':>8} {'measured':>9} {'ratio':>6}   "
-        f"{'plan+floor':>10} {'process':>8} {'ratio':>6}   {'bound':>6} {'measured/bound':>14}"
+        f"checkpoint: {model} ({opts.model_type}, {size:.2f} GB bf16, 16 layers); "
+        f"import torch + transformers: {floor:.3f} GB; K={opts.envelope_samples}"
+    )
+    print(
+        f"{'options':<10} {'seq':>5} {'planned':>8} {'anon':>6} {'ratio':>6} {'all RSS':>8}   "
+        f"{'plan+floor':>10} {'process':>8} {'ratio':>6}   {'bound':>6} {'anon/bound':>10}"
         "  (GB; tensors the run allocates, then the whole process)"
     )
     for variant in opts.variants.split(","):
@@ -162,14 +198,14 @@ def main() -> None:
             store = work / f"golden-{variant.replace(' ', '-')}-{seq}"
             args = ["--gpu-golden", "--extract", f"--golden-dir={store}", "--force-regen", "--layers", "0-3"]
             if "--envelope-samples" not in extra:
-                args += ["--envelope-samples", "2"]
-            got, process = probe([*args, *common], work)
+                args += ["--envelope-samples", str(opts.envelope_samples)]
+            anon, resident, process = probe([*args, *common], work)
             tensors, total = planned(model, seq, extra, work)
             limit = bound(model, seq, extra)
             print(
-                f"{variant:<10} {seq:>5} {tensors:>8.3f} {got:>9.3f} {got / tensors:>6.2f}   "
+                f"{variant:<10} {seq:>5} {tensors:>8.3f} {anon:>6.3f} {anon / tensors:>6.2f} {resident:>8.3f}   "
                 f"{total + floor:>10.3f} {process:>8.3f} {process / (total + floor):>6.2f}   "
-                f"{limit:>6.3f} {got / limit:>14.2f}",
+                f"{limit:>6.3f} {anon / limit:>10.2f}",
                 flush=True,
             )
 

@@ -81,6 +81,10 @@ def pytest_configure(config: pytest.Config) -> None:
         # The reference side needs no XLA; keep accelerate and transformers from importing
         # torch-xla (a few hundred MB of memory) just because it is installed.
         os.environ.setdefault("USE_TORCH_XLA", "0")
+    if settings.mode in ("extract", "verify"):
+        from .reference.model import bound_reference_memory
+
+        bound_reference_memory()
     nxdi_builder = None  # --port nxdi --target neuron: a conftest's builder in place of NxDI's (no SDK needed)
     if settings.mode == "parity" and settings.compiled:
         nxdi_builder = config.hook.pytest_layerparity_nxdi_build_module(settings=settings)

@@ -8,14 +8,14 @@ so the envelope keeps extraction's memory bound."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing
 from ..compare.envelope import Envelope
-from ..compare.floor import floor_stats, token_mask
+from ..compare.floor import FloorStats, floor_stats, token_mask
 from ..compare.routing import agreement, router_names
 from ..report.progress import SILENT, Progress
 from ..store.callspec import decode_call, first_tensor, replace_hidden_input
@@ -48,6 +48,44 @@ def flipped_tokens(golden: Mapping[str, torch.Tensor], routing: Mapping[str, tor
     return out
 
 
+def run_stats(
+    golden: torch.Tensor,
+    out: torch.Tensor,
+    reference: torch.Tensor,
+    hidden_in: torch.Tensor | None,
+    drop: Collection[int] = (),
+) -> FloorStats | None:
+    """The statistics of one perturbed output ``out`` against ``golden`` and its floor
+    ``reference``, tokens ``drop`` left out (those whose routing flipped); None when that
+    leaves out every token (a decode step's one token flipped): the run says nothing."""
+    rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
+    drop = drop if golden.dim() > 1 else ()
+    if len(set(drop) & set(range(rows))) == rows:
+        return None
+    return floor_stats(golden, out, reference, hidden_in, token_mask(rows, drop))
+
+
+def envelope_from_stats(
+    golden: torch.Tensor,
+    reference: torch.Tensor,
+    hidden_in: torch.Tensor | None,
+    stats: Iterable[FloorStats | None],
+) -> Envelope | None:
+    """The envelope of the perturbed runs whose statistics (:func:`run_stats`) are
+    ``stats``, taken one at a time (a run's output need not outlive its statistics); None
+    when fewer than two runs kept a token."""
+    kept = [s for s in stats if s is not None]
+    if len(kept) < 2:
+        return None
+    ref_only = floor_stats(golden, golden, reference, hidden_in)
+    return Envelope(
+        noise_ratio=tuple(s.noise_ratio for s in kept),
+        token_noise_ratio=tuple(s.token_noise_ratio for s in kept),
+        contribution_bias=tuple(s.contribution_bias or 0.0 for s in kept),
+        golden_bias=ref_only.golden_contribution_z or 0.0,
+    )
+
+
 def envelope_from_runs(
     golden: torch.Tensor,
     runs: Sequence[torch.Tensor],
@@ -58,23 +96,12 @@ def envelope_from_runs(
     """The envelope of the perturbed outputs ``runs`` against ``golden`` and its floor
     ``reference``; ``left_out[k]``: tokens run k leaves out of its statistics (those whose
     routing flipped: legitimate arithmetic flips near ties, and what follows is legitimate).
-    A run that leaves out every token (a decode step's one token flipped) says nothing and
-    is skipped; None when fewer than two runs are left."""
-    rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
-    stats = []
-    for k, out in enumerate(runs):
-        drop = left_out[k] if left_out is not None and golden.dim() > 1 else ()
-        if len(set(drop) & set(range(rows))) == rows:
-            continue
-        stats.append(floor_stats(golden, out, reference, hidden_in, token_mask(rows, drop)))
-    if len(stats) < 2:
-        return None
-    ref_only = floor_stats(golden, golden, reference, hidden_in)
-    return Envelope(
-        noise_ratio=tuple(s.noise_ratio for s in stats),
-        token_noise_ratio=tuple(s.token_noise_ratio for s in stats),
-        contribution_bias=tuple(s.contribution_bias or 0.0 for s in stats),
-        golden_bias=ref_only.golden_contribution_z or 0.0,
+    None when fewer than two runs are left."""
+    return envelope_from_stats(
+        golden,
+        reference,
+        hidden_in,
+        (run_stats(golden, out, reference, hidden_in, left_out[k] if left_out else ()) for k, out in enumerate(runs)),
     )
 
 
@@ -139,23 +166,24 @@ class PerturbedRunner:
         tensors: Mapping[str, torch.Tensor],
         hidden: Sequence[torch.Tensor | None] | None = None,
         layer: torch.nn.Module | None = None,
-    ) -> list[PerturbedRun]:
+    ) -> Iterator[PerturbedRun]:
         """The K perturbed runs of layer ``index`` on its golden call (run k on ``hidden[k]``
-        when given, for chains), with the layer loaded once and given back after (or
-        ``layer``, already loaded on the device, kept)."""
+        when given, for chains), one at a time (a chain keeps them: each run's output goes
+        on), with the layer loaded once and given back after (or ``layer``, already loaded on
+        the device, kept)."""
         owned = layer is None
         if layer is None:
             layer = self.layer(index)
-        runs = []
         with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
             for k in range(self.samples):
-                runs.append(self.run(layer, spec, tensors, BASE_SEED + k, hidden[k] if hidden is not None else None))
+                run = self.run(layer, spec, tensors, BASE_SEED + k, hidden[k] if hidden is not None else None)
                 give_back_memory()  # the run's freed temporaries: the next run's heap starts empty
                 bar.update(1)
+                yield run
+                del run
         if owned:
             del layer
             give_back_memory()
-        return runs
 
     def envelope(
         self,
@@ -168,12 +196,10 @@ class PerturbedRunner:
         layer: torch.nn.Module | None = None,
     ) -> Envelope | None:
         """The envelope of layer ``index`` on its golden call (what extraction stores; None
-        when fewer than two runs kept a token)."""
-        runs = self.runs(index, spec, tensors, layer=layer)
-        return envelope_from_runs(
-            golden,
-            [r.output for r in runs],
-            reference,
-            hidden_in,
-            [flipped_tokens(tensors, r.routing) for r in runs],
+        when fewer than two runs kept a token). Each run's output is dropped once its
+        statistics are taken: the memory does not grow with K."""
+        stats = (
+            run_stats(golden, run.output, reference, hidden_in, flipped_tokens(tensors, run.routing))
+            for run in self.runs(index, spec, tensors, layer=layer)
         )
+        return envelope_from_stats(golden, reference, hidden_in, stats)

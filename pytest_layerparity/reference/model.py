@@ -12,6 +12,7 @@ import copy
 import hashlib
 import json
 import math
+import os
 import re
 import struct
 from collections.abc import Iterable
@@ -490,6 +491,27 @@ def release_large_frees() -> None:
         ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
     except (OSError, AttributeError):
         pass
+
+
+#: Entries oneDNN's primitive cache and ideep's computation cache keep during a reference run
+#: (the libraries' default is 1024 each). A 16-bit matmul on the CPU compiles a kernel per
+#: shape and both libraries keep it; a mixture of experts gives each expert a new number of
+#: tokens, so every layer adds shapes: measured 4 MB a layer at seq 512, up to about 70 MB
+#: before the default capacities fill, whatever the layers' size.
+KERNEL_CACHE_ENTRIES = 16
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_reference_memory() -> None:
+    """What a reference run (extraction, or verifying a store) sets at start-up, before its
+    first matmul, so that its memory follows the layer and not the run's length: large
+    frees given back at once (:func:`release_large_frees`, before the heap grows), and the
+    CPU matmul libraries' kernel caches held to ``KERNEL_CACHE_ENTRIES`` (their sizes are
+    read from the environment when each cache is first used; a value set by the user is
+    kept)."""
+    release_large_frees()
+    for name in KERNEL_CACHE_VARIABLES:
+        os.environ.setdefault(name, str(KERNEL_CACHE_ENTRIES))
 
 
 def give_back_memory() -> None:

@@ -166,11 +166,62 @@ def layer_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     return 4 * tokens * hidden * itemsize_ + attention + mlp
 
 
+def _experts(text: dict[str, Any]) -> tuple[int, int, int]:
+    """(experts, experts per token, an expert's intermediate size); experts 0 for a dense MLP."""
+    experts = text.get("num_local_experts") or text.get("num_experts") or text.get("n_routed_experts") or 0
+    top_k = text.get("num_experts_per_tok") or text.get("top_k") or 1
+    inter = text.get("moe_intermediate_size") or text.get("intermediate_size") or 0
+    return experts, top_k, inter
+
+
+def widest_weight(cfg: dict[str, Any]) -> int:
+    """Elements of the largest weight one op of a decoder layer reads: an attention
+    projection, the dense MLP's up projection, or one expert's gate and up projections
+    (transformers stacks them into one tensor, and one expert's slice is what an op reads).
+    A pass one precision wider widens that operand for the op alone."""
+    text = cfg.get("text_config") or cfg
+    hidden, heads, _, head_dim = attention_shape(cfg)
+    experts, _, inter = _experts(text)
+    mlp = 2 * inter * hidden if experts else (text.get("intermediate_size") or 0) * hidden
+    return max(heads * head_dim * hidden, mlp)
+
+
+def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, eager_attention: bool) -> int:
+    """Bytes one op of a perturbed run (``perturb.PerturbedArithmetic``) adds at its widest,
+    beyond the run's own tensors: its result computed one precision wider, the error and the
+    point reached (both wide), a finite mask, and the result itself, for the largest result
+    of the layer: the norms' float32 pass over the hidden states (float64 wide), the MLP's
+    intermediate (for a mixture of experts: one expert's gate and up outputs, its share of
+    the tokens), eager attention's float32 softmax; and a fused attention's wider reference,
+    the math attention (its queries, keys and values widened, its output, and one block of
+    queries' scores and probabilities: ``perturb.attention_reference``)."""
+    text = cfg.get("text_config") or cfg
+    tokens = batch * seq
+    hidden, heads, kv_heads, head_dim = attention_shape(cfg)
+    wide = 8 if itemsize_ == 4 else 4
+
+    def op(elements: int, size: int, wider: int) -> int:
+        return elements * (3 * wider + size + 1)
+
+    experts, top_k, inter = _experts(text)
+    mlp = tokens * top_k * 2 * inter // experts if experts else tokens * (text.get("intermediate_size") or 0)
+    candidates = [op(tokens * hidden, 4, 8), op(mlp, itemsize_, wide)]
+    q, kv = tokens * heads * head_dim, tokens * kv_heads * head_dim
+    if eager_attention:
+        candidates.append(op(batch * heads * seq * seq, 4, 8))
+    else:
+        scores = 2 * batch * heads * query_block(seq, head_dim, seq) * seq * wide
+        candidates.append((3 * q + 2 * kv) * wide + scores)
+    return max(candidates) + widest_weight(cfg) * wide
+
+
 LOAD_OR_ACTIVATIONS = "loading it, or one unit's activations (a layer's, or the head's: the prompt's logits) where more"
 KV_ONE_LAYER = "one layer's KV cache (decode steps; the other layers' on disk)"
 LOAD_OR_WIDEST = "loading it, or one layer's activations (the widest pass: the floor's or the envelope's) where more"
 FORWARD = "the reference forward"
 GOLDENS = "each layer's goldens"
+FLOOR_OUTPUT = "the floor's output (the envelope's runs are held against it)"
+RUN_OUTPUT = "one perturbed run's output (its statistics taken, it goes)"
 
 
 def stream_extraction_needs(
@@ -190,17 +241,19 @@ def stream_extraction_needs(
       KV cache (the others' on disk, as the layers' calls);
     * each layer's goldens (the layer loaded once for its precision floor and noise envelope;
       the prompt's logits are written before, from disk): the largest layer, and beside it
-      the more of what loading it adds or one layer's activations at the widest of the
-      precision floor (the same tensors in the floor dtype, float32 or float64) and a
-      perturbed run (the run's tensors, and each op's operands and result one precision
-      wider, a fused attention's by the math attention: a block of queries' scores per head); and one
-      captured layer call (its hidden states in and out), read back to write its golden.
+      the more of what loading it adds or the widest pass over it: the precision floor's
+      (the layer's tensors in the floor dtype, float32 or float64, and the weight of one op
+      widened for it) or a perturbed run's (the run's tensors in its dtype, and the widest
+      op's work one precision wider: :func:`perturbed_op_peak`); one captured layer call
+      (its hidden states in and out), read back to write its golden; the floor's output,
+      which the envelope's runs are held against, and one run's output (each run's
+      statistics are taken as it ends: K does not change the peak).
     """
     size = itemsize(dtype_name)
     floor_size = 8 if dtype_name == "float32" else 4
     eager = options.attn_implementation == "eager"
     act = layer_activations(cfg, batch, seq, size, eager)
-    hidden, heads, _, head_dim = attention_shape(cfg)
+    hidden = attention_shape(cfg)[0]
     unit = max(plan.largest_layer[1], plan.largest_outside)
     forward = {
         "the largest unit": unit,
@@ -210,15 +263,18 @@ def stream_extraction_needs(
     }
     goldens = {"one captured call (hidden states in and out)": 2 * batch * seq * hidden * size}
     if options.precision_floor:  # the layer is loaded for its floor and envelope
-        widest = max(act, layer_activations(cfg, batch, seq, floor_size, eager))
+        # the floor's pass: every result in the floor dtype, each op's weight widened for it
+        widest = layer_activations(cfg, batch, seq, floor_size, eager) + widest_weight(cfg) * floor_size
+        held = {FLOOR_OUTPUT: batch * seq * hidden * floor_size}
         if options.envelope:
-            # a fused attention's wider result comes from the math attention, its queries in
-            # blocks: one block's scores and probabilities, batch x heads x rows x seq in the
-            # floor dtype (perturb.attention_reference)
-            math_scores = 0 if eager else 2 * batch * heads * query_block(seq, head_dim, seq) * seq * floor_size
-            widest = max(widest, act + layer_activations(cfg, batch, seq, floor_size, eager) + math_scores)
+            # a perturbed run: the run's tensors in its dtype, and one op's wider work at a time
+            perturbed = layer_activations(cfg, batch, seq, size, eager) + perturbed_op_peak(
+                cfg, batch, seq, size, eager
+            )
+            widest = max(widest, perturbed)
+            held[RUN_OUTPUT] = batch * seq * hidden * size
         layer = plan.largest_layer[1]
-        goldens = {"the largest layer": layer, LOAD_OR_WIDEST: max(layer, widest), **goldens}
+        goldens = {"the largest layer": layer, LOAD_OR_WIDEST: max(layer, widest), **goldens, **held}
     return (FORWARD, forward) if sum(forward.values()) >= sum(goldens.values()) else (GOLDENS, goldens)
 
 

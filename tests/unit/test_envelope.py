@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from pytest_layerparity.compare.judge import judge
 from pytest_layerparity.compare.metrics import Metrics
 from pytest_layerparity.compare.verdict import evaluate
 from pytest_layerparity.options import make_settings
-from pytest_layerparity.reference.envelope import envelope_from_runs
+from pytest_layerparity.reference.envelope import BASE_SEED, PerturbedRun, PerturbedRunner, envelope_from_runs
 from pytest_layerparity.report.properties import properties
 from pytest_layerparity.report.text import failure_text
 
@@ -182,6 +183,28 @@ def test_a_run_that_leaves_out_every_token_is_skipped():
     env = envelope_from_runs(golden, runs, ref, x, [{0}, set(), {0}, set()])
     assert env is not None and env.samples == 2 and min(env.noise_ratio) > 0
     assert envelope_from_runs(golden, runs, ref, x, [{0}, {0}, {0}, set()]) is None
+
+
+def test_the_envelope_takes_each_runs_statistics_as_it_ends(monkeypatch):
+    """Extraction's envelope holds one run's output at a time (two while the next is made),
+    whatever K: the same envelope as from all the outputs kept."""
+    x, ref, golden = layer_like()
+    outputs = other_roundings(ref, 6)
+    made, alive = [], []
+
+    def run(self, layer, spec, tensors, seed, hidden=None):
+        out = outputs[seed - BASE_SEED].clone()
+        made.append(weakref.ref(out))
+        alive.append(sum(r() is not None for r in made))
+        return PerturbedRun(out, {})
+
+    monkeypatch.setattr(PerturbedRunner, "run", run)
+    runner = PerturbedRunner(model=None, golden_dtype=torch.float64, samples=6)
+    env = runner.envelope(0, {}, {}, golden, ref, x, layer=torch.nn.Identity())
+    assert env == envelope_from_runs(golden, outputs, ref, x)
+    assert len(made) == 6 and max(alive) == 2
+    kept = list(runner.runs(0, {}, {}, layer=torch.nn.Identity()))  # a chain keeps them all
+    assert len(kept) == 6 and max(alive[6:]) == 6
 
 
 def test_the_judge_holds_a_correct_target_inside_and_a_scaled_one_outside():

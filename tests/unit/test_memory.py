@@ -6,21 +6,28 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from pytest_layerparity.reference.model import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, bound_reference_memory
 from pytest_layerparity.reference.perturb import WiderArithmetic
 from pytest_layerparity.reference.plan import (
+    FLOOR_OUTPUT,
     FORWARD,
     GOLDENS,
     KV_ONE_LAYER,
     LOAD_OR_ACTIVATIONS,
     LOAD_OR_WIDEST,
+    RUN_OUTPUT,
     Plan,
     RunOptions,
     layer_activations,
+    perturbed_op_peak,
     stream_extraction_needs,
+    widest_weight,
 )
 from pytest_layerparity.reference.spill import SpilledCalls
 from pytest_layerparity.store.callspec import CallRecord
@@ -157,6 +164,73 @@ def test_stream_extraction_needs_name_every_term_and_follow_the_options():
     phase, bare = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, no_floor)
     assert phase == FORWARD and bare[LOAD_OR_ACTIVATIONS] == plain  # no floor: no second phase to speak of
     assert bare[KV_ONE_LAYER] == 0
+
+
+def test_the_widest_pass_is_the_floors_or_one_perturbed_op_at_a_time():
+    tokens, hidden = 8, 64
+    # the norms' float32 pass over the hidden states, widened to float64: the result, three
+    # wide tensors (the wider result, the error, the point reached) and a mask
+    norm = tokens * hidden * (3 * 8 + 4 + 1)
+    mlp = tokens * 128 * (3 * 4 + 2 + 1)  # the MLP's bfloat16 intermediate, widened to float32
+    # the math attention, widened: queries, output and its blocks (3 x 8 x 64), keys and
+    # values (2 x 8 x 32), one block of 16 queries' scores and probabilities (2 x 4 x 8 x 8)
+    attention = (3 * tokens * 64 + 2 * tokens * 32) * 4 + 2 * 4 * 8 * 8 * 4
+    assert widest_weight(CONFIG) == 128 * 64  # the MLP's up projection
+    assert perturbed_op_peak(CONFIG, 1, 8, 2, False) == max(norm, mlp, attention) + 128 * 64 * 4
+    eager = perturbed_op_peak(CONFIG, 1, 8, 2, True)
+    assert eager >= 4 * 8 * 8 * (3 * 8 + 4 + 1)  # the float32 softmax over every score, widened
+    moe = {**CONFIG, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    assert widest_weight(moe) == 2 * 32 * 64  # one expert's gate and up projections
+    small = Plan(0, (0, 10), 5_000, 0, 4_000, {}, largest_outside=0, logits=1_000)
+    _, goldens = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions())
+    assert goldens[FLOOR_OUTPUT] == 8 * 64 * 4 and goldens[RUN_OUTPUT] == 8 * 64 * 2  # one run's, whatever K
+    floor_pass = layer_activations(CONFIG, 1, 8, 4, False) + 128 * 64 * 4
+    perturbed_pass = layer_activations(CONFIG, 1, 8, 2, False) + perturbed_op_peak(CONFIG, 1, 8, 2, False)
+    assert goldens[LOAD_OR_WIDEST] == max(floor_pass, perturbed_pass)
+    _, floor_only = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions(envelope=False))
+    assert RUN_OUTPUT not in floor_only and floor_only[LOAD_OR_WIDEST] == floor_pass
+
+
+KERNEL_CACHE_PROBE = """
+import ctypes, sys
+if sys.argv[1] == "bound":
+    from pytest_layerparity.reference.model import bound_reference_memory
+    bound_reference_memory()
+import torch
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+weight = torch.randn(64, 64, dtype=torch.bfloat16)
+torch.randn(8, 64, dtype=torch.bfloat16) @ weight
+before = libc.mallinfo2().uordblks
+for rows in range(1, 301):  # an expert's share of the tokens: a new shape each time
+    torch.randn(rows, 64, dtype=torch.bfloat16) @ weight
+print(libc.mallinfo2().uordblks - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2 counts the heap")
+def test_a_reference_run_holds_the_matmul_kernel_caches_to_a_few_entries(monkeypatch):
+    """16-bit matmuls on the CPU keep a compiled kernel per shape in two caches of 1024
+    entries each: 300 shapes held about 80 MB. A reference run holds them to
+    KERNEL_CACHE_ENTRIES (a user's own setting kept)."""
+    for name in KERNEL_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    grown = {
+        how: int(
+            subprocess.run(
+                [sys.executable, "-c", KERNEL_CACHE_PROBE, how], capture_output=True, text=True, check=True
+            ).stdout
+        )
+        for how in ("plain", "bound")
+    }
+    assert grown["plain"] > 20e6 and grown["bound"] < grown["plain"] / 5, grown
+    monkeypatch.setenv(KERNEL_CACHE_VARIABLES[0], "256")
+    bound_reference_memory()
+    assert os.environ[KERNEL_CACHE_VARIABLES[0]] == "256"
+    assert os.environ[KERNEL_CACHE_VARIABLES[1]] == str(KERNEL_CACHE_ENTRIES)
 
 
 def test_spilled_calls_give_each_file_a_name_of_its_own(tmp_path):
