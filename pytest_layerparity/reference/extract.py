@@ -5,6 +5,7 @@ goldens; or re-run it and check that the stored goldens reproduce."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from .inputs import input_description, make_input_ids
 from .model import ModelError, ModelSource, build_skeleton, find_layer_list, give_back_memory, layer_count_from_config
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
 from .plan import resolve_golden_device
-from .spill import SpilledCalls, SpilledKV
+from .spill import SpilledCalls, SpilledKV, mapped_empty
 
 if TYPE_CHECKING:
     import torch
@@ -160,6 +161,8 @@ class ReferenceSide:
                             self.torch_dtype,
                             self.golden_device,
                             on_unit=self._audit_unit,
+                            # the prompt's logits (seq x vocab) in a file-backed map: on disk as written
+                            empty=functools.partial(mapped_empty, self.store.root),
                         )
                     )
                 with self._capturing(layer_list, layers, run.calls.__setitem__, routing):

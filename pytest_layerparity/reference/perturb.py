@@ -243,6 +243,11 @@ def stochastic_round(exact: torch.Tensor, dtype: torch.dtype, generator: torch.G
     return torch.where(take, other, nearest)
 
 
+#: Elements another_rounding works on at once (on the CPU): its wide temporaries (the error,
+#: the point reached, the rounding's draws) are a block's, not several copies of the result.
+ROUNDING_BLOCK = 1 << 20
+
+
 def another_rounding(
     result: torch.Tensor, wide: torch.Tensor, generator: torch.Generator, jitter: bool = False, scale: float = 1.0
 ) -> torch.Tensor:
@@ -255,10 +260,43 @@ def another_rounding(
     result's dtype) it keeps the size of the accumulation error while drawing its sign anew,
     as another reduction order would; recomputing wider alone would drop that error and
     make every run more accurate than the golden. ``scale`` multiplies both errors: a kernel
-    that is that many times less accurate than the reference's."""
+    that is that many times less accurate than the reference's.
+
+    On the CPU a result of more than ``ROUNDING_BLOCK`` elements is worked through in blocks
+    with the same draws as the whole: the signs are the generator's next n draws and the
+    rounding's the n after them (a second generator starts where the signs end; the
+    generator is left where the whole would leave it)."""
+    n = wide.numel()
+    if wide.device.type != "cpu" or n <= ROUNDING_BLOCK:
+        return _another_rounding(result, wide, generator, generator, jitter, scale)
+    draws = torch.Generator(device=wide.device)
+    draws.set_state(generator.get_state())
+    for start in range(0, n, ROUNDING_BLOCK):  # past the signs' draws
+        torch.randint(0, 2, (min(ROUNDING_BLOCK, n - start),), generator=draws, dtype=wide.dtype)
+    out = torch.empty(wide.shape, dtype=result.dtype, device=wide.device)
+    flat_out, flat_result, flat_wide = out.view(-1), result.reshape(-1), wide.reshape(-1)
+    for start in range(0, n, ROUNDING_BLOCK):
+        stop = min(start + ROUNDING_BLOCK, n)
+        part = _another_rounding(flat_result[start:stop], flat_wide[start:stop], generator, draws, jitter, scale)
+        flat_out[start:stop] = part
+        del part
+    generator.set_state(draws.get_state())
+    return out
+
+
+def _another_rounding(
+    result: torch.Tensor,
+    wide: torch.Tensor,
+    signs: torch.Generator,
+    draws: torch.Generator,
+    jitter: bool,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`another_rounding` of one block: its signs from ``signs``, its rounding's
+    draws from ``draws``."""
     error = result.to(wide.dtype).sub_(wide)
     # the sign drawn in the wide dtype: the same draws as in int64 (tested), a quarter of the bytes
-    point = torch.randint(0, 2, wide.shape, generator=generator, device=wide.device, dtype=wide.dtype)
+    point = torch.randint(0, 2, wide.shape, generator=signs, device=wide.device, dtype=wide.dtype)
     point.mul_(2).sub_(1).mul_(error).mul_(scale).add_(wide)  # wide + sign * error * scale
     finite = torch.isfinite(error)
     del error
@@ -266,10 +304,10 @@ def another_rounding(
     del finite
     if jitter:  # anywhere within half an ulp (times scale) of the point, then to nearest
         u = _UNIT_ROUNDOFF[result.dtype] * scale
-        factor = torch.rand(wide.shape, generator=generator, dtype=wide.dtype, device=wide.device)
+        factor = torch.rand(wide.shape, generator=draws, dtype=wide.dtype, device=wide.device)
         factor.mul_(2).sub_(1).mul_(u).add_(1)  # 1 + u * (2 rand - 1)
         return point.mul_(factor).to(result.dtype)
-    return stochastic_round(point, result.dtype, generator)
+    return stochastic_round(point, result.dtype, draws)
 
 
 def sequential_sum_error_std(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

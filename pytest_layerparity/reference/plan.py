@@ -9,7 +9,9 @@ The seeds' formulas (for one forward of ``batch`` x ``seq`` tokens)::
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from .model import (
     ModelSource,
     hidden_size_from_config,
 )
-from .perturb import query_block
+from .perturb import ROUNDING_BLOCK, query_block
 from .streaming import ROW_BLOCK_FRACTION
 
 # -- checkpoint sizes from headers -------------------------------------------------------------
@@ -67,6 +69,10 @@ class Plan:
     logits: int = 0  # one set of the model's logits over the prompt, in the run dtype
     kv_layer: int = 0  # one layer's share of kv_cache
     resident: int = 0  # tied embeddings and head: read whole once, held through the forward
+    #: What loading the largest layer adds beside it, in the run dtype: transformers' loader
+    #: stacks experts stored one by one (every expert's tensors of a kind read, stacked and
+    #: concatenated: about one more layer); other tensors are read one at a time (the largest).
+    load_extra: int = 0
 
 
 def attention_shape(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -95,6 +101,11 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
     total = sum(sizes.numel.values()) * size
     non_layer = sum(n for k, n in sizes.numel.items() if k not in claimed) * size
     largest = max(range(num_layers), key=lambda i: per_layer[i]) if per_layer else 0
+    load_extra = 0
+    if per_layer:
+        keys = model.checkpoint.layer_keys(layer_path, largest)
+        stacked = any(_PER_EXPERT.search(k) for k in keys)
+        load_extra = per_layer[largest] if stacked else max(sizes.numel.get(k, 0) for k in keys) * size
     hidden, _, kv_heads, head_dim = attention_shape(cfg)
     activations = batch * seq * hidden * num_layers * size
     kv = 2 * batch * num_layers * seq * kv_heads * head_dim * size
@@ -116,7 +127,12 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
         logits=batch * seq * vocab * size,
         kv_layer=kv // num_layers if num_layers else 0,
         resident=matrices * size if tied else 0,
+        load_extra=load_extra,
     )
+
+
+#: A key of one expert's own tensor (``mlp.experts.3.w1.weight``): transformers stacks them.
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def _tied(model: ModelSource) -> bool:
@@ -139,6 +155,7 @@ class RunOptions:
     precision_floor: bool = True
     envelope: bool = True
     decode_steps: int = 0
+    logits_mapped: bool = False  # the prompt's logits in a file-backed map (streaming on the CPU)
 
 
 def layer_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, eager_attention: bool) -> int:
@@ -188,8 +205,9 @@ def widest_weight(cfg: dict[str, Any]) -> int:
 
 def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, eager_attention: bool) -> int:
     """Bytes one op of a perturbed run (``perturb.PerturbedArithmetic``) adds at its widest,
-    beyond the run's own tensors: its result computed one precision wider, the error and the
-    point reached (both wide), a finite mask, and the result itself, for the largest result
+    beyond the run's own tensors: its result computed one precision wider (beside its
+    widened input, then beside the result and the rounded result), and the rounding's error,
+    point and mask for one block (``perturb.ROUNDING_BLOCK``), for the largest result
     of the layer: the norms' float32 pass over the hidden states (float64 wide), the MLP's
     intermediate (for a mixture of experts: one expert's gate and up outputs, its share of
     the tokens), eager attention's float32 softmax; and a fused attention's wider reference,
@@ -201,7 +219,10 @@ def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     wide = 8 if itemsize_ == 4 else 4
 
     def op(elements: int, size: int, wider: int) -> int:
-        return elements * (3 * wider + size + 1)
+        # the wider result beside its widened input, then beside the result and the rounded
+        # result; the rounding's own temporaries (error, point, mask) for one block of it
+        whole = max(2 * elements * wider, elements * (wider + 2 * size))
+        return whole + min(elements, ROUNDING_BLOCK) * (3 * wider + size + 1)
 
     experts, top_k, inter = _experts(text)
     mlp = tokens * top_k * 2 * inter // experts if experts else tokens * (text.get("intermediate_size") or 0)
@@ -255,9 +276,13 @@ def stream_extraction_needs(
     act = layer_activations(cfg, batch, seq, size, eager)
     hidden = attention_shape(cfg)[0]
     unit = max(plan.largest_layer[1], plan.largest_outside)
+    # the head's output, the prompt's logits, is a file-backed map where streaming runs on
+    # the CPU (spill.mapped_empty): on disk as the kernel needs, not the process's memory
+    logits = 0 if options.logits_mapped else plan.logits
+    load = plan.load_extra if unit == plan.largest_layer[1] else unit  # a block of rows: read, converted
     forward = {
         "the largest unit": unit,
-        LOAD_OR_ACTIVATIONS: max(unit, act, plan.logits),
+        LOAD_OR_ACTIVATIONS: max(load, act, logits),
         KV_ONE_LAYER: plan.kv_layer if options.decode_steps else 0,
         "tied embeddings and head (held through the forward)": plan.resident,
     }
@@ -274,7 +299,7 @@ def stream_extraction_needs(
             widest = max(widest, perturbed)
             held[RUN_OUTPUT] = batch * seq * hidden * size
         layer = plan.largest_layer[1]
-        goldens = {"the largest layer": layer, LOAD_OR_WIDEST: max(layer, widest), **goldens, **held}
+        goldens = {"the largest layer": layer, LOAD_OR_WIDEST: max(plan.load_extra, widest), **goldens, **held}
     return (FORWARD, forward) if sum(forward.values()) >= sum(goldens.values()) else (GOLDENS, goldens)
 
 
@@ -369,6 +394,8 @@ def plan_lines(
     free = free_memory()
     gpus = [d for d in free if d.startswith("cuda")]
     need_whole = plan.weights + plan.activations + plan.kv_cache + plan.logits
+    target = golden_device if golden_device != "cuda" else "cuda:0"
+    options = dataclasses.replace(options, logits_mapped=target == "cpu")
     phase, stream = stream_extraction_needs(plan, model.config_json, dtype_name, batch, seq, options)
     code = imported_code_bytes(model) if golden_device == "cpu" else 0
     data_stream = sum(stream.values())
@@ -397,12 +424,14 @@ def plan_lines(
             lines.append(f"    --device-map {g}: needs {gb(need_whole)}: {_fits(need_whole, free[g])}")
     else:
         lines.append("    --device-map auto/balanced/balanced_low_0/sequential/cuda:N: no GPU visible")
-    target = golden_device if golden_device != "cuda" else "cuda:0"
     lines.append(
         f"    --device-map stream on {target}: needs {gb(need_stream)}: {_fits(need_stream, free.get(target, 0))}"
     )
     lines.append(f"      tensors the run allocates, at its peak in {phase}: {gb(data_stream)}")
     lines += [f"        {what}: {gb(n)}" for what, n in stream.items() if n]
+    if options.logits_mapped and plan.logits:
+        mapped = gb(plan.logits)
+        lines.append(f"      beside them, the prompt's logits in a file-backed map (written out as needed): {mapped}")
     if code:
         lines.append(
             f"      the model's code and accelerate, beyond torch and transformers (measured here): {gb(code)}"

@@ -39,6 +39,24 @@ def remove_orphans(parent: Path) -> list[Path]:
     return removed
 
 
+def mapped_empty(parent: Path, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory is a file under ``parent``, mapped shared and
+    removed at once (the mapping keeps it until the tensor is freed): its pages are the
+    file's, which the kernel writes out and takes back when memory runs short, instead of
+    the process's own memory. For a result larger than a layer's activations that the run
+    only writes and reads back once (the prompt's logits, seq x vocab)."""
+    import math
+
+    parent.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".map", dir=parent)
+    os.close(handle)
+    try:
+        flat = torch.from_file(name, shared=True, size=math.prod(shape), dtype=dtype)
+    finally:
+        os.unlink(name)
+    return flat.view(*shape)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

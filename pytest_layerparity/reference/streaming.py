@@ -126,10 +126,13 @@ def streamed(
     dtype: torch.dtype,
     device: Device,
     on_unit: Callable[[Unit, torch.nn.Module], None] | None = None,
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> Iterator[StreamPlan]:
     """While the block runs the model's forward, each unit's weights are loaded onto
     ``device`` when it is called and released when it returns. ``on_unit(unit, module)``
-    is called right after a unit is loaded (for a dtype audit, say). Hooks are always removed."""
+    is called right after a unit is loaded (for a dtype audit, say). ``empty(shape, dtype)``
+    makes the result a head read by rows writes its blocks into, where it is on the CPU
+    (extraction: a file-backed map, ``spill.mapped_empty``). Hooks are always removed."""
     plan = plan_units(model, checkpoint, layer_path)
     resident_keys = plan.resident_keys + [k for u in plan.resident for k in u.keys]
     _load(model, checkpoint, resident_keys, dtype, device)
@@ -174,7 +177,7 @@ def streamed(
             kind = unit.by_rows()
             if kind == "linear":
                 unit.module.forward = functools.partial(
-                    _blocked_linear, unit, checkpoint, dtype, device, block, on_unit
+                    _blocked_linear, unit, checkpoint, dtype, device, block, on_unit, empty
                 )
                 blocked.append(unit.module)
                 continue
@@ -246,12 +249,14 @@ def _blocked_linear(
     device: Device,
     block_elements: int,
     on_unit: Callable[[Unit, torch.nn.Module], None] | None,
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None,
     x: torch.Tensor,
 ) -> torch.Tensor:
     """``unit``'s linear module applied to ``x`` with its weight read a block of output rows
     at a time (the block, and its outputs for every token of ``x``, at most ``block_elements``
-    elements each, and at least one row), each block's outputs written into the result:
-    every output is the same dot product as with the whole weight."""
+    elements each, and at least one row), each block's outputs written into the result
+    (made by ``empty`` on the CPU, when given): every output is the same dot product as with
+    the whole weight."""
     import torch
 
     module = unit.module
@@ -272,7 +277,9 @@ def _blocked_linear(
                 on_unit(unit, module)
             part = torch.nn.functional.linear(x, module.weight, None if bias is None else bias[start:stop])
             if out is None:
-                out = part.new_empty((*part.shape[:-1], out_features))
+                shape = (*part.shape[:-1], out_features)
+                cpu = empty is not None and part.device.type == "cpu"
+                out = empty(shape, part.dtype) if cpu else part.new_empty(shape)
             out[..., start:stop] = part
             del part
     finally:

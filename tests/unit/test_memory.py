@@ -153,6 +153,13 @@ def test_stream_extraction_needs_name_every_term_and_follow_the_options():
     assert (
         stream_extraction_needs(wide_vocab, CONFIG, "bfloat16", 1, 8, RunOptions())[1][LOAD_OR_ACTIVATIONS] == 300_000
     )
+    # streaming on the CPU writes the logits into a file-backed map: not the process's memory
+    mapped = stream_extraction_needs(wide_vocab, CONFIG, "bfloat16", 1, 8, RunOptions(logits_mapped=True))[1]
+    assert mapped[LOAD_OR_ACTIVATIONS] == 100_000
+    # a layer as the largest unit: loading it adds what the loader reads beside it
+    layered = dataclasses.replace(plan, largest_layer=(0, 200_000), load_extra=30_000)
+    bare = RunOptions(precision_floor=False, envelope=False)
+    assert stream_extraction_needs(layered, CONFIG, "bfloat16", 1, 8, bare)[1][LOAD_OR_ACTIVATIONS] == 30_000
     no_floor = RunOptions(precision_floor=False, envelope=False)
     # a small layer: the goldens' phase (the floor's and the envelope's passes) is the peak
     small = Plan(0, (0, 10), 5_000, 0, 4_000, {}, largest_outside=0, logits=1_000)
@@ -168,17 +175,17 @@ def test_stream_extraction_needs_name_every_term_and_follow_the_options():
 
 def test_the_widest_pass_is_the_floors_or_one_perturbed_op_at_a_time():
     tokens, hidden = 8, 64
-    # the norms' float32 pass over the hidden states, widened to float64: the result, three
-    # wide tensors (the wider result, the error, the point reached) and a mask
-    norm = tokens * hidden * (3 * 8 + 4 + 1)
-    mlp = tokens * 128 * (3 * 4 + 2 + 1)  # the MLP's bfloat16 intermediate, widened to float32
+    # the norms' float32 pass over the hidden states, widened to float64: the wider result
+    # beside the widened input, then the rounding (error, point, mask) of a block, here all
+    norm = 2 * tokens * hidden * 8 + tokens * hidden * (3 * 8 + 4 + 1)
+    mlp = 2 * tokens * 128 * 4 + tokens * 128 * (3 * 4 + 2 + 1)  # the MLP's bf16 intermediate, widened
     # the math attention, widened: queries, output and its blocks (3 x 8 x 64), keys and
     # values (2 x 8 x 32), one block of 16 queries' scores and probabilities (2 x 4 x 8 x 8)
     attention = (3 * tokens * 64 + 2 * tokens * 32) * 4 + 2 * 4 * 8 * 8 * 4
     assert widest_weight(CONFIG) == 128 * 64  # the MLP's up projection
     assert perturbed_op_peak(CONFIG, 1, 8, 2, False) == max(norm, mlp, attention) + 128 * 64 * 4
     eager = perturbed_op_peak(CONFIG, 1, 8, 2, True)
-    assert eager >= 4 * 8 * 8 * (3 * 8 + 4 + 1)  # the float32 softmax over every score, widened
+    assert eager >= 4 * 8 * 8 * (2 * 8 + 3 * 8 + 4 + 1)  # the float32 softmax over every score, widened
     moe = {**CONFIG, "num_local_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
     assert widest_weight(moe) == 2 * 32 * 64  # one expert's gate and up projections
     small = Plan(0, (0, 10), 5_000, 0, 4_000, {}, largest_outside=0, logits=1_000)

@@ -263,16 +263,22 @@ def _plain_another_rounding(result, wide, generator, jitter, scale):
     return torch.where((draw < p_other) & torch.isfinite(other) & (back != point), other, nearest)
 
 
+@pytest.mark.parametrize("block", [perturb.ROUNDING_BLOCK, 999, 1000])
 @pytest.mark.parametrize("jitter", [False, True])
 @pytest.mark.parametrize(("narrow", "wide"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)])
-def test_another_rounding_in_place_draws_what_the_plain_rule_draws(narrow, wide, jitter):
+def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, narrow, wide, jitter, block):
+    """In place, and in blocks (the same draws as the whole, the generator left where the
+    whole leaves it)."""
+    monkeypatch.setattr(perturb, "ROUNDING_BLOCK", block)
     g = torch.Generator().manual_seed(1)
     exact = 10 * torch.randn(5000, generator=g, dtype=torch.float64).to(wide)
     exact[::97] = 0
     exact[5], exact[7], exact[9] = float("inf"), float("nan"), 1e-40
     result = (exact * (1 + 1e-3 * torch.randn(5000, generator=g, dtype=wide))).to(narrow)
-    got = perturb.another_rounding(result, exact, torch.Generator().manual_seed(7), jitter, 2.0)
-    want = _plain_another_rounding(result, exact, torch.Generator().manual_seed(7), jitter, 2.0)
+    mine, plain = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    got = perturb.another_rounding(result.view(50, 100), exact.view(50, 100), mine, jitter, 2.0).view(-1)
+    want = _plain_another_rounding(result, exact, plain, jitter, 2.0)
+    assert torch.equal(torch.rand(4, generator=mine), torch.rand(4, generator=plain))
     assert got.dtype == narrow
     assert torch.equal(got.float().nan_to_num(123.0), want.float().nan_to_num(123.0))
     assert not torch.equal(got, result)  # it did move the result

@@ -4,6 +4,7 @@ computes what the whole model computes, bit for bit."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,13 @@ import torch
 
 from pytest_layerparity.reference import streaming
 from pytest_layerparity.reference.model import Checkpoint, ModelSource
+from pytest_layerparity.reference.spill import mapped_empty
 
 MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "minimax_m2_tiny"
 
 
-@pytest.mark.parametrize("fraction", [streaming.ROW_BLOCK_FRACTION, 0.01])
-def test_streamed_forward_reads_rows_and_equals_the_whole_model(monkeypatch, fraction):
+@pytest.mark.parametrize(("fraction", "mapped"), [(streaming.ROW_BLOCK_FRACTION, False), (0.01, False), (0.01, True)])
+def test_streamed_forward_reads_rows_and_equals_the_whole_model(monkeypatch, tmp_path, fraction, mapped):
     monkeypatch.setattr(streaming, "ROW_BLOCK_FRACTION", fraction)
     whole_model = ModelSource(MODEL).skeleton(torch.bfloat16)
     checkpoint = Checkpoint.open(MODEL)
@@ -40,9 +42,12 @@ def test_streamed_forward_reads_rows_and_equals_the_whole_model(monkeypatch, fra
     monkeypatch.setattr(Checkpoint, "read_rows", reading_rows)
     monkeypatch.setattr(Checkpoint, "read", reading)
     model = ModelSource(MODEL).skeleton(torch.bfloat16)
-    with torch.no_grad(), streaming.streamed(model, checkpoint, "model.layers", torch.bfloat16, "cpu"):
+    empty = functools.partial(mapped_empty, tmp_path / "spill") if mapped else None
+    with torch.no_grad(), streaming.streamed(model, checkpoint, "model.layers", torch.bfloat16, "cpu", empty=empty):
         logits = model(input_ids=ids, use_cache=False).logits
     assert torch.equal(logits, expected)
+    if mapped:  # the head wrote into a file-backed map, its file already removed
+        assert _mapped_from_a_file(logits) and not list((tmp_path / "spill").iterdir())
 
     assert "model.embed_tokens.weight" not in whole and "lm_head.weight" not in whole
     embedding = [r for key, r in rows if key == "model.embed_tokens.weight"]
@@ -60,6 +65,17 @@ def test_streamed_forward_reads_rows_and_equals_the_whole_model(monkeypatch, fra
     assert all(p.device.type == "meta" for p in model.parameters())
     assert model.model.embed_tokens.weight.shape == (vocab, hidden)
     assert "forward" not in model.lm_head.__dict__
+
+
+def _mapped_from_a_file(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory lies in a file mapping of this process (/proc/self/maps)."""
+    address = tensor.untyped_storage().data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, _, _, _, inode, *_ = [*line.split(), ""]
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            return inode != "0"
+    return False
 
 
 def test_a_tied_embedding_is_read_whole_once():
