@@ -158,14 +158,18 @@ class RunOptions:
     logits_mapped: bool = False  # the prompt's logits in a file-backed map (streaming on the CPU)
 
 
-def layer_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, eager_attention: bool) -> int:
+def layer_activations(
+    cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, eager_attention: bool, one_expert: bool = False
+) -> int:
     """Bytes of the tensors one decoder layer's forward holds at its widest point, for
     ``batch`` x ``seq`` tokens in a dtype of ``itemsize_`` bytes: the residual stream and its
     normed copy, the attention's queries, keys, values (and their rotated copies) and output,
     the attention scores with their float32 softmax under eager attention (sdpa on the CPU
     works in blocks), and the MLP's widest intermediates (for a mixture of experts: each
     token's top-k experts' gate, up and activated intermediates, and the router's float32
-    scores)."""
+    scores; with ``one_expert``, the experts run one at a time, as the precision floor's and
+    the envelope's passes run them: one expert's share of the tokens, and the output they
+    add into)."""
     text = cfg.get("text_config") or cfg
     tokens = batch * seq
     hidden, heads, kv_heads, head_dim = attention_shape(cfg)
@@ -173,11 +177,12 @@ def layer_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     attention = (2 * q + 4 * kv) * itemsize_ + q * itemsize_
     if eager_attention:
         attention += batch * heads * seq * seq * (itemsize_ + 4)
-    experts = text.get("num_local_experts") or text.get("num_experts") or text.get("n_routed_experts") or 0
+    experts, top_k, inter = _experts(text)
     if experts:
-        top_k = text.get("num_experts_per_tok") or text.get("top_k") or 1
-        inter = text.get("moe_intermediate_size") or text.get("intermediate_size") or 0
-        mlp = tokens * top_k * (3 * inter + hidden) * itemsize_ + tokens * experts * 4
+        routed = tokens * top_k // experts if one_expert else tokens * top_k
+        mlp = routed * (3 * inter + hidden) * itemsize_ + tokens * experts * 4
+        if one_expert:
+            mlp += tokens * hidden * itemsize_
     else:
         mlp = 3 * tokens * (text.get("intermediate_size") or 0) * itemsize_
     return 4 * tokens * hidden * itemsize_ + attention + mlp
@@ -289,11 +294,11 @@ def stream_extraction_needs(
     goldens = {"one captured call (hidden states in and out)": 2 * batch * seq * hidden * size}
     if options.precision_floor:  # the layer is loaded for its floor and envelope
         # the floor's pass: every result in the floor dtype, each op's weight widened for it
-        widest = layer_activations(cfg, batch, seq, floor_size, eager) + widest_weight(cfg) * floor_size
+        widest = layer_activations(cfg, batch, seq, floor_size, eager, True) + widest_weight(cfg) * floor_size
         held = {FLOOR_OUTPUT: batch * seq * hidden * floor_size}
         if options.envelope:
             # a perturbed run: the run's tensors in its dtype, and one op's wider work at a time
-            perturbed = layer_activations(cfg, batch, seq, size, eager) + perturbed_op_peak(
+            perturbed = layer_activations(cfg, batch, seq, size, eager, True) + perturbed_op_peak(
                 cfg, batch, seq, size, eager
             )
             widest = max(widest, perturbed)

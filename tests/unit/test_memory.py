@@ -139,6 +139,11 @@ def test_layer_activations_count_the_widest_tensors():
     moe = layer_activations({**CONFIG, "num_local_experts": 8, "num_experts_per_tok": 2}, 1, 8, 2, False)
     assert moe - dense == 8 * 2 * (3 * 128 + 64) * 2 + 8 * 8 * 4 - 3 * 8 * 128 * 2
     assert layer_activations(CONFIG, 1, 16, 2, False) == 2 * dense  # linear in tokens without eager attention
+    # the floor's and the envelope's passes run the experts one at a time: one expert's share
+    # of the tokens (8 x 2 / 8), and the output they add into
+    one = layer_activations({**CONFIG, "num_local_experts": 8, "num_experts_per_tok": 2}, 1, 8, 2, False, True)
+    assert moe - one == (8 * 2 - 2) * (3 * 128 + 64) * 2 - 8 * 64 * 2
+    assert layer_activations(CONFIG, 1, 8, 2, False, True) == dense  # a dense MLP: the same
 
 
 def test_stream_extraction_needs_name_every_term_and_follow_the_options():
@@ -191,8 +196,8 @@ def test_the_widest_pass_is_the_floors_or_one_perturbed_op_at_a_time():
     small = Plan(0, (0, 10), 5_000, 0, 4_000, {}, largest_outside=0, logits=1_000)
     _, goldens = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions())
     assert goldens[FLOOR_OUTPUT] == 8 * 64 * 4 and goldens[RUN_OUTPUT] == 8 * 64 * 2  # one run's, whatever K
-    floor_pass = layer_activations(CONFIG, 1, 8, 4, False) + 128 * 64 * 4
-    perturbed_pass = layer_activations(CONFIG, 1, 8, 2, False) + perturbed_op_peak(CONFIG, 1, 8, 2, False)
+    floor_pass = layer_activations(CONFIG, 1, 8, 4, False, True) + 128 * 64 * 4
+    perturbed_pass = layer_activations(CONFIG, 1, 8, 2, False, True) + perturbed_op_peak(CONFIG, 1, 8, 2, False)
     assert goldens[LOAD_OR_WIDEST] == max(floor_pass, perturbed_pass)
     _, floor_only = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions(envelope=False))
     assert RUN_OUTPUT not in floor_only and floor_only[LOAD_OR_WIDEST] == floor_pass
