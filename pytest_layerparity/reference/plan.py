@@ -54,6 +54,12 @@ def itemsize(dtype_name: str) -> int:
     return {"bfloat16": 2, "float16": 2, "float32": 4}[dtype_name]
 
 
+def wider_itemsize(itemsize_: int) -> int:
+    """Bytes of an element one precision wider (the floor's dtype, a perturbed op's wider
+    result): float32 for 16-bit, float64 for float32 (``floor.floor_dtype``)."""
+    return 8 if itemsize_ == 4 else 4
+
+
 @dataclass
 class Plan:
     weights: int
@@ -93,17 +99,19 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
     layer_path = model.layer_module or _guess_layer_path(model.checkpoint)
     num_layers = model.num_layers
     per_layer = []
+    layer_keys = []
     claimed = set()
     for i in range(num_layers):
         keys = model.checkpoint.layer_keys(layer_path, i)
         claimed.update(keys)
+        layer_keys.append(keys)
         per_layer.append(sum(sizes.numel.get(k, 0) for k in keys) * size)
     total = sum(sizes.numel.values()) * size
     non_layer = sum(n for k, n in sizes.numel.items() if k not in claimed) * size
     largest = max(range(num_layers), key=lambda i: per_layer[i]) if per_layer else 0
     load_extra = 0
     if per_layer:
-        keys = model.checkpoint.layer_keys(layer_path, largest)
+        keys = layer_keys[largest]
         stacked = any(_PER_EXPERT.search(k) for k in keys)
         load_extra = per_layer[largest] if stacked else max(sizes.numel.get(k, 0) for k in keys) * size
     hidden, _, kv_heads, head_dim = attention_shape(cfg)
@@ -177,20 +185,23 @@ def layer_activations(
     attention = (2 * q + 4 * kv) * itemsize_ + q * itemsize_
     if eager_attention:
         attention += batch * heads * seq * seq * (itemsize_ + 4)
-    experts, top_k, inter = _experts(text)
+    experts, top_k, inter = _mlp(text)
     if experts:
         routed = tokens * top_k // experts if one_expert else tokens * top_k
         mlp = routed * (3 * inter + hidden) * itemsize_ + tokens * experts * 4
         if one_expert:
             mlp += tokens * hidden * itemsize_
     else:
-        mlp = 3 * tokens * (text.get("intermediate_size") or 0) * itemsize_
+        mlp = 3 * tokens * inter * itemsize_
     return 4 * tokens * hidden * itemsize_ + attention + mlp
 
 
-def _experts(text: dict[str, Any]) -> tuple[int, int, int]:
-    """(experts, experts per token, an expert's intermediate size); experts 0 for a dense MLP."""
+def _mlp(text: dict[str, Any]) -> tuple[int, int, int]:
+    """(experts, experts per token, intermediate size): an expert's for a mixture of
+    experts, the MLP's for a dense one (experts 0)."""
     experts = text.get("num_local_experts") or text.get("num_experts") or text.get("n_routed_experts") or 0
+    if not experts:
+        return 0, 1, text.get("intermediate_size") or 0
     top_k = text.get("num_experts_per_tok") or text.get("top_k") or 1
     inter = text.get("moe_intermediate_size") or text.get("intermediate_size") or 0
     return experts, top_k, inter
@@ -203,8 +214,8 @@ def widest_weight(cfg: dict[str, Any]) -> int:
     A pass one precision wider widens that operand for the op alone."""
     text = cfg.get("text_config") or cfg
     hidden, heads, _, head_dim = attention_shape(cfg)
-    experts, _, inter = _experts(text)
-    mlp = 2 * inter * hidden if experts else (text.get("intermediate_size") or 0) * hidden
+    experts, _, inter = _mlp(text)
+    mlp = (2 if experts else 1) * inter * hidden
     return max(heads * head_dim * hidden, mlp)
 
 
@@ -221,7 +232,7 @@ def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     text = cfg.get("text_config") or cfg
     tokens = batch * seq
     hidden, heads, kv_heads, head_dim = attention_shape(cfg)
-    wide = 8 if itemsize_ == 4 else 4
+    wide = wider_itemsize(itemsize_)
 
     def op(elements: int, size: int, wider: int) -> int:
         # the wider result beside its widened input, then beside the result and the rounded
@@ -229,8 +240,8 @@ def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
         whole = max(2 * elements * wider, elements * (wider + 2 * size))
         return whole + min(elements, ROUNDING_BLOCK) * (3 * wider + size + 1)
 
-    experts, top_k, inter = _experts(text)
-    mlp = tokens * top_k * 2 * inter // experts if experts else tokens * (text.get("intermediate_size") or 0)
+    experts, top_k, inter = _mlp(text)
+    mlp = tokens * top_k * 2 * inter // experts if experts else tokens * inter
     candidates = [op(tokens * hidden, 4, 8), op(mlp, itemsize_, wide)]
     q, kv = tokens * heads * head_dim, tokens * kv_heads * head_dim
     if eager_attention:
@@ -276,7 +287,7 @@ def stream_extraction_needs(
       statistics are taken as it ends: K does not change the peak).
     """
     size = itemsize(dtype_name)
-    floor_size = 8 if dtype_name == "float32" else 4
+    floor_size = wider_itemsize(size)
     eager = options.attn_implementation == "eager"
     act = layer_activations(cfg, batch, seq, size, eager)
     hidden = attention_shape(cfg)[0]

@@ -12,6 +12,7 @@ process that was killed is removed by the next run that spills there."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -45,8 +46,6 @@ def mapped_empty(parent: Path, shape: Sequence[int], dtype: torch.dtype) -> torc
     file's, which the kernel writes out and takes back when memory runs short, instead of
     the process's own memory. For a result larger than a layer's activations that the run
     only writes and reads back once (the prompt's logits, seq x vocab)."""
-    import math
-
     parent.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-", suffix=".map", dir=parent)
     os.close(handle)
