@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 _NAME_HINTS = ("router", "gate")
 
 
-def _looks_like_router(name: str, module: torch.nn.Module) -> bool:
+def looks_like_router(name: str, module: torch.nn.Module) -> bool:
     leaf = name.rsplit(".", 1)[-1].lower()
     cls = type(module).__name__.lower()
     if "proj" in leaf or "norm" in leaf:
@@ -92,7 +92,7 @@ def capture_routing(layer: torch.nn.Module, top_k: int | None, sink: dict[str, t
 
     try:
         for name, module in layer.named_modules():
-            if name and _looks_like_router(name, module):
+            if name and looks_like_router(name, module):
                 handles.append(module.register_forward_pre_hook(pre(name)))
                 handles.append(module.register_forward_hook(post(name)))
         yield

@@ -21,6 +21,7 @@ from ..report.progress import SILENT, Progress
 from ..store.callspec import decode_call, first_tensor, replace_hidden_input
 from .model import ModelSource, eager_experts_skeleton, give_back_memory, load_layer
 from .perturb import PerturbedArithmetic
+from .tokens import in_token_blocks
 
 if TYPE_CHECKING:
     import torch
@@ -155,7 +156,12 @@ class PerturbedRunner:
         call = dict(tensors) if hidden is None else replace_hidden_input(spec, dict(tensors), hidden)
         args, kwargs = decode_call(spec, call, self.device)
         routing: dict[str, torch.Tensor] = {}
-        with torch.no_grad(), capture_routing(layer, self.model.top_k, routing), PerturbedArithmetic(seed):
+        with (
+            torch.no_grad(),
+            capture_routing(layer, self.model.top_k, routing),
+            in_token_blocks(layer),
+            PerturbedArithmetic(seed),
+        ):
             out = first_tensor(layer(*args, **kwargs))
         return PerturbedRun(out.detach().to("cpu", copy=True), routing)
 

@@ -69,6 +69,7 @@ class FloorEvaluator:
         import torch
 
         from .perturb import WiderArithmetic
+        from .tokens import in_token_blocks
 
         owned = layer is None
         if layer is None:
@@ -78,7 +79,12 @@ class FloorEvaluator:
             upcast = replace_hidden_input(spec, upcast, hidden)
         args, kwargs = decode_call(spec, upcast)
         routing: dict[str, torch.Tensor] = {}
-        with torch.no_grad(), capture_routing(layer, self.model.top_k, routing), WiderArithmetic(self.dtype):
+        with (
+            torch.no_grad(),
+            capture_routing(layer, self.model.top_k, routing),
+            in_token_blocks(layer),
+            WiderArithmetic(self.dtype),
+        ):
             out = first_tensor(layer(*args, **kwargs))
         extras = ref_routing(routing)
         appended = appended_kv(args, kwargs, spec, upcast)

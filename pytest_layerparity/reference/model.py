@@ -255,10 +255,7 @@ class Checkpoint:
             return cls(root, dict(data["weight_map"]))
         single = root / "model.safetensors"
         if single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), "pt") as handle:
-                return cls(root, dict.fromkeys(handle.keys(), single.name))
+            return cls(root, dict.fromkeys(read_header_and_data_start(single)[0], single.name))
         raise ModelError(f"{root} has no model.safetensors or model.safetensors.index.json")
 
     def layer_keys(self, layer_path: str, index: int) -> list[str]:
@@ -337,15 +334,37 @@ class Checkpoint:
         return out
 
     def read(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Read just these tensors, opening only the shards that hold them."""
-        by_file: dict[str, list[str]] = {}
-        for key in keys:
-            by_file.setdefault(self.weight_map[key], []).append(key)
+        """Just these tensors, each mapped from its shard on its own (private: a write copies
+        the page). Their pages are the file's, read as the loader touches them and the
+        kernel's to take back, not memory the process allocated; each mapping goes with its
+        tensor. Read into memory of their own instead, transformers' loader held a layer's
+        sources beside the stacked experts it makes of them: about twice the layer, measured
+        (a whole shard mapped at once stays resident while any tensor read from it lives)."""
+        import mmap
+
+        import torch
+
         out = {}
-        for name, file_keys in sorted(by_file.items()):
-            with _open_shard(self.root / name) as handle:
-                for key in file_keys:
-                    out[key] = handle.get_tensor(key)
+        for key in keys:
+            name = self.weight_map[key]
+            header, data_start = self.shard_header(name)
+            info = header.get(key)
+            if info is None or info.get("dtype") not in SAFETENSORS_TORCH_DTYPE:
+                raise ModelError(f"{self.root / name}: no readable tensor {key!r} in its header")
+            dtype = getattr(torch, SAFETENSORS_TORCH_DTYPE[info["dtype"]])
+            start, stop = (data_start + offset for offset in info["data_offsets"])
+            count = (stop - start) // SAFETENSORS_ITEMSIZE[info["dtype"]]
+            if count != math.prod(info["shape"]):
+                raise ModelError(f"{self.root / name}: {key}'s offsets do not hold its shape {info['shape']}")
+            if count == 0:
+                out[key] = torch.empty(info["shape"], dtype=dtype)
+                continue
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            with open(self.root / name, "rb") as handle:
+                if os.fstat(handle.fileno()).st_size < stop:
+                    raise ModelError(f"{self.root / name}: {key} is cut short")
+                mapped = mmap.mmap(handle.fileno(), stop - base, access=mmap.ACCESS_COPY, offset=base)
+            out[key] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start - base).reshape(info["shape"])
         return out
 
 
@@ -392,9 +411,14 @@ SAFETENSORS_TORCH_DTYPE = {
 def read_header_and_data_start(path: Path) -> tuple[dict[str, Any], int]:
     """A safetensors file's header (its ``__metadata__`` left out) and the offset its tensors'
     data starts at (their ``data_offsets`` count from there)."""
-    with open(path, "rb") as handle:
-        (length,) = struct.unpack("<Q", handle.read(8))
-        header = json.loads(handle.read(length))
+    try:
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a table of tensors")
+    except (struct.error, ValueError) as exc:  # json's and unicode's errors are ValueErrors
+        raise ModelError(f"{path}: not a readable safetensors file ({exc})") from None
     header.pop("__metadata__", None)
     return header, 8 + length
 
@@ -424,18 +448,6 @@ def conversion_groups(model: torch.nn.Module, keys: list[str]) -> list[list[str]
         else:
             groups.setdefault((), []).append(key)
     return list(groups.values())
-
-
-def _open_shard(path: Path) -> Any:
-    """A safetensors shard opened for reads into memory of the tensors' own (``pread``): a
-    memory-mapped read leaves the file's pages resident for as long as any tensor read from
-    it lives, which doubles a loaded layer's resident memory."""
-    from safetensors import safe_open
-
-    try:
-        return safe_open(str(path), "pt", device="cpu", backend="pread")
-    except TypeError:  # safetensors before the backend argument
-        return safe_open(str(path), "pt")
 
 
 def load_state_into(

@@ -23,8 +23,9 @@ from .model import (
     ModelSource,
     hidden_size_from_config,
 )
-from .perturb import ROUNDING_BLOCK, query_block
+from .perturb import ROUNDING_BLOCK, WIDEN_BLOCK, query_block
 from .streaming import ROW_BLOCK_FRACTION
+from .tokens import block_rows
 
 # -- checkpoint sizes from headers -------------------------------------------------------------
 
@@ -167,7 +168,7 @@ class RunOptions:
 
 
 def layer_activations(
-    cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, eager_attention: bool, one_expert: bool = False
+    cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, eager_attention: bool, wider_pass: bool = False
 ) -> int:
     """Bytes of the tensors one decoder layer's forward holds at its widest point, for
     ``batch`` x ``seq`` tokens in a dtype of ``itemsize_`` bytes: the residual stream and its
@@ -175,9 +176,10 @@ def layer_activations(
     the attention scores with their float32 softmax under eager attention (sdpa on the CPU
     works in blocks), and the MLP's widest intermediates (for a mixture of experts: each
     token's top-k experts' gate, up and activated intermediates, and the router's float32
-    scores; with ``one_expert``, the experts run one at a time, as the precision floor's and
-    the envelope's passes run them: one expert's share of the tokens, and the output they
-    add into)."""
+    scores). With ``wider_pass``, as the precision floor's and the envelope's passes run the
+    layer: the experts one at a time (one expert's share of the tokens, and the output they
+    add into), a dense MLP over blocks of tokens (``tokens.in_token_blocks``: one block's
+    intermediates, and the output they are written into)."""
     text = cfg.get("text_config") or cfg
     tokens = batch * seq
     hidden, heads, kv_heads, head_dim = attention_shape(cfg)
@@ -187,13 +189,20 @@ def layer_activations(
         attention += batch * heads * seq * seq * (itemsize_ + 4)
     experts, top_k, inter = _mlp(text)
     if experts:
-        routed = tokens * top_k // experts if one_expert else tokens * top_k
+        routed = tokens * top_k // experts if wider_pass else tokens * top_k
         mlp = routed * (3 * inter + hidden) * itemsize_ + tokens * experts * 4
-        if one_expert:
+        if wider_pass:
             mlp += tokens * hidden * itemsize_
     else:
-        mlp = 3 * tokens * inter * itemsize_
+        block = blocked_tokens(batch, seq, max(inter, hidden)) if wider_pass else tokens
+        mlp = 3 * block * inter * itemsize_ + (tokens * hidden * itemsize_ if block < tokens else 0)
     return 4 * tokens * hidden * itemsize_ + attention + mlp
+
+
+def blocked_tokens(batch: int, seq: int, width: int) -> int:
+    """Tokens in one block of a per-token module whose widest intermediate is ``width``
+    wide, run over blocks (``tokens.block_rows``)."""
+    return batch * min(seq, block_rows((batch, seq, width), width))
 
 
 def _mlp(text: dict[str, Any]) -> tuple[int, int, int]:
@@ -208,15 +217,16 @@ def _mlp(text: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def widest_weight(cfg: dict[str, Any]) -> int:
-    """Elements of the largest weight one op of a decoder layer reads: an attention
-    projection, the dense MLP's up projection, or one expert's gate and up projections
-    (transformers stacks them into one tensor, and one expert's slice is what an op reads).
-    A pass one precision wider widens that operand for the op alone."""
+    """Elements of the largest weight one op of a decoder layer reads (an attention
+    projection, the dense MLP's up projection, or one expert's gate and up projections:
+    transformers stacks them into one tensor, and one expert's slice is what an op reads)
+    that a pass one precision wider widens at once: for the op alone, and a block of its
+    columns at a time where it has more than ``perturb.WIDEN_BLOCK`` elements."""
     text = cfg.get("text_config") or cfg
     hidden, heads, _, head_dim = attention_shape(cfg)
     experts, _, inter = _mlp(text)
     mlp = (2 if experts else 1) * inter * hidden
-    return max(heads * head_dim * hidden, mlp)
+    return min(max(heads * head_dim * hidden, mlp), WIDEN_BLOCK)
 
 
 def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, eager_attention: bool) -> int:
@@ -224,11 +234,12 @@ def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     beyond the run's own tensors: its result computed one precision wider (beside its
     widened input, then beside the result and the rounded result), and the rounding's error,
     point and mask for one block (``perturb.ROUNDING_BLOCK``), for the largest result
-    of the layer: the norms' float32 pass over the hidden states (float64 wide), the MLP's
-    intermediate (for a mixture of experts: one expert's gate and up outputs, its share of
-    the tokens), eager attention's float32 softmax; and a fused attention's wider reference,
-    the math attention (its queries, keys and values widened, its output, and one block of
-    queries' scores and probabilities: ``perturb.attention_reference``)."""
+    of the layer: the norms' float32 pass over a block of tokens' hidden states (float64
+    wide), the MLP's intermediate (a block of tokens'; for a mixture of experts: one
+    expert's gate and up outputs, its share of the tokens), eager attention's float32
+    softmax; and a fused attention's wider reference, the math attention (its queries, keys
+    and values widened, its output, and one block of queries' scores and probabilities:
+    ``perturb.attention_reference``)."""
     text = cfg.get("text_config") or cfg
     tokens = batch * seq
     hidden, heads, kv_heads, head_dim = attention_shape(cfg)
@@ -241,8 +252,9 @@ def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
         return whole + min(elements, ROUNDING_BLOCK) * (3 * wider + size + 1)
 
     experts, top_k, inter = _mlp(text)
-    mlp = tokens * top_k * 2 * inter // experts if experts else tokens * inter
-    candidates = [op(tokens * hidden, 4, 8), op(mlp, itemsize_, wide)]
+    # the norms and a dense MLP run over blocks of tokens (tokens.in_token_blocks)
+    mlp = tokens * top_k * 2 * inter // experts if experts else blocked_tokens(batch, seq, max(inter, hidden)) * inter
+    candidates = [op(blocked_tokens(batch, seq, hidden) * hidden, 4, 8), op(mlp, itemsize_, wide)]
     q, kv = tokens * heads * head_dim, tokens * kv_heads * head_dim
     if eager_attention:
         candidates.append(op(batch * heads * seq * seq, 4, 8))

@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
+from pytest_layerparity.reference import perturb
 from pytest_layerparity.reference.model import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, bound_reference_memory
-from pytest_layerparity.reference.perturb import WiderArithmetic
+from pytest_layerparity.reference.perturb import WiderArithmetic, query_block
 from pytest_layerparity.reference.plan import (
     FLOOR_OUTPUT,
     FORWARD,
@@ -68,6 +69,55 @@ def test_wider_arithmetic_computes_what_the_widened_module_computes(narrow, wide
     assert all(p.dtype == narrow for p in block.parameters())  # no wider copy of the weights kept
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert not torch.equal(plain.to(wide), want)  # the narrow run is not it
+
+
+@pytest.mark.parametrize(
+    ("narrow", "wide", "tol"), [(torch.bfloat16, torch.float32, 1e-6), (torch.float32, torch.float64, 1e-13)]
+)
+@pytest.mark.parametrize("bias", ["none", "row", "full"])
+def test_a_large_weight_is_widened_a_block_of_columns_at_a_time(monkeypatch, narrow, wide, tol, bias):
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(6, 40, generator=g).to(narrow), torch.randn(40, 50, generator=g).to(narrow)
+    c = {"none": None, "row": torch.randn(50, generator=g), "full": torch.randn(6, 50, generator=g)}[bias]
+    widened = []
+
+    def widen(value):
+        if isinstance(value, torch.Tensor) and value.dtype == narrow:
+            widened.append(value.numel())
+            return value.to(wide)
+        return value
+
+    monkeypatch.setattr(perturb, "WIDEN_BLOCK", 400)  # ten columns of b a block
+    if c is None:
+        got = perturb.widened_matmul(torch.ops.aten.mm.default, (a, b), {}, widen)
+        want = a.to(wide) @ b.to(wide)
+    else:
+        c = c.to(narrow)
+        got = perturb.widened_matmul(torch.ops.aten.addmm.default, (c, a, b), {"beta": 0.5}, widen)
+        want = torch.addmm(c.to(wide), a.to(wide), b.to(wide), beta=0.5)
+    assert got.dtype == wide
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert a.numel() in widened and max(widened) == 400 and widened.count(400) == 5  # a whole, b ten columns a time
+    assert perturb.widened_matmul(torch.ops.aten.mm.default, (a, b[:, :10]), {}, widen) is None  # small: whole
+
+
+def test_the_floor_and_a_perturbed_run_of_a_large_linear_widen_it_in_blocks(monkeypatch):
+    linear = torch.nn.Linear(40, 50).to(torch.bfloat16)
+    x = torch.randn(3, 4, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
+        with perturb.PerturbedArithmetic(0):
+            whole = linear(x)  # the weight widened whole (below WIDEN_BLOCK)
+        monkeypatch.setattr(perturb, "WIDEN_BLOCK", 40 * 7)
+        with WiderArithmetic(torch.float32):
+            got = linear(x.float())
+        with perturb.PerturbedArithmetic(0):
+            blocked = linear(x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # float32's own reduction orders apart
+    assert blocked.dtype == torch.bfloat16 and not torch.equal(blocked, want.to(torch.bfloat16))
+    # the same draws on the same wider result: equal, but where float32's orders tip a rounding
+    assert (blocked == whole).float().mean() > 0.95
+    assert ((blocked.float() - whole.float()).abs() <= 2**-7 * whole.float().abs()).all()
 
 
 def test_spilled_calls_round_trip_and_leave_nothing_behind(tmp_path):
@@ -143,7 +193,22 @@ def test_layer_activations_count_the_widest_tensors():
     # of the tokens (8 x 2 / 8), and the output they add into
     one = layer_activations({**CONFIG, "num_local_experts": 8, "num_experts_per_tok": 2}, 1, 8, 2, False, True)
     assert moe - one == (8 * 2 - 2) * (3 * 128 + 64) * 2 - 8 * 64 * 2
-    assert layer_activations(CONFIG, 1, 8, 2, False, True) == dense  # a dense MLP: the same
+    assert layer_activations(CONFIG, 1, 8, 2, False, True) == dense  # a dense MLP of one block: the same
+    # past a block (2**20 elements of the widest intermediate: 8192 tokens of 128), a dense
+    # MLP's intermediates are one block's, and its output is written block by block
+    long = layer_activations(CONFIG, 1, 3 * 8192, 2, False, True)
+    assert layer_activations(CONFIG, 1, 3 * 8192, 2, False) - long == 3 * 2 * 8192 * 128 * 2 - 3 * 8192 * 64 * 2
+
+
+def test_the_wider_passes_hold_a_block_of_tokens_and_widen_a_block_of_a_weight():
+    wide = {**CONFIG, "hidden_size": 2048, "intermediate_size": 4096}
+    assert widest_weight(wide) == 2**20  # the MLP's up projection, 8M elements: a block of its columns
+    seq = 4096  # norms: 512 tokens of 2048 a block; the MLP: 256 tokens of 4096
+    norm = 2 * 512 * 2048 * 8 + 2**20 * (3 * 8 + 4 + 1)
+    mlp = 2 * 256 * 4096 * 4 + 2**20 * (3 * 4 + 2 + 1)
+    q, kv = seq * 4 * 16, seq * 2 * 16
+    attention = (3 * q + 2 * kv) * 4 + 2 * 4 * query_block(seq, 16, seq) * seq * 4
+    assert perturbed_op_peak(wide, 1, seq, 2, False) == max(norm, mlp, attention) + 2**20 * 4
 
 
 def test_stream_extraction_needs_name_every_term_and_follow_the_options():

@@ -144,3 +144,35 @@ def test_rows_are_read_where_the_header_places_them_and_a_cut_shard_is_named(tmp
     last = max(tensors, key=lambda k: cut.headers([k])[k]["data_offsets"][1])
     with pytest.raises(ModelError, match=f"model.safetensors: {last} is cut short"):
         cut.read_rows(last, [(0, len(tensors[last]))])
+
+
+def test_a_checkpoints_tensors_are_read_as_private_maps_of_their_shard(tmp_path):
+    from safetensors.torch import save_file
+
+    from pytest_layerparity.reference.model import ModelError
+
+    g = torch.Generator().manual_seed(4)
+    tensors = {
+        "a": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "b": torch.arange(7, dtype=torch.int64),
+        "c": torch.randn(1000, 300, generator=g),  # spans pages: mapped from the page it starts on
+        "empty": torch.zeros(0, 4),
+    }
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    before = (tmp_path / "model.safetensors").read_bytes()
+    read = Checkpoint.open(tmp_path).read(tensors)
+    for key, want in tensors.items():
+        assert read[key].dtype == want.dtype and torch.equal(read[key], want), key
+    assert _mapped_from_a_file(read["c"]) and _mapped_from_a_file(read["a"])
+    read["c"].mul_(2)  # a write copies the page: the checkpoint is as it was
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+
+    (tmp_path / "model.safetensors").write_bytes(before[: len(before) - 100])  # cut short
+    with pytest.raises(ModelError, match=r"model\.safetensors: c is cut short"):
+        Checkpoint.open(tmp_path).read(["c"])
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "model.safetensors.index.json").write_text('{"weight_map": {"a": "x.safetensors"}}')
+    (broken / "x.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(ModelError, match=r"x\.safetensors: not a readable safetensors file"):
+        Checkpoint.open(broken).read(["a"])
