@@ -299,13 +299,19 @@ class Checkpoint:
         time, the largest first: the sources that transformers' loader turns into one
         parameter (every expert's ``w1`` and ``w3``, stacked and concatenated into
         ``gate_up_proj``) are read together, and no other group's are in memory meanwhile, so
-        a layer loads in less than twice its size."""
+        a layer loads in less than twice its size. The sources are maps of the shards
+        (:meth:`read`); a parameter the loader takes as read is copied out of its map, so the
+        loaded layer is the process's own memory and the file's pages go with the sources."""
         release_large_frees()
         keys = list(keys)
         sizes = self.nbytes(keys)
         groups = conversion_groups(model, keys)
         for group in sorted(groups, key=lambda g: -sum(sizes[k] for k in g)):
-            load_state_into(model, self.read(group), dtype, device=device)
+            sources = self.read(group)
+            mapped = {t.untyped_storage().data_ptr() for t in sources.values() if t.numel()}
+            load_state_into(model, sources, dtype, device=device)
+            del sources
+            _copy_out_of(model, mapped)
             give_back_memory()  # the group's sources, freed in the loader's heaps: back before the next
 
     def read_rows(self, key: str, rows: Iterable[tuple[int, int]]) -> list[torch.Tensor]:
@@ -339,7 +345,8 @@ class Checkpoint:
         kernel's to take back, not memory the process allocated; each mapping goes with its
         tensor. Read into memory of their own instead, transformers' loader held a layer's
         sources beside the stacked experts it makes of them: about twice the layer, measured
-        (a whole shard mapped at once stays resident while any tensor read from it lives)."""
+        (a whole shard mapped at once stays resident while any tensor read from it lives).
+        A caller that keeps a tensor copies it (:meth:`load_into` does)."""
         import mmap
 
         import torch
@@ -421,6 +428,22 @@ def read_header_and_data_start(path: Path) -> tuple[dict[str, Any], int]:
         raise ModelError(f"{path}: not a readable safetensors file ({exc})") from None
     header.pop("__metadata__", None)
     return header, 8 + length
+
+
+def _copy_out_of(model: torch.nn.Module, storages: set[int]) -> None:
+    """Each CPU parameter and buffer of ``model`` whose memory is one of ``storages`` (the
+    data pointers of mapped sources) replaced by a copy of its own."""
+    import torch
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None or tensor.device.type != "cpu":
+                    continue
+                if tensor.untyped_storage().data_ptr() in storages:
+                    own = tensor.detach().clone()
+                    is_param = isinstance(tensor, torch.nn.Parameter)
+                    table[name] = torch.nn.Parameter(own, requires_grad=tensor.requires_grad) if is_param else own
 
 
 def conversion_groups(model: torch.nn.Module, keys: list[str]) -> list[list[str]]:

@@ -176,3 +176,18 @@ def test_a_checkpoints_tensors_are_read_as_private_maps_of_their_shard(tmp_path)
     (broken / "x.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(ModelError, match=r"x\.safetensors: not a readable safetensors file"):
         Checkpoint.open(broken).read(["a"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_loaded_layer_is_the_processs_own_memory_not_its_checkpoints_map(dtype):
+    from safetensors import safe_open
+
+    source = ModelSource(MODEL)
+    layer = source.load_layer(1, dtype)
+    tensors = [*layer.parameters(), *layer.buffers()]
+    assert tensors and not any(_mapped_from_a_file(t) for t in tensors if t.numel())
+    # the values are the checkpoint's: a weight the loader takes as stored (no conversion)
+    key = next(k for k in source.checkpoint.layer_keys(source.layer_list[0], 1) if k.endswith("input_layernorm.weight"))
+    with safe_open(str(MODEL / source.checkpoint.weight_map[key]), "pt") as handle:
+        stored = handle.get_tensor(key)
+    assert torch.equal(layer.input_layernorm.weight.detach(), stored.to(dtype))
