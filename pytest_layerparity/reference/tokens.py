@@ -15,6 +15,7 @@ that does not return one tensor of its input's shape, is run whole."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -53,10 +54,7 @@ def per_token_children(layer: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
 def block_rows(shape: torch.Size, width: int, elements: int = TOKEN_BLOCK_ELEMENTS) -> int:
     """Tokens (along the second-to-last dim of an input of ``shape``) in one block, so that
     an intermediate ``width`` wide holds at most ``elements`` (at least one token)."""
-    batch = 1
-    for size in shape[:-2]:
-        batch *= size
-    return max(1, elements // max(1, width * batch))
+    return max(1, elements // max(1, width * math.prod(shape[:-2])))
 
 
 def _blocked(forward: Callable[..., Any], width: int, elements: int) -> Callable[..., Any]:
@@ -71,7 +69,7 @@ def _blocked(forward: Callable[..., Any], width: int, elements: int) -> Callable
             size = min(rows, tokens - start)
             part = forward(x.narrow(-2, start, size))
             if out is None:
-                if not isinstance(part, torch.Tensor) or part.shape[:-1] != x.narrow(-2, 0, size).shape[:-1]:
+                if not isinstance(part, torch.Tensor) or part.shape[:-1] != (*x.shape[:-2], size):
                     return forward(x)  # not token by token as far as its output shows: run it whole
                 out = part.new_empty((*x.shape[:-1], part.shape[-1]))
             out.narrow(-2, start, size).copy_(part)
