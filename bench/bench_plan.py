@@ -16,6 +16,9 @@
    transformers``; and the measured peak against the bound extraction keeps to: twice the
    largest layer in the run's dtype plus one layer's activations (``bound``). Extraction
    runs ``--layers 0-3`` of 16 (the run holds one layer's call at a time: flat in depth).
+3. The same run on a miniature of the architecture (``MINIATURE``: hidden size 64, the rest
+   kept): what it allocates beyond its own plan is the run's fixed part, which the plan's
+   tensors leave out (``fixed``); ``w/ fixed`` is the measured peak against the plan plus it.
 """
 
 from __future__ import annotations
@@ -87,12 +90,30 @@ VARIANTS = {
 }
 
 
-def checkpoint(work: Path, kind: str) -> Path:
+#: A miniature of each architecture: the same config with these widths (the vocabulary, depth,
+#: experts and options kept), its layers about 1/300 of the checkpoint's. What its run holds
+#: beyond its plan is the part of a run that does not scale with the weights (the allocator's
+#: free lists, Python objects, kernels' caches): measured beside each row, not fitted to it.
+MINIATURE = {
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rotary_dim": 8,
+}
+
+
+def checkpoint(work: Path, kind: str, miniature: bool = False) -> Path:
     from tiny_models import make
 
-    out = work / f"{kind}-16"
+    out = work / f"{kind}-16{'-mini' if miniature else ''}"
     if not (out / "config.json").exists():
-        make(kind, out, num_layers=16, shard_size="200MB", **MODELS[kind])
+        config = dict(MODELS[kind])
+        if miniature:
+            config.update({k: v for k, v in MINIATURE.items() if k in config or k == "hidden_size"})
+        make(kind, out, num_layers=16, shard_size="200MB", **config)
     return out
 
 
@@ -191,6 +212,7 @@ def main() -> None:
     work = opts.work or Path(tempfile.mkdtemp(prefix="bench-plan-"))
     work.mkdir(parents=True, exist_ok=True)
     model = checkpoint(work, opts.model_type)
+    miniature = checkpoint(work, opts.model_type, miniature=True)
     size = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9
     floor, _ = measure([sys.executable, "-c", "import torch, transformers"], work)
     print(
@@ -199,8 +221,8 @@ def main() -> None:
     )
     print(
         f"{'options':<10} {'seq':>5} {'planned':>8} {'anon':>6} {'ratio':>6} {'all RSS':>8}   "
-        f"{'plan+floor':>10} {'process':>8} {'ratio':>6}   {'bound':>6} {'anon/bound':>10}"
-        "  (GB; tensors the run allocates, then the whole process)"
+        f"{'plan+floor':>10} {'process':>8} {'ratio':>6}   {'bound':>6} {'anon/bound':>10}   "
+        f"{'fixed':>6} {'w/ fixed':>8}  (GB; tensors the run allocates, then the whole process)"
     )
     for variant in opts.variants.split(","):
         extra = VARIANTS[variant]
@@ -213,10 +235,12 @@ def main() -> None:
             anon, resident, process = probe([*args, *common], work)
             tensors, total = planned(model, seq, extra, work)
             limit = bound(model, seq, extra)
+            small = [f"--model={miniature}", *common[1:]]
+            fixed = max(probe([*args, *small], work)[0] - planned(miniature, seq, extra, work)[0], 0.0)
             print(
                 f"{variant:<10} {seq:>5} {tensors:>8.3f} {anon:>6.3f} {anon / tensors:>6.2f} {resident:>8.3f}   "
                 f"{total + floor:>10.3f} {process:>8.3f} {process / (total + floor):>6.2f}   "
-                f"{limit:>6.3f} {anon / limit:>10.2f}",
+                f"{limit:>6.3f} {anon / limit:>10.2f}   {fixed:>6.3f} {anon / (tensors + fixed):>8.2f}",
                 flush=True,
             )
 

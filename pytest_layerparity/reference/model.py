@@ -462,25 +462,50 @@ def conversion_groups(model: torch.nn.Module, keys: list[str]) -> list[list[str]
     the keys no such conversion takes form one more group."""
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter
     except ImportError:
         return [keys]
+    return [group for _, group in split_by_conversion(get_model_conversion_mapping(model), keys)]
+
+
+def split_by_conversion(mapping: list[Any], keys: list[str]) -> list[tuple[Any, list[str]]]:
+    """``keys`` split by the converter of ``mapping`` (transformers' weight transforms) that
+    takes them, one group per converter and module, each with its converter; the keys no
+    converter takes form one group whose converter is None."""
     patterns = []
-    for number, converter in enumerate(get_model_conversion_mapping(model)):
-        if isinstance(converter, WeightConverter) and len(converter.source_patterns) > 0:
+    for converter in mapping:
+        if type(converter).__name__ == "WeightConverter" and len(converter.source_patterns) > 0:
             for source in converter.source_patterns:
                 text = re.escape(source).replace(r"\*", r"\d+")
-                patterns.append((number, re.compile(text)))
-    groups: dict[tuple, list[str]] = {}
+                patterns.append((converter, re.compile(text)))
+    groups: dict[tuple, tuple[Any, list[str]]] = {}
     for key in keys:
-        for number, pattern in patterns:
+        for converter, pattern in patterns:
             found = pattern.search(key)
             if found:
-                groups.setdefault((number, key[: found.start()]), []).append(key)
+                groups.setdefault((id(converter), key[: found.start()]), (converter, []))[1].append(key)
                 break
         else:
-            groups.setdefault((), []).append(key)
+            groups.setdefault((), (None, []))[1].append(key)
     return list(groups.values())
+
+
+def checkpoint_conversions(source: ModelSource) -> list[Any]:
+    """The weight transforms transformers' loader applies to this checkpoint, found as it
+    finds them (the model class's name, then its model type) without building the model:
+    none for a model whose code comes with the checkpoint, or where transformers has none."""
+    if source.trust_remote_code:
+        return []
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        name = model_class_for(source.hf_config).__name__
+        return (
+            get_checkpoint_conversion_mapping(name)
+            or get_checkpoint_conversion_mapping(getattr(source.hf_config, "model_type", None))
+            or []
+        )
+    except Exception:  # an older transformers, or a config it cannot read: names map one to one
+        return []
 
 
 def load_state_into(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,9 @@ from .model import (
     SAFETENSORS_ITEMSIZE,
     Checkpoint,
     ModelSource,
+    checkpoint_conversions,
     hidden_size_from_config,
+    split_by_conversion,
 )
 from .perturb import ROUNDING_BLOCK, WIDEN_BLOCK, query_block
 from .streaming import ROW_BLOCK_FRACTION
@@ -35,6 +36,7 @@ class CheckpointSizes:
     by_dtype: dict[str, int] = field(default_factory=dict)  # bytes on disk per stored dtype
     numel: dict[str, int] = field(default_factory=dict)  # per tensor
     ndim: dict[str, int] = field(default_factory=dict)  # per tensor
+    dtype: dict[str, str] = field(default_factory=dict)  # per tensor, as safetensors names it
 
 
 def checkpoint_sizes(checkpoint: Checkpoint) -> CheckpointSizes:
@@ -46,6 +48,7 @@ def checkpoint_sizes(checkpoint: Checkpoint) -> CheckpointSizes:
                 n *= dim
             sizes.numel[key] = n
             sizes.ndim[key] = len(info["shape"])
+            sizes.dtype[key] = info["dtype"]
             nbytes = n * SAFETENSORS_ITEMSIZE.get(info["dtype"], 4)
             sizes.by_dtype[info["dtype"]] = sizes.by_dtype.get(info["dtype"], 0) + nbytes
     return sizes
@@ -76,9 +79,8 @@ class Plan:
     logits: int = 0  # one set of the model's logits over the prompt, in the run dtype
     kv_layer: int = 0  # one layer's share of kv_cache
     resident: int = 0  # tied embeddings and head: read whole once, held through the forward
-    #: What loading the largest layer adds beside it, in the run dtype: transformers' loader
-    #: stacks experts stored one by one (every expert's tensors of a kind read, stacked and
-    #: concatenated: about one more layer); other tensors are read one at a time (the largest).
+    #: What loading the largest layer holds at its peak beyond the layer itself, in the run
+    #: dtype (:func:`load_peak`): transformers' loader stacks experts stored one by one.
     load_extra: int = 0
 
 
@@ -112,9 +114,8 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
     largest = max(range(num_layers), key=lambda i: per_layer[i]) if per_layer else 0
     load_extra = 0
     if per_layer:
-        keys = layer_keys[largest]
-        stacked = any(_PER_EXPERT.search(k) for k in keys)
-        load_extra = per_layer[largest] if stacked else max(sizes.numel.get(k, 0) for k in keys) * size
+        groups = split_by_conversion(checkpoint_conversions(model), layer_keys[largest])
+        load_extra = load_peak(groups, sizes, dtype_name) - per_layer[largest]
     hidden, _, kv_heads, head_dim = attention_shape(cfg)
     activations = batch * seq * hidden * num_layers * size
     kv = 2 * batch * num_layers * seq * kv_heads * head_dim * size
@@ -140,8 +141,31 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
     )
 
 
-#: A key of one expert's own tensor (``mlp.experts.3.w1.weight``): transformers stacks them.
-_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+#: The safetensors name of each run dtype: a tensor stored otherwise is converted as it is read.
+STORED_AS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def load_peak(groups: list[tuple[Any, list[str]]], sizes: CheckpointSizes, dtype_name: str) -> int:
+    """The most loading a layer holds at once, in bytes of the run dtype, as
+    :meth:`Checkpoint.load_into` loads it: one conversion group at a time, the largest first
+    (``groups``: :func:`split_by_conversion`). The sources are maps of the shards (not the
+    process's memory) unless stored in another dtype, when the loader converts each as it
+    reads it; a converter's operations each make a new tensor beside their input
+    (``MergeModulelist`` the stack of every expert's tensors of a kind, ``Concatenate`` the
+    fused parameter), so with two or more the last one's input and output are held together:
+    a group holds its size once per live copy, and the groups before it beside it."""
+    size = itemsize(dtype_name)
+    costs = []
+    for converter, keys in groups:
+        nbytes = sum(sizes.numel.get(k, 0) for k in keys) * size
+        converted = any(sizes.dtype.get(k, STORED_AS[dtype_name]) != STORED_AS[dtype_name] for k in keys)
+        operations = len(getattr(converter, "operations", None) or ()) if converter is not None else 0
+        costs.append((nbytes, max(min(operations, 2) + converted, 1)))
+    held = peak = 0
+    for nbytes, copies in sorted(costs, key=lambda c: -c[0]):
+        peak = max(peak, held + copies * nbytes)
+        held += nbytes
+    return peak
 
 
 def _tied(model: ModelSource) -> bool:
@@ -335,11 +359,12 @@ def imported_code_bytes(model: ModelSource) -> int:
     """The memory the run's imports add beyond torch and transformers (the model's modeling
     code, accelerate): measured, by importing them in this process now."""
     import torch  # noqa: F401
-    import transformers  # noqa: F401
+    import transformers
 
     before = _process_rss()
     try:
         import accelerate  # noqa: F401
+        import transformers.core_model_loading  # noqa: F401  (the loader a layer loads through)
 
         from .model import model_class_for
 
@@ -418,6 +443,8 @@ def plan_lines(
     options: RunOptions | None = None,
 ) -> list[str]:
     options = options or RunOptions()
+    # measured first: the plan itself imports the model's code (its loader's conversions)
+    code = imported_code_bytes(model) if golden_device == "cpu" else 0
     plan = make_plan(model, dtype_name, batch, seq)
     free = free_memory()
     gpus = [d for d in free if d.startswith("cuda")]
@@ -425,7 +452,6 @@ def plan_lines(
     target = golden_device if golden_device != "cuda" else "cuda:0"
     options = dataclasses.replace(options, logits_mapped=target == "cpu")
     phase, stream = stream_extraction_needs(plan, model.config_json, dtype_name, batch, seq, options)
-    code = imported_code_bytes(model) if golden_device == "cpu" else 0
     data_stream = sum(stream.values())
     need_stream = data_stream + code
     lines = [
