@@ -112,7 +112,7 @@ def checkpoint(work: Path, kind: str, miniature: bool = False) -> Path:
     if not (out / "config.json").exists():
         config = dict(MODELS[kind])
         if miniature:
-            config.update({k: v for k, v in MINIATURE.items() if k in config or k == "hidden_size"})
+            config.update({k: v for k, v in MINIATURE.items() if k in config})
         make(kind, out, num_layers=16, shard_size="200MB", **config)
     return out
 

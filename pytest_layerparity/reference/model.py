@@ -472,8 +472,10 @@ def split_by_conversion(mapping: list[Any], keys: list[str]) -> list[tuple[Any, 
     takes them, one group per converter and module, each with its converter; the keys no
     converter takes form one group whose converter is None."""
     patterns = []
+    if mapping:  # a mapping comes from a transformers that has its loader's converters
+        from transformers.core_model_loading import WeightConverter
     for converter in mapping:
-        if type(converter).__name__ == "WeightConverter" and len(converter.source_patterns) > 0:
+        if isinstance(converter, WeightConverter) and len(converter.source_patterns) > 0:
             for source in converter.source_patterns:
                 text = re.escape(source).replace(r"\*", r"\d+")
                 patterns.append((converter, re.compile(text)))

@@ -18,6 +18,7 @@ from typing import Any
 from .model import (
     LAYER_LIST_CANDIDATES,
     SAFETENSORS_ITEMSIZE,
+    SAFETENSORS_TORCH_DTYPE,
     Checkpoint,
     ModelSource,
     checkpoint_conversions,
@@ -141,10 +142,6 @@ def make_plan(model: ModelSource, dtype_name: str, batch: int, seq: int) -> Plan
     )
 
 
-#: The safetensors name of each run dtype: a tensor stored otherwise is converted as it is read.
-STORED_AS = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-
-
 def load_peak(groups: list[tuple[Any, list[str]]], sizes: CheckpointSizes, dtype_name: str) -> int:
     """The most loading a layer holds at once, in bytes of the run dtype, as
     :meth:`Checkpoint.load_into` loads it: one conversion group at a time, the largest first
@@ -158,8 +155,9 @@ def load_peak(groups: list[tuple[Any, list[str]]], sizes: CheckpointSizes, dtype
     costs = []
     for converter, keys in groups:
         nbytes = sum(sizes.numel.get(k, 0) for k in keys) * size
-        converted = any(sizes.dtype.get(k, STORED_AS[dtype_name]) != STORED_AS[dtype_name] for k in keys)
-        operations = len(getattr(converter, "operations", None) or ()) if converter is not None else 0
+        # a tensor stored in another dtype is converted as it is read
+        converted = any(k in sizes.dtype and SAFETENSORS_TORCH_DTYPE.get(sizes.dtype[k]) != dtype_name for k in keys)
+        operations = len(getattr(converter, "operations", None) or ())  # none for the unconverted group
         costs.append((nbytes, max(min(operations, 2) + converted, 1)))
     held = peak = 0
     for nbytes, copies in sorted(costs, key=lambda c: -c[0]):

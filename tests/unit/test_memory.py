@@ -36,6 +36,8 @@ from pytest_layerparity.reference.spill import SpilledCalls
 from pytest_layerparity.store.callspec import CallRecord
 from pytest_layerparity.store.golden import _all_finite_by_sum, check_finite
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fixtures"))  # tiny_models
+
 
 class Block(torch.nn.Module):
     """An RMSNorm, a stacked-experts weight indexed per expert, an in-place op on a buffer
@@ -378,14 +380,6 @@ def test_spilled_kv_cache_holds_one_layer_and_computes_the_same_bit_for_bit(tmp_
     assert not folder.exists()
 
 
-def make(kind, out, **overrides):
-    """A tiny ``kind`` checkpoint (``fixtures/tiny_models.py``)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fixtures"))
-    from tiny_models import make as make_tiny
-
-    return make_tiny(kind, out, **overrides)
-
-
 _MALLINFO2_FIELDS = (
     *("arena", "ordblks", "smblks", "hblks", "hblkhd"),
     *("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"),
@@ -412,6 +406,8 @@ def test_the_plan_counts_what_loading_a_layer_of_experts_stored_one_by_one_holds
     dtype as it reads them: the plan's load term is what the real load held at its most, the
     live allocations read as each stacking and concatenation returns (while its inputs are
     still held), and once the layer is loaded."""
+    from tiny_models import make
+
     from pytest_layerparity.reference.model import ModelSource
     from pytest_layerparity.reference.plan import make_plan
 
@@ -443,6 +439,8 @@ def test_the_plan_counts_what_loading_a_layer_of_experts_stored_one_by_one_holds
 
 
 def test_a_layer_without_converted_tensors_loads_in_its_own_size(tmp_path):
+    from tiny_models import make
+
     from pytest_layerparity.reference.model import ModelSource
     from pytest_layerparity.reference.plan import make_plan
 
