@@ -16,9 +16,11 @@
    transformers``; and the measured peak against the bound extraction keeps to: twice the
    largest layer in the run's dtype plus one layer's activations (``bound``). Extraction
    runs ``--layers 0-3`` of 16 (the run holds one layer's call at a time: flat in depth).
+   ``planned`` is the plan's tensors and the run's own overhead beside them
+   (``plan.RUN_OVERHEAD``).
 3. The same run on a miniature of the architecture (``MINIATURE``: hidden size 64, the rest
-   kept): what it allocates beyond its own plan is the run's fixed part, which the plan's
-   tensors leave out (``fixed``); ``w/ fixed`` is the measured peak against the plan plus it.
+   kept): what it allocates beyond its plan's tensors is the run's fixed part (``fixed``),
+   what ``plan.RUN_OVERHEAD`` stands for (measured on MiniMax-M2's miniature at seq 128).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "fixtures"))
 #: The checkpoints: MiniMax-M2's shape is the one the plan was built against (calibration);
 #: Qwen3-MoE and Llama were run while it was built (what they showed is in bench/README.md);
-#: Mixtral only once the plan was final (evaluation).
+#: Mixtral only once the plan was final (evaluation); OLMoE never before the plan counted the
+#: run's overhead and the experts' end (held out).
 MODELS = {
     "minimax_m2": {
         "hidden_size": 1024,
@@ -74,6 +77,17 @@ MODELS = {
         "vocab_size": 32000,
         "max_position_embeddings": 8192,
     },
+    "olmoe": {  # held out: first run with the plan's overhead and experts' end final
+        "hidden_size": 1024,
+        "intermediate_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 64,  # its q and k norms span the hidden size
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "max_position_embeddings": 8192,
+    },
     "llama": {
         "hidden_size": 1536,
         "intermediate_size": 4096,
@@ -92,8 +106,8 @@ VARIANTS = {
 
 #: A miniature of each architecture: the same config with these widths (the vocabulary, depth,
 #: experts and options kept), its layers about 1/300 of the checkpoint's. What its run holds
-#: beyond its plan is the part of a run that does not scale with the weights (the allocator's
-#: free lists, Python objects, kernels' caches): measured beside each row, not fitted to it.
+#: beyond its plan's tensors is the part of a run that does not scale with the weights (the
+#: allocator's free lists, Python objects, kernels' caches): measured beside each row.
 MINIATURE = {
     "hidden_size": 64,
     "intermediate_size": 64,
@@ -122,8 +136,9 @@ def _gb(text: str) -> float:
     return float(value) / (1 if unit == "GB" else 1000)
 
 
-def planned(model: Path, seq: int, extra: list[str], work: Path) -> tuple[float, float]:
-    """What ``pytest --plan`` says streaming extraction needs (GB): its tensors, and in all."""
+def planned(model: Path, seq: int, extra: list[str], work: Path) -> tuple[float, float, float]:
+    """What ``pytest --plan`` says streaming extraction needs (GB): its tensors, the run's own
+    overhead beside them, and in all."""
     proc = subprocess.run(
         [*pytest_args("--plan", f"--model={model}", "--seq-len", str(seq), *extra)],
         cwd=work,
@@ -133,9 +148,10 @@ def planned(model: Path, seq: int, extra: list[str], work: Path) -> tuple[float,
     )
     total = re.search(r"--device-map stream on \S+: needs ([\d.]+ [GM]B)", proc.stdout)
     tensors = re.search(r"tensors the run allocates[^:]*: ([\d.]+ [GM]B)", proc.stdout)
-    if not total or not tensors:
+    overhead = re.search(r"beside them, the run's own[^:]*: ([\d.]+ [GM]B)", proc.stdout)
+    if not total or not tensors or not overhead:
         raise SystemExit(f"no stream lines in --plan output:\n{proc.stdout}\n{proc.stderr}")
-    return _gb(tensors.group(1)), _gb(total.group(1))
+    return _gb(tensors.group(1)), _gb(overhead.group(1)), _gb(total.group(1))
 
 
 PROBE = """
@@ -220,9 +236,9 @@ def main() -> None:
         f"import torch + transformers: {floor:.3f} GB; K={opts.envelope_samples}"
     )
     print(
-        f"{'options':<10} {'seq':>5} {'planned':>8} {'anon':>6} {'ratio':>6} {'all RSS':>8}   "
+        f"{'options':<10} {'seq':>5} {'tensors':>8} {'planned':>8} {'anon':>6} {'ratio':>6} {'all RSS':>8}   "
         f"{'plan+floor':>10} {'process':>8} {'ratio':>6}   {'bound':>6} {'anon/bound':>10}   "
-        f"{'fixed':>6} {'w/ fixed':>8}  (GB; tensors the run allocates, then the whole process)"
+        f"{'fixed':>6}  (GB; planned: the tensors and the run's own overhead; then the whole process)"
     )
     for variant in opts.variants.split(","):
         extra = VARIANTS[variant]
@@ -233,14 +249,15 @@ def main() -> None:
             if "--envelope-samples" not in extra:
                 args += ["--envelope-samples", str(opts.envelope_samples)]
             anon, resident, process = probe([*args, *common], work)
-            tensors, total = planned(model, seq, extra, work)
+            tensors, overhead, total = planned(model, seq, extra, work)
             limit = bound(model, seq, extra)
             small = [f"--model={miniature}", *common[1:]]
-            fixed = max(probe([*args, *small], work)[0] - planned(miniature, seq, extra, work)[0], 0.0)
+            fixed = probe([*args, *small], work)[0] - planned(miniature, seq, extra, work)[0]
+            plan = tensors + overhead
             print(
-                f"{variant:<10} {seq:>5} {tensors:>8.3f} {anon:>6.3f} {anon / tensors:>6.2f} {resident:>8.3f}   "
-                f"{total + floor:>10.3f} {process:>8.3f} {process / (total + floor):>6.2f}   "
-                f"{limit:>6.3f} {anon / limit:>10.2f}   {fixed:>6.3f} {anon / (tensors + fixed):>8.2f}",
+                f"{variant:<10} {seq:>5} {tensors:>8.3f} {plan:>8.3f} {anon:>6.3f} {anon / plan:>6.2f} "
+                f"{resident:>8.3f}   {total + floor:>10.3f} {process:>8.3f} {process / (total + floor):>6.2f}   "
+                f"{limit:>6.3f} {anon / limit:>10.2f}   {fixed:>6.3f}",
                 flush=True,
             )
 

@@ -412,7 +412,9 @@ def attention_reference(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     causal = bool(named.get("is_causal", False))
     length, source = query.shape[-2], key.shape[-2]
     step = query_block(length, query.shape[-1], source)
-    parts = []
+    # each block written into one output as it comes: a list of parts left small tensors
+    # between the blocks' freed scores, and the heap grew with each block (fragmentation)
+    out = None
     for start in range(0, length, step):
         stop = min(start + step, length)
         rows = mask[..., start:stop, :] if mask is not None and mask.shape[-2] == length else mask
@@ -431,8 +433,13 @@ def attention_reference(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
             scale=named.get("scale"),
             enable_gqa=query.shape[-3] != key.shape[-3],
         )
-        parts.append(output)
-    return torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0]
+        if step >= length:
+            return output
+        if out is None:
+            out = output.new_empty((*output.shape[:-2], length, output.shape[-1]))
+        out[..., start:stop, :] = output
+        del output
+    return out
 
 
 def query_block(length: int, head_dim: int, source: int) -> int:

@@ -196,29 +196,47 @@ def layer_activations(
     ``batch`` x ``seq`` tokens in a dtype of ``itemsize_`` bytes: the residual stream and its
     normed copy, the attention's queries, keys, values (and their rotated copies) and output,
     the attention scores with their float32 softmax under eager attention (sdpa on the CPU
-    works in blocks), and the MLP's widest intermediates (for a mixture of experts: each
-    token's top-k experts' gate, up and activated intermediates, and the router's float32
-    scores). With ``wider_pass``, as the precision floor's and the envelope's passes run the
-    layer: the experts one at a time (one expert's share of the tokens, and the output they
-    add into), a dense MLP over blocks of tokens (``tokens.in_token_blocks``: one block's
-    intermediates, and the output they are written into)."""
-    text = cfg.get("text_config") or cfg
+    works in blocks), and the MLP's widest intermediates (:func:`mlp_activations`)."""
     tokens = batch * seq
     hidden, heads, kv_heads, head_dim = attention_shape(cfg)
     q, kv = tokens * heads * head_dim, tokens * kv_heads * head_dim
     attention = (2 * q + 4 * kv) * itemsize_ + q * itemsize_
     if eager_attention:
         attention += batch * heads * seq * seq * (itemsize_ + 4)
+    return 4 * tokens * hidden * itemsize_ + attention + mlp_activations(cfg, batch, seq, itemsize_, wider_pass)
+
+
+def mlp_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, wider_pass: bool = False) -> int:
+    """Bytes of the MLP's widest intermediates (its input aside) for ``batch`` x ``seq``
+    tokens in a dtype of ``itemsize_`` bytes. A dense MLP: its gate, up and activated
+    intermediates. A mixture of experts: the more of its up projection's (each token's
+    top-k experts' inputs, gate, up and activated intermediates) and its end's (transformers'
+    grouped experts: the routed inputs, the down projection's outputs, and those weighted by
+    the router's weights and put back in token order, float32 where the weights are), and the
+    router's float32 scores. With ``wider_pass``, as the precision floor's and the
+    envelope's passes run the layer: the experts one at a time (one expert's share of the
+    tokens, and the output they add into), a dense MLP over blocks of tokens
+    (``tokens.in_token_blocks``: one block's intermediates, and the output they are written
+    into)."""
+    text = cfg.get("text_config") or cfg
+    tokens = batch * seq
+    hidden = attention_shape(cfg)[0]
     experts, top_k, inter = _mlp(text)
     if experts:
         routed = tokens * top_k // experts if wider_pass else tokens * top_k
-        mlp = routed * (3 * inter + hidden) * itemsize_ + tokens * experts * 4
+        # the experts' up projection: the routed inputs, their gate and up outputs, activated
+        mlp = routed * (3 * inter + hidden) * itemsize_
         if wider_pass:
             mlp += tokens * hidden * itemsize_
+        else:
+            # the end: most routers keep their softmax's float32 weights, which widen the
+            # weighted outputs (an over-count of two 16-bit copies where a router casts back)
+            mlp = max(mlp, routed * hidden * (2 * itemsize_ + 2 * max(itemsize_, 4)))
+        mlp += tokens * experts * 4
     else:
         block = blocked_tokens(batch, seq, max(inter, hidden)) if wider_pass else tokens
         mlp = 3 * block * inter * itemsize_ + (tokens * hidden * itemsize_ if block < tokens else 0)
-    return 4 * tokens * hidden * itemsize_ + attention + mlp
+    return mlp
 
 
 def blocked_tokens(batch: int, seq: int, width: int) -> int:
@@ -285,6 +303,13 @@ def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
         candidates.append((3 * q + 2 * kv) * wide + scores)
     return max(candidates) + widest_weight(cfg) * wide
 
+
+#: What a streaming extraction holds beside the tensors the plan counts, whatever the model's
+#: size: the allocator's free lists and its threads' heaps, Python objects, kernels' caches.
+#: Measured, not fitted: bench/bench_plan.py's ``fixed`` column (a run's peak above its
+#: tensors, on a miniature of the architecture: hidden size 64) for MiniMax-M2 (the plan's
+#: calibration model) at seq 128, 10.1 MB; the other architectures' are reported beside it.
+RUN_OVERHEAD = 10 * 10**6
 
 LOAD_OR_ACTIVATIONS = "loading it, or one unit's activations (a layer's, or the head's: the prompt's logits) where more"
 KV_ONE_LAYER = "one layer's KV cache (decode steps; the other layers' on disk)"
@@ -451,7 +476,7 @@ def plan_lines(
     options = dataclasses.replace(options, logits_mapped=target == "cpu")
     phase, stream = stream_extraction_needs(plan, model.config_json, dtype_name, batch, seq, options)
     data_stream = sum(stream.values())
-    need_stream = data_stream + code
+    need_stream = data_stream + RUN_OVERHEAD + code
     lines = [
         f"layerparity plan: {model.model_dir} ({model.config_json.get('model_type', '?')}, "
         f"{model.num_layers} layers), dtype {dtype_name}, batch {batch}, seq {seq}",
@@ -481,6 +506,10 @@ def plan_lines(
     )
     lines.append(f"      tensors the run allocates, at its peak in {phase}: {gb(data_stream)}")
     lines += [f"        {what}: {gb(n)}" for what, n in stream.items() if n]
+    lines.append(
+        f"      beside them, the run's own (the allocator's free lists and threads' heaps, Python objects; "
+        f"measured): {gb(RUN_OVERHEAD)}"
+    )
     if options.logits_mapped and plan.logits:
         mapped = gb(plan.logits)
         lines.append(f"      beside them, the prompt's logits in a file-backed map (written out as needed): {mapped}")

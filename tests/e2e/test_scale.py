@@ -116,6 +116,7 @@ def test_plan_reads_headers_only(pytester):
             "        the largest layer: 0.32 MB",
             "        loading it, or one layer's activations (the widest pass: the floor's or the envelope's) where *",
             "        one captured call (hidden states in and out): 0.03 MB",
+            "      beside them, the run's own (the allocator's free lists and threads' heaps, *): 10.00 MB",
         ]
     )
 

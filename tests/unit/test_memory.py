@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytest_layerparity.reference import perturb
 from pytest_layerparity.reference.model import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, bound_reference_memory
@@ -436,6 +437,83 @@ def test_the_plan_counts_what_loading_a_layer_of_experts_stored_one_by_one_holds
     assert seen and low * predicted <= held <= 1.05 * predicted, (held, predicted)
     # the stacks of w1 and w3 beside their concatenation: twice the fused parameter, more than the layer
     assert predicted >= 2 * layer.mlp.experts.gate_up_proj.nbytes > plan.largest_layer[1]
+
+
+ATTENTION_HEAP_PROBE = """
+import torch
+from pytest_layerparity.reference.perturb import attention_reference
+page = 4096
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * page
+query = torch.randn(1, 4, 2048, 16, dtype=torch.bfloat16)
+key, value = torch.randn(1, 2, 2048, 16, dtype=torch.bfloat16), torch.randn(1, 2, 2048, 16, dtype=torch.bfloat16)
+attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+before = resident()
+for _ in range(3):
+    out = attention_reference(attention, (query, key, value), {"is_causal": True})
+print(resident() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_the_math_attention_over_blocks_of_queries_does_not_grow_the_heap():
+    """Few heads and a long prompt make many small blocks: each block's output kept in a list
+    until the end left small tensors between the freed scores, and the process grew by
+    about 60 MB over three calls whose output is 1 MB (a miniature's seq-2048 layer)."""
+    grown = int(
+        subprocess.run([sys.executable, "-c", ATTENTION_HEAP_PROBE], capture_output=True, text=True, check=True).stdout
+    )
+    assert grown < 30e6, grown
+
+
+class _LiveAfterEachOp(TorchDispatchMode):
+    """The allocator's live bytes read as each op returns (its inputs still held)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.seen.append(_malloc_live())
+        return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2 counts the heap")
+@pytest.mark.parametrize(
+    ("kind", "low", "high"),
+    [
+        ("mixtral", 0.9, 1.1),  # its router's weights stay float32, as the plan counts them
+        ("qwen3_moe", 0.6, 1.0),  # its router casts them back to bf16: the plan is an upper bound
+    ],
+)
+def test_the_plan_counts_what_transformers_experts_hold(kind, low, high):
+    """A mixture of experts whose experts are narrow beside the hidden size holds the most at
+    its end: the routed inputs, the down projection's outputs, weighted and put back in token
+    order (4 x the routed tokens' hidden states; one plan of the up projection alone left
+    out 60% of it)."""
+    import transformers
+
+    from pytest_layerparity.reference.plan import mlp_activations
+
+    experts = {"num_local_experts": 8} if kind == "mixtral" else {"num_experts": 8, "moe_intermediate_size": 64}
+    config = transformers.AutoConfig.for_model(
+        kind, hidden_size=256, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=1, vocab_size=128, num_experts_per_tok=2, **experts,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    mlp = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).model.layers[0].mlp
+    x = torch.randn(1, 1024, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        mlp(x)  # the kernels' first-call state
+        watch, before = _LiveAfterEachOp(), _malloc_live()
+        with watch:
+            mlp(x)
+    held, planned = max(watch.seen) - before, mlp_activations(config.to_dict(), 1, 1024, 2)
+    assert low * planned <= held <= high * planned, (held, planned)
+    # the end, not the up projection (the routed inputs, gate, up and activated outputs), sets it
+    assert held > 1024 * 2 * (3 * 64 + 256) * 2
 
 
 def test_a_layer_without_converted_tensors_loads_in_its_own_size(tmp_path):
