@@ -60,6 +60,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .tokens import write_block
+
 # Ops whose floating results involve no rounding (data movement, selection, exact arithmetic).
 EXACT_OPS = frozenset(
     {
@@ -371,9 +373,7 @@ def widened_matmul(func: Any, args: tuple, kwargs: dict, widen: Callable[[Any], 
             sliced = bias.narrow(-1, start, width) if bias.dim() and bias.shape[-1] == columns else bias
             block.insert(0, widen(sliced))
         part = func(*block, **extra)
-        if out is None:
-            out = part.new_empty((*part.shape[:-1], columns))
-        out.narrow(-1, start, width).copy_(part)
+        out = write_block(out, part, -1, start, columns)
         del part, block
     return out
 
@@ -405,15 +405,14 @@ def attention_reference(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     ``kwargs``), computed one precision wider by the math attention: the reference its first
     result is perturbed around. Arguments are read by name from the op's schema. The queries
     go through in blocks (:func:`query_block`), so the scores held at once are about the size
-    of the queries themselves, not batch x heads x seq x seq."""
+    of the queries themselves, not batch x heads x seq x seq; each block's output is written
+    into one output as it comes (:func:`tokens.write_block`)."""
     named = _named_arguments(func, args, kwargs)
     query, key, value = (_widen(named[n]) for n in ("query", "key", "value"))
     mask = _widen(named.get("attn_mask", named.get("attn_bias")))
     causal = bool(named.get("is_causal", False))
     length, source = query.shape[-2], key.shape[-2]
     step = query_block(length, query.shape[-1], source)
-    # each block written into one output as it comes: a list of parts left small tensors
-    # between the blocks' freed scores, and the heap grew with each block (fragmentation)
     out = None
     for start in range(0, length, step):
         stop = min(start + step, length)
@@ -435,9 +434,7 @@ def attention_reference(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         )
         if step >= length:
             return output
-        if out is None:
-            out = output.new_empty((*output.shape[:-2], length, output.shape[-1]))
-        out[..., start:stop, :] = output
+        out = write_block(out, output, -2, start, length)
         del output
     return out
 

@@ -57,6 +57,20 @@ def block_rows(shape: torch.Size, width: int, elements: int = TOKEN_BLOCK_ELEMEN
     return max(1, elements // max(1, width * math.prod(shape[:-2])))
 
 
+def write_block(out: torch.Tensor | None, part: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """``part`` written into ``out`` at ``start`` along ``dim``; ``out`` made for the first
+    block, ``length`` long along ``dim`` and otherwise shaped and typed as ``part``. A
+    computation over blocks fills one output as each block comes (a list of blocks joined
+    at the end holds the output twice, and its small tensors between the blocks' freed
+    temporaries grow the heap)."""
+    if out is None:
+        shape = list(part.shape)
+        shape[dim] = length
+        out = part.new_empty(shape)
+    out.narrow(dim, start, part.shape[dim]).copy_(part)
+    return out
+
+
 def _blocked(forward: Callable[..., Any], width: int, elements: int) -> Callable[..., Any]:
     def run(x: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
@@ -68,11 +82,9 @@ def _blocked(forward: Callable[..., Any], width: int, elements: int) -> Callable
         for start in range(0, tokens, rows):
             size = min(rows, tokens - start)
             part = forward(x.narrow(-2, start, size))
-            if out is None:
-                if not isinstance(part, torch.Tensor) or part.shape[:-1] != (*x.shape[:-2], size):
-                    return forward(x)  # not token by token as far as its output shows: run it whole
-                out = part.new_empty((*x.shape[:-1], part.shape[-1]))
-            out.narrow(-2, start, size).copy_(part)
+            if out is None and (not isinstance(part, torch.Tensor) or part.shape[:-1] != (*x.shape[:-2], size)):
+                return forward(x)  # not token by token as far as its output shows: run it whole
+            out = write_block(out, part, -2, start, tokens)
             del part
         return out
 
