@@ -18,7 +18,7 @@ from ..compare.envelope import Envelope
 from ..compare.floor import FloorStats, floor_stats, token_mask
 from ..compare.routing import agreement, router_names
 from ..report.progress import SILENT, Progress
-from ..store.callspec import decode_call, first_tensor, replace_hidden_input
+from ..store.callspec import cache_argument, decode_call, first_tensor, replace_hidden_input
 from .model import ModelSource, eager_experts_skeleton, give_back_memory, load_layer
 from .perturb import PerturbedArithmetic
 from .tokens import in_token_blocks
@@ -154,7 +154,7 @@ class PerturbedRunner:
         import torch
 
         call = dict(tensors) if hidden is None else replace_hidden_input(spec, dict(tensors), hidden)
-        args, kwargs = decode_call(spec, call, self.device)
+        args, kwargs = decode_call(spec, call, self.device, cache_argument(layer))
         routing: dict[str, torch.Tensor] = {}
         with (
             torch.no_grad(),

@@ -19,7 +19,14 @@ from ..compare.floor import FLOOR_KEY
 from ..compare.judge import LayerOutcome, judge
 from ..report.progress import SILENT, Progress
 from ..selection import decode_key, layer_key
-from ..store.callspec import CallRecord, hidden_input_name, primary_output_name
+from ..store.callspec import (
+    CallRecord,
+    UnstorableCache,
+    cache_argument,
+    hidden_input_name,
+    primary_output_name,
+    returned_cache,
+)
 from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, GoldenError, GoldenStore, describe_differences
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit
@@ -236,10 +243,11 @@ class ReferenceSide:
         last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         with spilling():
             output = model(input_ids=ids, use_cache=True, **last_only)
-        cache = getattr(output, "past_key_values", None)
+        cache = returned_cache(output)
         if cache is None or getattr(output, "logits", None) is None:
             run.decode_skipped = f"{type(model).__name__} returns no KV cache and logits: no decode steps"
             return
+        name = cache_argument(model.forward, "past_key_values")
         tokens = []
         for step in range(self.settings.decode_steps):
             token = output.logits[:, -1].argmax(-1, keepdim=True)
@@ -249,8 +257,11 @@ class ReferenceSide:
             def sink(i: int, record: CallRecord, step: int = step) -> None:
                 run.decode_calls[(i, step)] = record
 
-            with self._capturing(layer_list, layers, sink, routing), spilling():  # spilled after the capture saw it
-                output = model(input_ids=token, past_key_values=cache, use_cache=True)
+            try:
+                with self._capturing(layer_list, layers, sink, routing), spilling():  # spilled after the capture saw it
+                    output = model(input_ids=token, **{name: cache}, use_cache=True)
+            except UnstorableCache as exc:  # an entry the config did not announce
+                raise ModelError(f"--decode-steps {self.settings.decode_steps}: {exc}") from None
             run.decode_logits.append(output.logits.detach().to("cpu", copy=True))
             for i, tensors in routing.items():
                 run.decode_calls.add((i, step), tensors)

@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing, ref_routing
-from ..store.callspec import appended_kv, decode_call, first_tensor, replace_hidden_input
+from ..store.callspec import appended_kv, cache_argument, decode_call, first_tensor, replace_hidden_input
 from .model import ModelSource, eager_experts_skeleton, give_back_memory, load_layer
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class FloorEvaluator:
         upcast = {k: (v.to(self.dtype) if torch.is_floating_point(v) else v) for k, v in tensors.items()}
         if hidden is not None:
             upcast = replace_hidden_input(spec, upcast, hidden)
-        args, kwargs = decode_call(spec, upcast)
+        args, kwargs = decode_call(spec, upcast, cache_name=cache_argument(layer))
         routing: dict[str, torch.Tensor] = {}
         with (
             torch.no_grad(),

@@ -696,6 +696,15 @@ class ModelSource:
         return find_layer_list(skeleton, layer_count_from_config(self.config_json), self.layer_module)
 
     @cached_property
+    def cache_argument(self) -> str | None:
+        """The name the model's decoder layers take their KV cache by in the installed
+        transformers (``cache`` from 5.24, ``past_key_values`` before): a call is replayed
+        under it where the callee's own signature does not say (a port that takes ``**kwargs``)."""
+        from ..store.callspec import cache_argument
+
+        return cache_argument(self.layer_list[1][0])
+
+    @cached_property
     def num_layers(self) -> int:
         count = layer_count_from_config(self.config_json)
         if self.layer_module or count is None:

@@ -7,18 +7,27 @@ A spec node is one of::
     {"v": <json scalar>}       None, bool, int, float (non-finite floats as strings), str
     {"tuple": [...]} / {"list": [...]} / {"dict": {...}}
     {"dtype": "bfloat16"} / {"device": "cpu"}
-    {"cache": {"layer": 3, "keys": "kwargs.past_key_values.keys", "values": ...}}
+    {"cache": {"layer": 3, "keys": "kwargs.cache.keys", "values": ...}}
                                a KV cache (transformers' Cache) as the layer saw it: that
                                layer's past keys and values, replayed as a fresh DynamicCache
-                               holding them (no keys: an empty cache)
+                               holding them (no keys: an empty cache). A sliding-window (or
+                               chunked) layer's entry also records its window and how many
+                               tokens it has seen (``"sliding_window": 16, "seen": 33``; it
+                               holds the last ``window - 1``), and is replayed as such an entry
     {"dropped": "SomeObject"}  an object that cannot be stored; replayed as None
 
 A call that updated a KV cache also records, under ``spec["cache_update"]``, the keys and
 values the layer appended (``{"layer": 3, "keys": "cache.new_keys", "values": ...}``).
+
+The cache argument's name is the callee's: transformers 5.24 renamed the layers' and models'
+``past_key_values`` to ``cache``. A call is stored under the name the reference used and
+replayed under the name the callee takes (:func:`cache_argument`), so goldens made under one
+transformers are tested under the other.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
@@ -65,6 +74,86 @@ def cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor] | Non
     return keys, values
 
 
+#: The cache layers whose whole state is keys and values of the tokens they hold (as
+#: transformers names them): what a golden stores and replays.
+STORABLE_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+
+
+class UnstorableCache(ValueError):
+    """A layer's KV-cache entry holds state a golden cannot store."""
+
+
+def check_storable(entry: Any, layer: int) -> None:
+    """Raise :class:`UnstorableCache` for a cache entry that holds state beyond keys and values
+    (a recurrent or convolution state, an indexer's keys, keys shared from another layer)."""
+    kind = type(entry).__name__
+    if kind not in STORABLE_CACHE_LAYERS:
+        raise UnstorableCache(
+            f"layer {layer}'s KV-cache entry is a {kind}: it holds state beyond keys and values, which a "
+            "decode-step golden cannot store; extract with --decode-steps 0 (the prompt tests and the whole "
+            "model's prompt still run)"
+        )
+
+
+def cache_layer_state(cache: Any, layer: int) -> dict[str, int]:
+    """How layer ``layer``'s cache entry holds its tokens: ``{"sliding_window": w, "seen": n}``
+    for a sliding-window (or chunked) entry, which keeps the last ``w - 1`` of the ``n`` tokens
+    it was given; ``{}`` for a plain one (all of them, or none yet). Raises
+    :class:`UnstorableCache` for an entry that holds state beyond keys and values."""
+    if layer >= len(cache.layers):
+        return {}
+    entry = cache.layers[layer]
+    check_storable(entry, layer)
+    window = getattr(entry, "sliding_window", None)
+    if not getattr(entry, "is_sliding", False) or not window:
+        return {}
+    return {"sliding_window": int(window), "seen": int(getattr(entry, "cumulative_length", 0))}
+
+
+def seen_tokens(cache: Any, layer: int) -> int:
+    """How many tokens layer ``layer``'s cache entry has been given (held or slid past)."""
+    past = cached_kv(cache, layer)
+    if past is None:
+        return 0
+    return cache_layer_state(cache, layer).get("seen", past[0].shape[-2])
+
+
+#: The names a decoder layer or model takes its KV cache under, newest first.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
+
+
+def cache_argument(callee: Any, default: str | None = None) -> str | None:
+    """The name under which ``callee`` (a module, or a function such as a model's forward)
+    takes its KV cache, read from its own signature; ``default`` where it names none (a
+    wrapper that passes ``**kwargs`` on, or no cache)."""
+    fn = callee.forward if isinstance(callee, torch.nn.Module) else callee
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return default
+    return next((name for name in CACHE_ARGUMENTS if name in parameters), default)
+
+
+def returned_cache(output: Any) -> Any:
+    """The KV cache a model returned (``output.cache`` from transformers 5.24,
+    ``output.past_key_values`` before), read without the old name's deprecation notice."""
+    for name in CACHE_ARGUMENTS[:2]:
+        if isinstance(output, Mapping) and output.get(name) is not None:
+            return output[name]
+    return None
+
+
+def rename_cache_argument(kwargs: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """``kwargs`` with its cache argument (under any of :data:`CACHE_ARGUMENTS`) under ``name``
+    (unchanged when ``name`` is None or it is there already)."""
+    if name is None or name in kwargs:
+        return kwargs
+    given = next((k for k in CACHE_ARGUMENTS if k in kwargs), None)
+    if given is None:
+        return kwargs
+    return {(name if k == given else k): v for k, v in kwargs.items()}
+
+
 def encode(value: Any, name: str, tensors: dict[str, torch.Tensor], cache_layer: int | None = None) -> dict[str, Any]:
     """Encode ``value`` into a spec node, storing tensors into ``tensors`` (as CPU copies).
     A KV cache is stored as layer ``cache_layer``'s past keys and values."""
@@ -75,6 +164,7 @@ def encode(value: Any, name: str, tensors: dict[str, torch.Tensor], cache_layer:
             node["keys"], node["values"] = f"{name}.keys", f"{name}.values"
             tensors[node["keys"]] = past[0].detach().to("cpu", copy=True)
             tensors[node["values"]] = past[1].detach().to("cpu", copy=True)
+        node.update(cache_layer_state(value, cache_layer))
         return {"cache": node}
     if isinstance(value, torch.Tensor):
         tensors[name] = value.detach().to("cpu", copy=True)
@@ -118,15 +208,30 @@ def decode(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device:
 
 def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Device | None = None) -> Any:
     """A fresh DynamicCache holding layer ``node["layer"]``'s stored past keys and values
-    (what the layer is called with in a decode step; other layers' entries stay empty)."""
-    from transformers.cache_utils import DynamicCache
+    (what the layer is called with in a decode step; other layers' entries stay empty), in
+    an entry of the kind the reference's was: a sliding-window entry keeps sliding."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
 
     cache = DynamicCache()
+    window = node.get("sliding_window")
+    if "keys" not in node and not window:
+        return cache
+    index = int(node["layer"])
+    if window:
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        entry = DynamicSlidingWindowLayer(sliding_window=int(window))
+    else:
+        entry = DynamicLayer()
+    cache.layers.extend(DynamicLayer() for _ in range(len(cache.layers), index))
+    cache.layers.append(entry)
     if "keys" in node:
         keys, values = tensors[node["keys"]], tensors[node["values"]]
         if device is not None:
             keys, values = keys.to(device), values.to(device)
-        cache.update(keys, values, int(node["layer"]))
+        entry.update(keys, values)
+        if window:
+            entry.cumulative_length = int(node.get("seen", keys.shape[-2]))
     return cache
 
 
@@ -155,17 +260,21 @@ def record_cache_update(args: Any, kwargs: Any, layer: int, record: CallRecord) 
     record.spec["cache_update"] = {"layer": layer, "keys": "cache.new_keys", "values": "cache.new_values"}
 
 
-def _cache_node(spec: Any) -> dict[str, Any] | None:
-    if isinstance(spec, dict):
-        if isinstance(spec.get("cache"), dict):
-            return spec["cache"]
-        spec = list(spec.values())
-    if isinstance(spec, list):
-        for child in spec:
-            found = _cache_node(child)
-            if found is not None:
-                return found
-    return None
+def _cache_node(node: Any) -> dict[str, Any] | None:
+    """The first cache node under a spec node (walked by its tags: a keyword argument may
+    itself be named ``cache``)."""
+    if not isinstance(node, dict):
+        return None
+    if isinstance(node.get("cache"), dict) and len(node) == 1:
+        return node["cache"]
+    children = node.get("tuple") or node.get("list") or list((node.get("dict") or {}).values())
+    return next((found for child in children if (found := _cache_node(child)) is not None), None)
+
+
+def _call_cache_node(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The cache node among a call spec's arguments."""
+    nodes = [*(spec.get("args") or ()), *(spec.get("kwargs") or {}).values()]
+    return next((found for node in nodes if (found := _cache_node(node)) is not None), None)
 
 
 def appended_kv(
@@ -185,15 +294,21 @@ def appended_kv(
 def _appended(
     args: Any, kwargs: Any, layer: int, spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Layer ``layer``'s entries in the KV cache among ``args``/``kwargs`` beyond the past
-    the call's ``spec`` stored (None without a cache, or while the entry is empty)."""
+    """Layer ``layer``'s entries in the KV cache among ``args``/``kwargs`` that the call added
+    beyond the past its ``spec`` stored: the last of the entry's keys and values, as many as it
+    was given tokens (a sliding-window entry drops its oldest as it appends). None without a
+    cache, or while the entry is empty."""
     cache = find_kv_cache([args, kwargs])
     now = cached_kv(cache, layer) if cache is not None else None
     if now is None:
         return None
-    past = _cache_node({"args": spec.get("args"), "kwargs": spec.get("kwargs")})
-    length = tensors[past["keys"]].shape[-2] if past is not None and "keys" in past else 0
-    return now[0][..., length:, :], now[1][..., length:, :]
+    past = _call_cache_node(spec)
+    before = 0
+    if past is not None and "keys" in past:
+        before = int(past.get("seen", tensors[past["keys"]].shape[-2]))
+    added = min(seen_tokens(cache, layer) - before, now[0].shape[-2])
+    start = now[0].shape[-2] - max(added, 0)
+    return now[0][..., start:, :], now[1][..., start:, :]
 
 
 def tensor_names(node: Any) -> Iterator[str]:
@@ -223,11 +338,16 @@ def encode_output(output: Any, record: CallRecord) -> None:
 
 
 def decode_call(
-    spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Device | None = None
+    spec: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    device: Device | None = None,
+    cache_name: str | None = None,
 ) -> tuple[list[Any], dict[str, Any]]:
+    """Rebuild a stored call; its cache argument under ``cache_name`` when given (the name
+    the callee takes it by: :func:`cache_argument`)."""
     args = [decode(n, tensors, device) for n in spec["args"]]
     kwargs = {k: decode(n, tensors, device) for k, n in spec["kwargs"].items()}
-    return args, kwargs
+    return args, rename_cache_argument(kwargs, cache_name)
 
 
 def primary_output_name(spec: Mapping[str, Any]) -> str:

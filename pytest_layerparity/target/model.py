@@ -22,11 +22,15 @@ StepFn = Callable[[Any, Any], tuple[Any, Any]]
 
 
 def hf_step(model: torch.nn.Module) -> StepFn:
-    """The step function of a transformers causal LM (its own DynamicCache as ``past``)."""
+    """The step function of a transformers causal LM (its own DynamicCache as ``past``,
+    passed under the name its forward takes)."""
+    from ..store.callspec import cache_argument, returned_cache
+
+    name = cache_argument(model.forward, "past_key_values")
 
     def step(input_ids: torch.Tensor, past: Any) -> tuple[torch.Tensor, Any]:
-        output = model(input_ids=input_ids, past_key_values=past, use_cache=True)
-        return output.logits, output.past_key_values
+        output = model(input_ids=input_ids, **{name: past}, use_cache=True)
+        return output.logits, returned_cache(output)
 
     return step
 

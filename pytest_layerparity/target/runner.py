@@ -17,6 +17,7 @@ from ..report.progress import SILENT, Progress
 from ..selection import LayerRange, decode_key, layer_key
 from ..store.callspec import (
     appended_kv,
+    cache_argument,
     decode_call,
     first_tensor,
     hidden_input_name,
@@ -122,7 +123,8 @@ class TargetSide:
 
         spec = entry.metadata["call"]
         tensors = entry.tensors if hidden is None else replace_hidden_input(spec, entry.tensors, hidden)
-        args, kwargs = decode_call(spec, tensors, self.backend.device)
+        cache_name = cache_argument(module, self.model.cache_argument)  # the callee's name for it
+        args, kwargs = decode_call(spec, tensors, self.backend.device, cache_name)
         routing: dict[str, torch.Tensor] = {}
         with torch.no_grad(), capture_routing(module, self.model.top_k, routing):
             output = module(*args, **kwargs)
@@ -245,7 +247,7 @@ class TargetSide:
         given = target_in.detach().to("cpu")
         floor, ref_routing = self.floor.evaluate(index, spec, entry.tensors, given, layer=reference)
         call = replace_hidden_input(spec, dict(entry.tensors), given.to(self.floor.golden_dtype))
-        args, kwargs = decode_call(spec, call)
+        args, kwargs = decode_call(spec, call, cache_name=cache_argument(reference))
         routing: dict[str, torch.Tensor] = {}
         with torch.no_grad(), capture_routing(reference, self.model.top_k, routing):
             golden = first_tensor(reference(*args, **kwargs)).detach().to("cpu", copy=True)

@@ -34,8 +34,9 @@ class PastIgnored(__import__("torch").nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-        return self.layer(hidden_states, *args, past_key_values=None, **kwargs)
+    def forward(self, hidden_states, *args, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
+        return self.layer(hidden_states, *args, **kwargs)
 
 def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
     return PastIgnored(reference_layer).to(device) if layer_idx == 1 else None

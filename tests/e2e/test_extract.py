@@ -17,6 +17,10 @@ def fresh(pytester):
 
 
 def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2DecoderLayer
+
+    from pytest_layerparity.store.callspec import cache_argument
+
     result = fresh.runpytest(
         "--gpu-golden", "--extract", "--layers", "0-2", "--seq-len", "8", "--batch-size", "2", "-v"
     )
@@ -69,7 +73,8 @@ def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
     # a decode step: the new token's hidden state, the layer's past keys and values, what it appended
     step = load_file(store / "layer_00001.decode_001.safetensors")
     assert step["args.0"].shape == (2, 1, 64) and step["output"].shape == (2, 1, 64)
-    assert step["kwargs.past_key_values.keys"].shape == (2, 2, 9, 16)  # 8 prompt tokens and the first step's
+    past = f"kwargs.{cache_argument(MiniMaxM2DecoderLayer.forward)}.keys"  # under the installed transformers' name
+    assert step[past].shape == (2, 2, 9, 16)  # 8 prompt tokens and the first step's
     assert step["cache.new_keys"].shape == step["cache.new_values"].shape == (2, 2, 1, 16)
     assert torch.equal(load_file(store / "layer_00000.safetensors")["args.0"], io["embeddings"])
     # layer 1's input is layer 0's output

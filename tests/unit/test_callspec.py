@@ -3,12 +3,14 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 
 from pytest_layerparity.capture.calls import capture_calls
 from pytest_layerparity.store.callspec import (
     CallRecord,
     appended_kv,
+    cache_argument,
     decode_call,
     encode_call,
     encode_output,
@@ -138,3 +140,105 @@ def test_an_empty_kv_cache_replays_empty_and_a_call_without_one_records_no_updat
     assert "cache_update" not in records[0].spec
     _, kwargs = decode_call(first.spec, first.tensors)
     assert len(kwargs["past_key_values"].layers) == 0
+
+
+class _NewNameAttention(_Attention):
+    """The same layer under transformers 5.24's name for the cache argument."""
+
+    def forward(self, hidden_states, cache=None):
+        return super().forward(hidden_states, past_key_values=cache)
+
+
+def _sliding_cache(layer: int, window: int, seen: int):
+    """A DynamicCache whose entry ``layer`` is a sliding-window one that has been given
+    ``seen`` tokens (it holds the last ``window - 1``), as transformers keeps a sliding layer's."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    cache = DynamicCache()
+    entry = DynamicSlidingWindowLayer(sliding_window=window)
+    cache.layers.extend([DynamicLayer() for _ in range(layer)] + [entry])
+    entry.update(torch.randn(1, 1, seen, 4), torch.randn(1, 1, seen, 4))
+    return cache
+
+
+def test_a_sliding_window_entry_is_recorded_and_replayed_sliding():
+    cache = _sliding_cache(1, window=4, seen=6)
+    layer = _NewNameAttention(1)
+    x = torch.randn(1, 1, 4)
+    records = {}
+    with capture_calls({1: layer}, records.__setitem__):
+        expected = layer(x, cache=cache)
+    record = records[1]
+    node = record.spec["kwargs"]["cache"]["cache"]  # a keyword argument named like the tag
+    assert node["sliding_window"] == 4 and node["seen"] == 6
+    assert record.tensors[node["keys"]].shape[-2] == 3  # the window's last 3 of 6
+    assert record.tensors["cache.new_keys"].shape == (1, 1, 1, 4)  # one token appended, one dropped
+    assert torch.equal(record.tensors["cache.new_keys"], x.unsqueeze(1) * 2)
+    spec = json.loads(json.dumps(record.spec))
+    args, kwargs = decode_call(spec, record.tensors)
+    entry = kwargs["cache"].layers[1]
+    assert type(entry).__name__ == "DynamicSlidingWindowLayer" and entry.cumulative_length == 6
+    assert torch.equal(layer(*args, **kwargs), expected)
+    assert entry.keys.shape[-2] == 3 and entry.cumulative_length == 7  # it slid, as the reference's did
+    new_keys, new_values = appended_kv(args, kwargs, spec, record.tensors)
+    assert torch.equal(new_keys, record.tensors["cache.new_keys"])
+    assert torch.equal(new_values, record.tensors["cache.new_values"])
+
+
+def test_a_call_is_replayed_under_the_cache_name_the_callee_takes():
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4), 0)
+    records = {}
+    x = torch.randn(1, 1, 4)
+    layer = _Attention(0)
+    with capture_calls({0: layer}, records.__setitem__):
+        expected = layer(x, past_key_values=cache)  # recorded under the old name
+    spec = json.loads(json.dumps(records[0].spec))
+    renamed = _NewNameAttention(0)
+    assert cache_argument(renamed) == "cache" and cache_argument(layer) == "past_key_values"
+    args, kwargs = decode_call(spec, records[0].tensors, cache_name=cache_argument(renamed))
+    assert sorted(kwargs) == ["cache"]
+    assert torch.equal(renamed(*args, **kwargs), expected)
+    new_keys, _ = appended_kv(args, kwargs, spec, records[0].tensors)
+    assert torch.equal(new_keys, records[0].tensors["cache.new_keys"])
+    _, kwargs = decode_call(spec, records[0].tensors)  # no name given: as recorded
+    assert sorted(kwargs) == ["past_key_values"]
+
+
+def test_the_cache_name_is_read_through_wrappers_and_falls_back_where_none_is_named():
+    import functools
+
+    def deprecated(fn):  # as transformers' deprecate_kwarg wraps a layer's forward
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    class Wrapped(torch.nn.Module):
+        @deprecated
+        def forward(self, hidden_states, cache=None, **kwargs):
+            return hidden_states
+
+    class PassesKwargsOn(torch.nn.Module):
+        def forward(self, hidden_states, **kwargs):
+            return hidden_states
+
+    assert cache_argument(Wrapped()) == "cache"
+    assert cache_argument(PassesKwargsOn(), "past_key_values") == "past_key_values"
+    assert cache_argument(PassesKwargsOn()) is None
+
+
+def test_state_beyond_keys_and_values_is_refused_naming_the_entry():
+    from transformers.cache_utils import DynamicCache
+
+    class RecurrentLayer:  # a linear-attention or state-space entry: no keys and values to store
+        conv_states = torch.zeros(1)
+
+    cache = DynamicCache()
+    cache.layers.append(RecurrentLayer())
+    record = CallRecord()
+    with pytest.raises(ValueError, match=r"layer 0.s KV-cache entry is a RecurrentLayer: .*--decode-steps 0 "):
+        encode_call((torch.zeros(1),), {"cache": cache}, record, cache_layer=0)

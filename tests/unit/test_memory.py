@@ -342,6 +342,7 @@ def _decode(model, spill=None, sink=None):
     import contextlib
 
     from pytest_layerparity.capture.calls import capture_calls
+    from pytest_layerparity.store.callspec import cache_argument, returned_cache
 
     layers = model.model.layers
 
@@ -351,11 +352,12 @@ def _decode(model, spill=None, sink=None):
     ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
     with torch.no_grad(), hooks():
         out = model(input_ids=ids, use_cache=True)
-    cache, logits, calls = out.past_key_values, [out.logits], []
+    cache, logits, calls = returned_cache(out), [out.logits], []
+    name = cache_argument(model.forward)
     for _ in range(2):
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         with torch.no_grad(), capture_calls({1: layers[1]}, lambda i, r: calls.append(r)), hooks():
-            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            out = model(input_ids=token, **{name: cache}, use_cache=True)
         logits.append(out.logits)
     return logits, calls, cache
 

@@ -1,0 +1,32 @@
+"""What the reference side can record of an architecture, decided from its config before any
+work is done: a refusal names the reason and the way round it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..store.callspec import UnstorableCache, check_storable
+from .model import ModelError
+
+if TYPE_CHECKING:
+    from .model import ModelSource
+
+
+def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int) -> None:
+    """Refuse decode steps where a selected layer's KV-cache entry, as transformers makes it for
+    this config, holds state beyond keys and values (a decode-step golden stores those alone).
+    A config transformers' cache cannot read is left to the recording, which checks each entry."""
+    if not decode_steps:
+        return
+    from transformers.cache_utils import DynamicCache
+
+    try:
+        entries = DynamicCache(config=model.hf_config).layers
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return
+    for index in layers:
+        if index < len(entries):
+            try:
+                check_storable(entries[index], index)
+            except UnstorableCache as exc:
+                raise ModelError(f"--decode-steps {decode_steps}: {exc}") from None
