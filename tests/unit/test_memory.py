@@ -295,8 +295,9 @@ print(libc.mallinfo2().uordblks - before)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2 counts the heap")
 def test_a_reference_run_holds_the_matmul_kernel_caches_to_a_few_entries(monkeypatch):
     """16-bit matmuls on the CPU keep a compiled kernel per shape in two caches of 1024
-    entries each: 300 shapes held about 80 MB. A reference run holds them to
-    KERNEL_CACHE_ENTRIES (a user's own setting kept)."""
+    entries each: 300 shapes held about 80 MB on a CPU with AVX-512 (on an AVX2-only one,
+    none is compiled). A reference run holds them to KERNEL_CACHE_ENTRIES (a user's own
+    setting kept)."""
     for name in KERNEL_CACHE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     grown = {
@@ -307,7 +308,10 @@ def test_a_reference_run_holds_the_matmul_kernel_caches_to_a_few_entries(monkeyp
         )
         for how in ("plain", "bound")
     }
-    assert grown["plain"] > 20e6 and grown["bound"] < grown["plain"] / 5, grown
+    if grown["plain"] > 20e6:  # a CPU whose 16-bit matmuls compile a kernel per shape (AVX-512)
+        assert grown["bound"] < grown["plain"] / 5, grown
+    else:  # one without (AVX2 only: 8 KB over 300 shapes, measured): nothing to hold, bound or not
+        assert grown["bound"] < 20e6, grown
     monkeypatch.setenv(KERNEL_CACHE_VARIABLES[0], "256")
     bound_reference_memory()
     assert os.environ[KERNEL_CACHE_VARIABLES[0]] == "256"
