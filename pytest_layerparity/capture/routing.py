@@ -1,10 +1,13 @@
-"""Mixture-of-experts routing, recorded: find a layer's routers and record which experts
+"""Discrete choices inside a layer, recorded: find a layer's routers and record which experts
 each token went to (and the scores the choice was made on).
 
 Routers are recognised by what they return, not by architecture: a submodule named like a
 router or gate whose output holds a 2-D integer tensor (tokens x top-k, the chosen experts)
 and a 2-D float tensor (tokens x experts, the logits), as transformers' ``*TopKRouter``
 modules do; a bare linear ``gate`` returning logits is read with top-k taken from the config.
+A sparse-attention ``indexer`` (DeepSeek-V3.2's, which picks the keys each query attends to)
+returns only the chosen positions ([batch, queries, top-k]); the scores it chose on are the
+ones it handed to ``torch.topk``. Leading dimensions are flattened: one row per token.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-_NAME_HINTS = ("router", "gate")
+_NAME_HINTS = ("router", "gate", "indexer")
 
 
 def looks_like_router(name: str, module: torch.nn.Module) -> bool:
@@ -24,15 +27,25 @@ def looks_like_router(name: str, module: torch.nn.Module) -> bool:
     cls = type(module).__name__.lower()
     if "proj" in leaf or "norm" in leaf:
         return False
-    return any(h in cls for h in _NAME_HINTS) or leaf in ("gate", "router")
+    return any(h in cls for h in _NAME_HINTS) or leaf in ("gate", "router", "indexer")
 
 
-def _parse(output: Any, top_k: int | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(logits, indices) from a router's output, or None when it is not one."""
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """One row per token: the leading dimensions flattened."""
+    return tensor.reshape(-1, tensor.shape[-1])
+
+
+def _parse(output: Any, top_k: int | None, scores: list[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(logits, indices) from a router's output (``scores``: what it handed to torch.topk), or
+    None when it is not one."""
     items = list(output) if isinstance(output, (tuple, list)) else [output]
-    tensors = [t for t in items if isinstance(t, torch.Tensor) and t.dim() == 2]
+    tensors = [_rows(t) for t in items if isinstance(t, torch.Tensor) and t.dim() >= 2]
     ints = [t for t in tensors if not torch.is_floating_point(t)]
     floats = [t for t in tensors if torch.is_floating_point(t)]
+    if ints and not floats and len(items) == 1:  # an indexer: the positions alone, chosen on the scores
+        indices = ints[0]
+        chosen = [_rows(sc) for sc in scores if sc.dim() >= 2 and sc.numel() // sc.shape[-1] == indices.shape[0]]
+        return (chosen[-1], indices) if chosen and chosen[-1].shape[-1] >= indices.shape[-1] else None
     if ints and floats:
         indices = ints[0]
         logits = next((f for f in floats if f.shape[0] == indices.shape[0] and f.shape[1] >= indices.shape[1]), None)
@@ -78,13 +91,14 @@ def capture_routing(layer: torch.nn.Module, top_k: int | None, sink: dict[str, t
             mode = active.pop(name, None)
             if mode is not None:
                 mode.__exit__(None, None, None)
-            parsed = _parse(output, top_k)
+            parsed = _parse(output, top_k, mode.scores if mode else [])
             if parsed is None:
                 return
             logits, indices = parsed
             sink[f"routing.{name}.logits"] = logits.detach().float().to("cpu", copy=True)
             sink[f"routing.{name}.indices"] = indices.detach().to("cpu", torch.int64, copy=True)
-            scores = [sc for sc in (mode.scores if mode else []) if tuple(sc.shape) == tuple(logits.shape)]
+            scores = [_rows(sc) for sc in (mode.scores if mode else []) if sc.dim() >= 2]
+            scores = [sc for sc in scores if tuple(sc.shape) == tuple(logits.shape)]
             if scores:
                 sink[f"routing.{name}.scores"] = scores[-1].double().to("cpu", copy=True)
 

@@ -96,6 +96,10 @@ def judge(
         g_cmp = golden.reshape(-1, golden.shape[-1])[compared]
         t_cmp = target_cpu.reshape(-1, golden.shape[-1])[compared]
     metrics = compare_tensors(g_cmp, t_cmp)
+    verdict_cosine = None  # the noise policy's cosine leaves near-tie tokens out as its ratios do
+    if keep is not None and compared is None:
+        rows_g, rows_t = golden.reshape(-1, golden.shape[-1]), target_cpu.reshape(-1, golden.shape[-1])
+        verdict_cosine = compare_tensors(rows_g[keep], rows_t[keep]).cosine_similarity
     floor = None
     if reference is not None and tuple(reference.shape) == tuple(golden.shape):
         floor = floor_stats(golden, target_cpu, reference, hidden_in, keep)
@@ -103,7 +107,7 @@ def judge(
     return LayerOutcome(
         layer=layer,
         metrics=metrics,
-        checks=evaluate(metrics, settings, floor=floor, dtype=dtype, envelope=limits),
+        checks=evaluate(metrics, settings, floor=floor, dtype=dtype, envelope=limits, cosine=verdict_cosine),
         shape=tuple(golden.shape),
         golden_dtype=dtype_name(golden),
         target_dtype=dtype_name(target_cpu),

@@ -58,9 +58,22 @@ def tie_margin(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def _pair_margin(ref_logits: torch.Tensor, golden_set: set[int], target_set: set[int]) -> float:
     """The smallest exact-logit gap between an expert only the golden chose and one only the
-    target chose: how close the decision between them really was."""
+    target chose: how close the decision between them really was (0 between equal scores; a
+    masked-out candidate, -1, scores -inf)."""
+
+    def score(i: int) -> float:
+        return float(ref_logits[i]) if i >= 0 else float("-inf")
+
     only_g, only_t = golden_set - target_set, target_set - golden_set
-    return min(abs(float(ref_logits[a]) - float(ref_logits[b])) for a in only_g for b in only_t)
+    return min(0.0 if score(a) == score(b) else abs(score(a) - score(b)) for a in only_g for b in only_t)
+
+
+def _masked_out(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``indices`` with the candidates whose score is -inf (masked out: a causal indexer's top-k
+    of an early query takes some) replaced by -1, so that which of them a top-k took, an
+    implementation's choice among equals that changes nothing, is no flip."""
+    picked = scores.gather(-1, indices.clamp_min(0))
+    return torch.where(torch.isneginf(picked), torch.full_like(indices, -1), indices)
 
 
 def agreement(
@@ -77,19 +90,22 @@ def agreement(
     key = f"routing.{router}"
     if f"{key}.indices" not in target or f"{key}.indices" not in golden:
         return None
-    g_idx = golden[f"{key}.indices"].sort(dim=-1).values
-    t_idx = target[f"{key}.indices"].sort(dim=-1).values
+    g_idx, t_idx = golden[f"{key}.indices"], target[f"{key}.indices"]
     if g_idx.shape != t_idx.shape:
         return None
-    same = (g_idx == t_idx).all(dim=-1)
-    flipped = [int(i) for i in (~same).nonzero().flatten()]
     kind = "scores" if f"{key}.scores" in golden and f"ref_routing.{router}.scores" in golden else "logits"
     g_logits = golden[f"{key}.{kind}"].double()
+    if g_logits.shape[0] == g_idx.shape[0]:
+        g_idx, t_idx = _masked_out(g_logits, g_idx), _masked_out(g_logits, t_idx)
+    g_idx, t_idx = g_idx.sort(dim=-1).values, t_idx.sort(dim=-1).values
+    same = (g_idx == t_idx).all(dim=-1)
+    flipped = [int(i) for i in (~same).nonzero().flatten()]
     ref_logits = golden.get(f"ref_routing.{router}.{kind}")
     near = []
     if ref_logits is not None and ref_logits.shape == g_logits.shape:
         ref_logits = ref_logits.double()
-        noise = (g_logits - ref_logits).abs().amax(dim=-1)
+        error = (g_logits - ref_logits).abs()
+        noise = torch.where(error.isfinite(), error, torch.zeros_like(error)).amax(dim=-1)
         for j in flipped:
             margin = _pair_margin(ref_logits[j], set(g_idx[j].tolist()), set(t_idx[j].tolist()))
             if margin <= tie_factor * float(noise[j]):

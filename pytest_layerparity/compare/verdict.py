@@ -102,9 +102,11 @@ def evaluate(
     floor: FloorStats | None = None,
     dtype: str = "bfloat16",
     envelope: EnvelopeLimits | None = None,
+    cosine: float | None = None,
 ) -> list[Check]:
     """Each metric against its threshold under the policy in force (the noise policy's
-    limits from ``envelope`` when given; an explicit --max-* option still wins)."""
+    limits from ``envelope`` when given; an explicit --max-* option still wins). ``cosine``:
+    the noise policy's cosine when it is taken without the near-tie tokens."""
     non_finite = metrics.golden_nan + metrics.golden_inf + metrics.target_nan + metrics.target_inf
     checks = [Check("nan_inf_count", non_finite, "==", 0, non_finite == 0)]
     if policy_in_force(settings, floor is not None) == "noise":
@@ -116,7 +118,7 @@ def evaluate(
             if settings.max_token_noise_ratio is None:
                 max_token = envelope.max_token_noise_ratio
         checks += [
-            _lower("cosine_similarity", metrics.cosine_similarity, min_cos),
+            _lower("cosine_similarity", metrics.cosine_similarity if cosine is None else cosine, min_cos),
             _upper("noise_ratio", floor.noise_ratio, max_ratio),
             _upper("token_noise_ratio", floor.token_noise_ratio, max_token),
         ]

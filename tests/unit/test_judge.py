@@ -293,6 +293,7 @@ def test_near_tie_flips_are_told_apart(settings, excluded, counted):
     assert (routing.flipped, routing.near_tie_flipped, routing.near_tie_tokens) == (1, 1, (1,))
     assert outcome.excluded_tokens == excluded
     assert ("noise_ratio" in failing(outcome.checks)) == counted
+    assert ("cosine_similarity" in failing(outcome.checks)) == counted  # the cosine leaves it out too
 
 
 def test_a_flip_without_a_near_tie_is_reported_as_one():
@@ -302,6 +303,25 @@ def test_a_flip_without_a_near_tie_is_reported_as_one():
     (routing,) = outcome.routing
     assert (routing.flipped, routing.near_tie_flipped, routing.flipped_tokens) == (1, 0, (2,))
     assert routing.describe().endswith("1 flipped without a near tie (a routing bug?)")
+
+
+def test_candidates_masked_out_are_no_flip():
+    """A causal indexer's early queries have fewer candidates than its top-k: which of the
+    masked-out (-inf) ones a top-k takes is no choice at all; a real choice still counts."""
+    from pytest_layerparity.compare.routing import agreement
+
+    inf = float("-inf")
+    scores = torch.tensor([[1.0, inf, inf, inf], [1.0, 2.0, inf, inf], [1.0, 2.0, 3.0, 4.0]])
+    golden = {
+        "routing.indexer.indices": torch.tensor([[0, 1], [1, 0], [3, 2]]),
+        "routing.indexer.logits": scores,
+        "routing.indexer.scores": scores.double(),
+        "ref_routing.indexer.scores": scores.double(),
+    }
+    same = agreement("indexer", golden, {"routing.indexer.indices": torch.tensor([[0, 3], [0, 1], [2, 3]])}, 0.0)
+    assert same.flipped == 0
+    other = agreement("indexer", golden, {"routing.indexer.indices": torch.tensor([[0, 3], [0, 1], [1, 3]])}, 0.0)
+    assert other.flipped_tokens == (2,) and other.near_tie_flipped == 0
 
 
 def test_routers_the_target_did_not_run_are_left_out():
@@ -401,3 +421,31 @@ def test_floor_stats_in_blocks_of_tokens_equal_one_block(monkeypatch, drop):
     assert whole["contribution_z"] > 1  # the 1% scale is seen along the contribution
     for name, value in whole.items():
         assert blocked[name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_a_sparse_attention_indexer_is_recorded_one_row_per_query():
+    """An ``indexer`` returns only the key positions each query attends to ([batch, queries,
+    top-k]); its scores are what it handed to torch.topk."""
+    from pytest_layerparity.capture.routing import capture_routing
+
+    class Indexer(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = x @ x.transpose(-1, -2)
+            causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+            return scores.masked_fill(~causal, float("-inf")).topk(2, dim=-1).indices
+
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.indexer = Indexer()
+
+        def forward(self, x):
+            return self.indexer(x)
+
+    layer, sink = Attention(), {}
+    x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(0))
+    with capture_routing(layer, None, sink):
+        chosen = layer(x)
+    assert sink["routing.indexer.indices"].shape == (10, 2)
+    assert torch.equal(sink["routing.indexer.indices"], chosen.reshape(10, 2))
+    assert sink["routing.indexer.scores"].shape == (10, 5)
