@@ -127,9 +127,12 @@ def generate(model_type: str, out: Path, layers: int, timeout: int) -> str | Non
     return (lines[-1] if lines else f"exit code {done.returncode}")[:300]
 
 
-def sweep_one(model_type: str, dtypes: list[str], layers: int, timeout: int) -> dict:
-    """One architecture: its checkpoint made, then each dtype (stopping at a refusal)."""
-    row: dict = {"type": model_type, "dtypes": []}
+def sweep_one(model_type: str, dtypes: list[str], layers: int, timeout: int, earlier: dict | None = None) -> dict:
+    """One architecture: its checkpoint made, then each dtype (stopping at a refusal); the
+    dtypes of an ``earlier`` row are kept and not run again."""
+    row: dict = {"type": model_type, "dtypes": list((earlier or {}).get("dtypes") or [])}
+    ran = {r["dtype"] for r in row["dtypes"]}
+    dtypes = [d for d in dtypes if d not in ran]
     with tempfile.TemporaryDirectory(prefix=f"arch-{model_type}-") as folder:
         work = Path(folder)
         (work / "pytest.ini").write_text("[pytest]\n")  # the sweep's own rootdir, no project settings
@@ -137,6 +140,8 @@ def sweep_one(model_type: str, dtypes: list[str], layers: int, timeout: int) -> 
         why = generate(model_type, model, layers, timeout)
         if why is not None:
             return dict(row, state="not generated", reason=why)
+        if not dtypes:
+            return dict(earlier or {}, **row)
         row["architectures"] = ", ".join(json.loads((model / "config.json").read_text()).get("architectures") or [])
         for dtype in dtypes:
             result = run_dtype(model, work, dtype, timeout)
@@ -152,6 +157,13 @@ def sweep_one(model_type: str, dtypes: list[str], layers: int, timeout: int) -> 
     if state == "pass" and any("refused" in r for r in row["dtypes"]):
         state, reason = "pass without decode steps", row["dtypes"][0]["refused"]
     return dict(row, state=state, reason=reason)
+
+
+def finished(row: dict, dtypes: list[str]) -> bool:
+    """Whether a kept row needs no more runs: every dtype ran, or it ended before any could."""
+    if row["state"] in ("refused", "not generated"):
+        return True
+    return {r["dtype"] for r in row.get("dtypes", [])} >= set(dtypes)
 
 
 def table(rows: list[dict], dtypes: list[str]) -> list[str]:
@@ -198,11 +210,11 @@ def main() -> None:
     done: dict[str, dict] = {}
     if args.results is not None and args.results.exists():
         done = {row["type"]: row for row in json.loads(args.results.read_text())}
-    todo = [t for t in types if t not in done]
+    todo = [t for t in types if t not in done or not finished(done[t], dtypes)]
     started = time.time()
 
     def one(model_type: str) -> dict:
-        row = sweep_one(model_type, dtypes, args.layers, args.timeout)
+        row = sweep_one(model_type, dtypes, args.layers, args.timeout, done.get(model_type))
         print(f"{model_type}: {row['state']} {row.get('reason', '')[:160]} ({time.time() - started:.0f} s)", flush=True)
         return row
 
