@@ -72,18 +72,25 @@ def write_block(out: torch.Tensor | None, part: torch.Tensor, dim: int, start: i
 
 
 def _blocked(forward: Callable[..., Any], width: int, elements: int) -> Callable[..., Any]:
-    def run(x: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
-            return forward(x, *args, **kwargs)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        # one tensor, by position or by name (DBRX calls its MLP as ffn(hidden_states=...))
+        named = next(iter(kwargs), None) if len(kwargs) == 1 and not args else None
+        x = args[0] if len(args) == 1 and not kwargs else kwargs[named] if named is not None else None
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return forward(*args, **kwargs)
+
+        def call(part: torch.Tensor) -> Any:
+            return forward(part) if named is None else forward(**{named: part})
+
         tokens, rows = x.shape[-2], block_rows(x.shape, max(width, x.shape[-1]), elements)
         if tokens <= rows:
-            return forward(x)
+            return call(x)
         out = None
         for start in range(0, tokens, rows):
             size = min(rows, tokens - start)
-            part = forward(x.narrow(-2, start, size))
+            part = call(x.narrow(-2, start, size))
             if out is None and (not isinstance(part, torch.Tensor) or part.shape[:-1] != (*x.shape[:-2], size)):
-                return forward(x)  # not token by token as far as its output shows: run it whole
+                return call(x)  # not token by token as far as its output shows: run it whole
             out = write_block(out, part, -2, start, tokens)
             del part
         return out

@@ -115,6 +115,30 @@ def test_a_child_whose_output_is_not_token_by_token_runs_whole():
     assert "forward" not in holder.mlp.__dict__
 
 
+class Named(torch.nn.Module):
+    """An MLP its layer calls by keyword, as DBRX's calls ``ffn(hidden_states=...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.calls = torch.nn.Linear(8, 32), []
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self.calls.append(hidden_states.shape[-2])
+        return self.up(hidden_states).relu()[..., :8]
+
+
+def test_a_child_called_by_keyword_runs_in_blocks():
+    holder = Holder()
+    holder.mlp = Named()
+    x = torch.randn(1, 10, 8)
+    with torch.no_grad():
+        want = holder.mlp(hidden_states=x)
+        with in_token_blocks(holder, 3 * 32):  # three tokens a block
+            got = holder.mlp(hidden_states=x)
+    torch.testing.assert_close(got, want)
+    assert holder.mlp.calls == [10, 3, 3, 3, 1]
+
+
 @pytest.mark.parametrize(
     ("shape", "width", "elements", "rows"),
     [((1, 2048, 1536), 4096, 1 << 20, 256), ((4, 2048, 64), 4096, 1 << 20, 64), ((9, 64), 10**9, 1 << 20, 1)],
