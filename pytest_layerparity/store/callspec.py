@@ -167,6 +167,9 @@ def encode(value: Any, name: str, tensors: dict[str, torch.Tensor], cache_layer:
         node.update(cache_layer_state(value, cache_layer))
         return {"cache": node}
     if isinstance(value, torch.Tensor):
+        if value.is_complex():  # safetensors has no complex dtype: stored as (real, imaginary) pairs
+            tensors[name] = torch.view_as_real(value.detach().resolve_conj()).to("cpu", copy=True)
+            return {"t": name, "complex": True}
         tensors[name] = value.detach().to("cpu", copy=True)
         return {"t": name}
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -188,6 +191,8 @@ def decode(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device:
     """Rebuild a value from its spec node; tensors are moved to ``device`` when given."""
     if "t" in node:
         tensor = tensors[node["t"]]
+        if node.get("complex"):
+            tensor = torch.view_as_complex(tensor.contiguous())
         return tensor.to(device) if device is not None else tensor
     if "v" in node:
         return _decode_scalar(node["v"])
