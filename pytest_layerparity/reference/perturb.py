@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -627,6 +628,26 @@ def _narrower(dtype: Any, than: torch.dtype) -> bool:
     return isinstance(dtype, torch.dtype) and _UNIT_ROUNDOFF.get(dtype, 0) > _UNIT_ROUNDOFF[than]
 
 
+#: Functions that check their operands' dtypes before dispatch (a composite's own check: a
+#: convolution's "Input type (double) and bias type (float) should be the same"), so their
+#: operands are widened where the function is called, not where its ops run.
+CHECKED_BEFORE_DISPATCH = frozenset(
+    {torch.conv1d, torch.conv2d, torch.conv3d, torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d}
+)
+
+
+class _WidenCheckedOperands(TorchFunctionMode):
+    def __init__(self, up: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.up = up
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in CHECKED_BEFORE_DISPATCH:
+            args, kwargs = tree_map(self.up, args), tree_map(self.up, kwargs)
+        return func(*args, **kwargs)
+
+
 class WiderArithmetic(TorchDispatchMode):
     """While active, every op that rounds is computed in ``dtype`` (float32 or float64): its
     narrower floating inputs are converted (exactly) for that op alone, and conversions or
@@ -646,6 +667,15 @@ class WiderArithmetic(TorchDispatchMode):
         if isinstance(value, torch.Tensor) and _narrower(value.dtype, self.dtype):
             return value.detach().to(self.dtype)
         return value
+
+    def __enter__(self) -> WiderArithmetic:
+        self._checked = _WidenCheckedOperands(self._up)
+        self._checked.__enter__()  # a convolution's operands: Mamba's causal conv1d, widened as it is called
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._checked.__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}

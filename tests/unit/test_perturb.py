@@ -282,3 +282,19 @@ def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, 
     assert got.dtype == narrow
     assert torch.equal(got.float().nan_to_num(123.0), want.float().nan_to_num(123.0))
     assert not torch.equal(got, result)  # it did move the result
+
+
+def test_wider_arithmetic_widens_a_convolution_that_checks_its_operands_first():
+    """A depthwise causal conv1d (Mamba's) on a widened input: the composite checks that its
+    input and bias agree before any op runs, so its operands are widened where it is called."""
+    from pytest_layerparity.reference.perturb import WiderArithmetic
+
+    conv = torch.nn.Conv1d(8, 8, 4, groups=8, padding=3)
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        want = torch.nn.functional.conv1d(x, conv.weight.double(), conv.bias.double(), padding=3, groups=8)
+        with WiderArithmetic(torch.float64):
+            narrow = x.float()  # made float64 by the mode: exact
+            got = torch.nn.functional.conv1d(narrow, conv.weight, conv.bias, padding=3, groups=8)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
