@@ -20,6 +20,7 @@ def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int)
         return
     from transformers.cache_utils import DynamicCache
 
+    modeling_module(model)  # registers the cache entries the architecture defines for its layer types
     try:
         entries = DynamicCache(config=model.hf_config).layers
     except (AttributeError, KeyError, TypeError, ValueError):
@@ -30,3 +31,14 @@ def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int)
                 check_storable(entries[index], index)
             except UnstorableCache as exc:
                 raise ModelError(f"--decode-steps {decode_steps}: {exc}") from None
+
+
+def modeling_module(model: ModelSource) -> None:
+    """Import the architecture's modeling module (a cache entry class it defines registers
+    itself for its layer type when the module is imported)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        AutoModelForCausalLM._model_mapping[type(model.hf_config)]
+    except (KeyError, ImportError, AttributeError, ValueError):
+        pass  # not a causal LM transformers maps: its remote code is imported when the model is made
