@@ -21,9 +21,19 @@ def capture_calls(modules: Mapping[int, torch.nn.Module], sink: Callable[[int, C
     """
     handles = []
     pending: dict[int, CallRecord] = {}
+    seen: set[int] = set()
 
     def pre_hook(index: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if index in seen:
+                from ..reference.model import ModelError
+
+                raise ModelError(
+                    f"layer {index} ran more than once in one forward pass (a model that loops over some of its "
+                    "layers, as a recurrent-depth model does): each run is another computation on another input and "
+                    "cache entry, and a golden holds one call per layer; this architecture is not supported"
+                )
+            seen.add(index)
             record = CallRecord()
             encode_call(args, kwargs, record, cache_layer=index)
             pending[index] = record

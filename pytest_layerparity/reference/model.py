@@ -709,6 +709,18 @@ class ModelSource:
         count = layer_count_from_config(self.config_json)
         if self.layer_module or count is None:
             return len(self.layer_list[1])
+        path, found = self.layer_list
+        parsed = getattr(self.hf_config, "num_hidden_layers", None)  # Dory's config.json counts half-layers
+        if len(found) != count and len(found) == parsed:
+            return len(found)
+        if len(found) != count:
+            skeleton = next(iter(self._skeletons.values()))
+            raise ModelError(
+                f"config.json says {count} decoder layers, and {type(found).__name__} {path!r} of the model holds "
+                f"{len(found)}: its layer modules are not one per layer (a model that runs a module more than once, "
+                "or keeps its layers elsewhere), so a layer's calls cannot be told apart; name the list of layers "
+                f"with --layer-module (module lists in this model: {', '.join(module_lists(skeleton))})"
+            )
         return count
 
     @cached_property

@@ -71,6 +71,20 @@ def test_hooks_are_removed_when_the_forward_raises():
     assert layer._forward_hooks == {} and layer._forward_pre_hooks == {}
 
 
+def test_a_layer_run_twice_in_one_capture_is_refused():
+    """A recurrent-depth model (transformers' Dory) runs some layers more than once per forward
+    pass: a golden holds one call per layer, so the second run is refused, never overwritten."""
+    from pytest_layerparity.reference.model import ModelError
+
+    layer, pair = Layer(), (torch.ones(1, 2), torch.zeros(1, 2))
+    with pytest.raises(ModelError, match="layer 3 ran more than once in one forward pass"):
+        with capture_calls({3: layer}, lambda i, r: None):
+            layer(torch.ones(1, 2), position_embeddings=pair)
+            layer(torch.ones(1, 2), position_embeddings=pair)
+    with capture_calls({3: layer}, lambda i, r: None):  # one run a capture
+        layer(torch.ones(1, 2), position_embeddings=pair)
+
+
 def test_output_tree_and_device_decoding():
     record = CallRecord()
     encode_call((), {"dtype": torch.bfloat16, "device": torch.device("cpu"), "ids": [torch.ones(1), 2]}, record)
@@ -133,7 +147,8 @@ def test_an_empty_kv_cache_replays_empty_and_a_call_without_one_records_no_updat
     records = {}
     with capture_calls({0: layer}, records.__setitem__):
         layer(torch.randn(1, 3, 4), past_key_values=DynamicCache())
-        first = records[0]
+    first = records[0]
+    with capture_calls({0: layer}, records.__setitem__):
         layer(torch.randn(1, 3, 4))
     assert first.spec["kwargs"]["past_key_values"] == {"cache": {"layer": 0}}
     assert first.tensors["cache.new_keys"].shape == (1, 1, 3, 4)  # the whole prompt was appended
