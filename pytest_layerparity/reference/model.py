@@ -175,8 +175,19 @@ def build_skeleton(hf_config: PretrainedConfig, dtype: torch.dtype, trust_remote
         if cls.__name__.startswith("Auto"):
             model = cls.from_config(hf_config, dtype=dtype, trust_remote_code=trust_remote_code)
         else:
-            model = cls._from_config(hf_config, dtype=dtype)
+            model = cls._from_config(own_config(cls, hf_config), dtype=dtype)
     return model.eval()
+
+
+def own_config(cls: type[Any], hf_config: PretrainedConfig) -> PretrainedConfig:
+    """The config ``cls`` is built from: a composite config's text part where the class takes
+    that (Emu3ForCausalLM takes Emu3TextConfig; its checkpoints save the composite Emu3Config,
+    which from_pretrained without a config reads the same way)."""
+    wanted = getattr(cls, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(hf_config, wanted):
+        return hf_config
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else None
+    return text if isinstance(text, wanted) else hf_config
 
 
 def eager_experts_skeleton(

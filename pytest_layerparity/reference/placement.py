@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..options import parse_max_memory
-from .model import ModelSource, model_class_for
+from .model import ModelSource, model_class_for, own_config
 from .plan import fits_whole, make_plan
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def load_whole_model(
     try:
         loaded = model_cls.from_pretrained(
             str(model.model_dir),
-            config=model.hf_config,
+            config=own_config(model_cls, model.hf_config),
             dtype=dtype,
             device_map=device_map,
             trust_remote_code=model.trust_remote_code,

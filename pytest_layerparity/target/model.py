@@ -69,13 +69,17 @@ def default_target_model(
     minutes to compile on torch-xla's CPU device."""
     from transformers.utils import logging as hf_logging
 
-    from ..reference.model import model_class_for
+    from ..reference.model import model_class_for, own_config
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        loaded = model_class_for(model.hf_config, model.trust_remote_code).from_pretrained(
-            str(model.model_dir), config=model.layer_config, dtype=dtype, trust_remote_code=model.trust_remote_code
+        cls = model_class_for(model.hf_config, model.trust_remote_code)
+        loaded = cls.from_pretrained(
+            str(model.model_dir),
+            config=own_config(cls, model.layer_config),
+            dtype=dtype,
+            trust_remote_code=model.trust_remote_code,
         )
     finally:
         if bars:
