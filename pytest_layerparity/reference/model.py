@@ -277,7 +277,37 @@ class Checkpoint:
             return keys
         list_name = re.escape(layer_path.rsplit(".", 1)[-1])
         pattern = re.compile(rf"(^|\.){list_name}\.{index}\.")
-        return [key for key in self.weight_map if pattern.search(key)]
+        keys = [key for key in self.weight_map if pattern.search(key)]
+        if keys or not self.renames:
+            return keys
+        # a checkpoint under names transformers renames as it loads (EXAONE's transformer.h.N): the
+        # keys that become the layer's (the loader, given the model's conversion mapping, renames them)
+        return [key for key in self.weight_map if pattern.search(self.model_name(key))]
+
+    @cached_property
+    def renames(self) -> list[tuple[re.Pattern[str], str]]:
+        """The key renames transformers applies to this checkpoint's model_type as it loads it
+        (its conversion mapping's plain renames), in order."""
+        try:
+            model_type = json.loads((self.root / "config.json").read_text(encoding="utf-8")).get("model_type")
+            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+            from transformers.core_model_loading import WeightRenaming
+
+            mapping = get_checkpoint_conversion_mapping(model_type) or []
+        except (OSError, ValueError, ImportError):
+            return []
+        out = []
+        for rule in mapping:
+            sources, targets = getattr(rule, "source_patterns", None), getattr(rule, "target_patterns", None)
+            if type(rule) is WeightRenaming and len(sources or ()) == 1 and len(targets or ()) == 1:
+                out.append((re.compile(sources[0]), targets[0]))
+        return out
+
+    def model_name(self, key: str) -> str:
+        """``key`` under the model's name (the renames applied)."""
+        for pattern, target in self.renames:
+            key = pattern.sub(target, key)
+        return key
 
     def files_for(self, keys: Iterable[str]) -> list[str]:
         return sorted({self.weight_map[key] for key in keys})

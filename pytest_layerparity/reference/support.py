@@ -42,3 +42,25 @@ def modeling_module(model: ModelSource) -> None:
         AutoModelForCausalLM._model_mapping[type(model.hf_config)]
     except (KeyError, ImportError, AttributeError, ValueError):
         pass  # not a causal LM transformers maps: its remote code is imported when the model is made
+
+
+def check_checkpoint_names(model: ModelSource, layers: list[int]) -> None:
+    """Refuse a checkpoint with no tensors for the first selected layer under the model's names
+    (or the names transformers renames to them as it loads): the plugin reads one layer's
+    tensors at a time by those names, so every layer's test would fail the same way."""
+    if not layers:
+        return
+    path = model.layer_list[0]
+    if model.checkpoint.layer_keys(path, layers[0]):
+        return
+    names = model.checkpoint.weight_map
+    example = next((k for k in names if f".{layers[0]}." in k), next(iter(names), "none"))
+    raise ModelError(
+        f"the checkpoint in {model.model_dir} has no tensors for layer {layers[0]} under the model's names "
+        f"({path}.{layers[0]}.*; a key there: {example!r}) nor under names transformers renames to them: it was not "
+        f"saved from {model_class_name(model)} (config.json's architectures and model_type say which class reads it)"
+    )
+
+
+def model_class_name(model: ModelSource) -> str:
+    return ", ".join(model.config_json.get("architectures") or []) or str(model.config_json.get("model_type"))

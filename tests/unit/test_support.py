@@ -50,3 +50,41 @@ def test_a_cache_entry_the_modeling_module_defines_is_refused_up_front():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "layer 0's KV-cache entry is a DeepseekV4HCACache: it holds state beyond keys and values" in done.stdout
+
+
+def _checkpoint(folder, model_type: str, keys: list[str]):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from pytest_layerparity.reference.model import Checkpoint
+
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["LlamaForCausalLM"]}))
+    save_file({k: torch.zeros(2) for k in keys}, str(folder / "model.safetensors"))
+    return Checkpoint.open(folder)
+
+
+def test_a_layer_is_found_under_the_names_transformers_renames_as_it_loads(tmp_path):
+    """EXAONE's checkpoints name layers transformer.h.N and transformers renames them to
+    model.layers.N as it loads: a layer's tensors are found under the checkpoint's names."""
+    keys = ["transformer.h.0.ln_1.weight", "transformer.h.0.mlp.c_fc_0.weight", "transformer.h.1.ln_1.weight"]
+    checkpoint = _checkpoint(tmp_path / "exaone", "exaone", keys)
+    assert checkpoint.layer_keys("model.layers", 0) == keys[:2]
+    assert checkpoint.model_name(keys[1]) == "model.layers.0.mlp.gate_proj.weight"
+    assert _checkpoint(tmp_path / "llama", "llama", keys).layer_keys("model.layers", 0) == []  # llama renames none
+
+
+def test_a_checkpoint_without_the_layers_tensors_is_refused_up_front(tmp_path):
+    from pytest_layerparity.reference.support import check_checkpoint_names
+
+    checkpoint = _checkpoint(tmp_path / "other", "llama", ["encoder.block.0.weight"])
+    model = SimpleNamespace(
+        layer_list=("model.layers", None),
+        checkpoint=checkpoint,
+        model_dir=tmp_path / "other",
+        config_json={"architectures": ["LlamaForCausalLM"]},
+    )
+    with pytest.raises(ModelError, match=r"no tensors for layer 0 under the model's names .*'encoder.block.0.weight'"):
+        check_checkpoint_names(model, [0, 1])
