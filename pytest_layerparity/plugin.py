@@ -122,7 +122,7 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
     """The session, with everything that can be refused before a test runs checked."""
     from .reference.inputs import check_prompt
     from .reference.model import ModelError
-    from .reference.support import check_checkpoint_names, check_decode_cache
+    from .reference.support import check_attention_mode, check_checkpoint_names, check_decode_cache
     from .report.progress import for_pytest
     from .selection import SelectionError
     from .session import LayerParitySession
@@ -147,6 +147,7 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
         session.layer_ranges  # noqa: B018
         if settings.mode in ("extract", "verify") or (settings.mode == "parity" and settings.port != "nxdi"):
             check_checkpoint_names(session.model, session.selected_layers)
+            check_attention_mode(session.model, settings.seq_len)
         if settings.mode in ("extract", "verify"):
             check_decode_cache(session.model, session.selected_layers, settings.decode_steps)
         if settings.mode == "extract":

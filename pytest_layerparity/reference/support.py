@@ -64,3 +64,25 @@ def check_checkpoint_names(model: ModelSource, layers: list[int]) -> None:
 
 def model_class_name(model: ModelSource) -> str:
     return ", ".join(model.config_json.get("architectures") or []) or str(model.config_json.get("model_type"))
+
+
+def check_attention_mode(model: ModelSource, seq_len: int) -> None:
+    """Refuse a model that switches its layers' attention by the input's length as it runs
+    (BigBird: block-sparse attention in config.json, switched to full attention for a sequence
+    of at most (5 + 2 x num_random_blocks) x block_size tokens): a layer built alone keeps the
+    config's, so it would not compute what the model's layer did."""
+    config = model.hf_config
+    if getattr(config, "attention_type", None) != "block_sparse":
+        return
+    blocks, size = getattr(config, "num_random_blocks", 3), getattr(config, "block_size", 64)
+    limit = (5 + 2 * blocks) * size
+    how = (
+        f"for --seq-len {seq_len} (at most {limit} tokens) the model switches its layers to full attention as it runs"
+        if seq_len <= limit
+        else "the model switches its layers to full attention for each decode step (one token) as it runs"
+    )
+    raise ModelError(
+        f"{model_class_name(model)}: config.json's attention_type is block_sparse, and {how}: a layer built alone "
+        "keeps block-sparse attention, so it would not compute what the model's layer did; test a copy of the "
+        'checkpoint whose config.json says "attention_type": "original_full" (what the model runs a short prompt with)'
+    )

@@ -88,3 +88,15 @@ def test_a_checkpoint_without_the_layers_tensors_is_refused_up_front(tmp_path):
     )
     with pytest.raises(ModelError, match=r"no tensors for layer 0 under the model's names .*'encoder.block.0.weight'"):
         check_checkpoint_names(model, [0, 1])
+
+
+def test_a_model_that_switches_its_layers_attention_by_length_is_refused_naming_the_setting():
+    from pytest_layerparity.reference.support import check_attention_mode
+
+    model = _model("big_bird", attention_type="block_sparse", block_size=16, num_random_blocks=2)
+    model.config_json = {"architectures": ["BigBirdForCausalLM"]}
+    with pytest.raises(ModelError, match=r"for --seq-len 32 \(at most 144 tokens\) the model switches its layers"):
+        check_attention_mode(model, 32)
+    with pytest.raises(ModelError, match=r"for each decode step \(one token\)"):
+        check_attention_mode(model, 512)
+    check_attention_mode(_model("big_bird", attention_type="original_full"), 32)
