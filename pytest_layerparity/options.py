@@ -613,9 +613,21 @@ OPTIONS = (
     Option(
         "tp_degree",
         "--tp-degree",
-        "Tensor-parallel degree for a layer run eagerly on Neuron (--neuron --port hf: neuronx-distributed "
+        "Tensor-parallel degree: of NxDI's layers sharded over torchrun ranks in NxD's CPU mode (--port nxdi --target "
+        "cpu: one rank per shard), of a layer run eagerly on Neuron (--neuron --port hf: neuronx-distributed "
         "parallel_state; one torchrun rank per NeuronCore), "
         "or of each program compiled under --port nxdi --target neuron (one process over N NeuronCores). Default: 1.",
+        type=positive_int,
+        default=1,
+        ini=True,
+        metavar="N",
+    ),
+    Option(
+        "ep_degree",
+        "--ep-degree",
+        "With --port nxdi --target neuron: expert parallelism of a MoE port's compiled programs (NxDI's "
+        "moe_ep_degree; the experts' tensor parallelism is then --tp-degree / N). Not in NxD's CPU mode, which "
+        "makes no expert-parallel groups. Default: 1.",
         type=positive_int,
         default=1,
         ini=True,
@@ -750,6 +762,7 @@ class Settings:
     chain: bool
     bisect: bool
     tp_degree: int
+    ep_degree: int
     logical_nc_config: int | None
     experts_implementation: str | None
     attn_implementation: str | None
@@ -939,6 +952,8 @@ def check_combinations(settings: Settings) -> None:
             f"--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode (--target cpu) or compiled for "
             f"NeuronCores (--target neuron), not on --target {settings.target_name}"
         )
+    if settings.ep_degree > 1:
+        check_ep_degree(settings)
     if settings.logical_nc_config is not None and not settings.compiled:
         raise pytest.UsageError(
             "--logical-nc-config sets the programs NxDI compiles: use it with --port nxdi --target neuron"
@@ -967,3 +982,23 @@ def check_combinations(settings: Settings) -> None:
     ):
         if on and settings.mode != "parity":
             raise pytest.UsageError(f"{flag} runs layers on a target: add --xla, --neuron or --target NAME")
+
+
+def check_ep_degree(settings: Settings) -> None:
+    """Expert parallelism is NxDI's, compiled: refused where it cannot run (never run as plain
+    tensor parallelism under the option's name)."""
+    ep, tp = settings.ep_degree, settings.tp_degree
+    if settings.port != "nxdi":
+        raise pytest.UsageError(f"--ep-degree {ep} shards the experts of NxDI's MoE layers: use it with --port nxdi")
+    if not settings.compiled:
+        raise pytest.UsageError(
+            f"--ep-degree {ep}: NxD's CPU mode has no expert parallelism (neuronx-distributed makes its MoE "
+            "expert-parallel process groups the XLA way only: 'ProcessGroup' object has no attribute '_mesh'; with "
+            "moe_ep_degree > 1 NxDI would run plain tensor parallelism instead); on the CPU the experts are sharded "
+            "by --tp-degree alone: drop --ep-degree, or test it compiled with --port nxdi --target neuron"
+        )
+    if tp % ep:
+        raise pytest.UsageError(
+            f"--ep-degree {ep} must divide --tp-degree {tp}: NxDI shards the experts over moe_ep_degree x "
+            "moe_tp_degree = tp_degree ranks"
+        )

@@ -236,6 +236,20 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("layerparity_case", cases, ids=[r.id for r in cases])
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """A port that cannot be built as asked fails its test with the port's message (which
+    names the fix), not with a traceback through NxD."""
+    try:
+        return (yield)
+    except Exception as exc:
+        nxdi = sys.modules.get("pytest_layerparity.ports.nxdi")
+        if nxdi is None or not isinstance(exc, nxdi.PortError):
+            raise
+        message = str(exc)
+    pytest.fail(message, pytrace=False)  # outside the except block: no chained traceback
+
+
 @pytest.hookimpl
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     """Say what the compile cache did in this process (not known to an xdist controller)."""

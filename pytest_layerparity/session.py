@@ -65,10 +65,12 @@ class LayerParitySession:
                 compiled = CompiledPrograms(
                     nxdi_build_module,
                     tp_degree=settings.tp_degree,
+                    ep_degree=settings.ep_degree,
                     logical_nc_config=settings.logical_nc_config,
                     root=Path(cache) if cache and not is_url(cache) else None,
                 )
-            self.port = NxdiPort(lambda: self.model, settings.nxdi_app, compiled)
+            tp = settings.tp_degree if compiled is None else 1  # compiled: ModelBuilder shards, in one process
+            self.port = NxdiPort(lambda: self.model, settings.nxdi_app, compiled, tp)
         self.progress: Progress = SILENT  # the plugin shows bars on a terminal
 
     # -- wiring ---------------------------------------------------------------------------

@@ -213,3 +213,25 @@ def check_tp_degree(tp_degree: int, ranks: RankInfo) -> None:
             f"WORLD_SIZE={world} is not a multiple of --tp-degree {tp_degree}; use --nproc_per_node={tp_degree} (or a "
             "multiple)"
         )
+
+
+def check_cpu_tp_degree(tp_degree: int, ranks: RankInfo) -> None:
+    """NxD's CPU mode shards each layer over one process per rank: ``--tp-degree`` must be
+    torchrun's WORLD_SIZE (a run that cannot shard is refused, never run unsharded)."""
+    world = ranks.world_size
+    if tp_degree == world:
+        return
+    launch = (
+        f"python -m torch.distributed.run --nproc-per-node {tp_degree} -m pytest --port nxdi --target cpu "
+        f"--tp-degree {tp_degree} ..."
+    )
+    if not ranks.torchrun:
+        raise ValueError(
+            f"--tp-degree {tp_degree} shards each layer over {tp_degree} processes, one per rank, and this is one "
+            f"process; launch the ranks with: {launch} (python -m torch.distributed.run from the NxDI environment: "
+            "it has no torchrun script of its own)"
+        )
+    raise ValueError(
+        f"--tp-degree {tp_degree} needs one rank per shard, and torchrun started WORLD_SIZE={world}; launch them "
+        f"with: {launch}"
+    )

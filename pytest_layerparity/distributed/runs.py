@@ -17,6 +17,7 @@ from .env import (
     NEURON_CORES,
     RankInfo,
     apply_environment,
+    check_cpu_tp_degree,
     check_neuron_core_plan,
     check_tp_degree,
     free_port,
@@ -89,6 +90,11 @@ class DistributedRuns:
         self._check_torchrun(workers)
         if self.compiled:
             self._check_compiled(workers)
+        elif self.settings.port == "nxdi" and self.settings.target_name == "cpu":
+            try:
+                check_cpu_tp_degree(self.settings.tp_degree, self.ranks)
+            except ValueError as exc:
+                raise pytest.UsageError(f"--port nxdi --target cpu: {exc}") from None
         elif self.neuron:
             try:
                 check_tp_degree(self.settings.tp_degree, self.ranks)

@@ -147,6 +147,7 @@ class CompiledPrograms:
 
     given_builder: BuildModule | None = None  # None: NxDI's own build_module
     tp_degree: int = 1
+    ep_degree: int = 1  # NxDI's moe_ep_degree; the ranks are still tp_degree (moe_ep x moe_tp)
     logical_nc_config: int | None = None
     root: Path | None = None
     compiled: list[Compiled] = field(default_factory=list)
@@ -200,6 +201,8 @@ class CompiledPrograms:
                 [example],
                 module_init_kwargs=init,
                 tp_degree=self.tp_degree,
+                world_size=self.tp_degree,  # expert parallelism divides these ranks, it adds none
+                local_ranks_size=self.tp_degree,
                 compiler_args=args,
                 compiler_workdir=str(workdir),
                 checkpoint_path=str(checkpoint),
@@ -223,7 +226,8 @@ class CompiledPrograms:
         where = self.root if self._temporary is None and self.root is not None else "a temporary folder"
         return (
             f"compiled per layer and call shape by {self.builder_name} (tp_degree {self.tp_degree}, "
-            f"logical_nc_config {lnc}; compiler workdirs under {where})"
+            + (f"moe_ep_degree {self.ep_degree}, " if self.ep_degree > 1 else "")
+            + f"logical_nc_config {lnc}; compiler workdirs under {where})"
         )
 
     def cleanup(self) -> None:

@@ -50,6 +50,9 @@ APPLICATIONS = {
     "llama": "neuronx_distributed_inference.models.llama.modeling_llama:NeuronLlamaForCausalLM",
     "mixtral": "neuronx_distributed_inference.models.mixtral.modeling_mixtral:NeuronMixtralForCausalLM",
     "qwen3_moe": "neuronx_distributed_inference.models.qwen3_moe.modeling_qwen3_moe:NeuronQwen3MoeForCausalLM",
+    "qwen2": "neuronx_distributed_inference.models.qwen2.modeling_qwen2:NeuronQwen2ForCausalLM",
+    "qwen3": "neuronx_distributed_inference.models.qwen3.modeling_qwen3:NeuronQwen3ForCausalLM",
+    "mistral": "neuronx_distributed_inference.models.mistral.modeling_mistral:NeuronMistralForCausalLM",
 }
 
 
@@ -152,39 +155,128 @@ def decoder_layer_class(app: type) -> type:
 
 @dataclass
 class CpuMode:
-    """NxD's CPU mode for one process: what ``setup`` set, so ``teardown`` undoes only that."""
+    """NxD's CPU mode for one process: what ``setup`` set, so ``teardown`` undoes only that.
+    ``tp_degree`` ranks: one process (a world of one), or torchrun's ranks, one per shard."""
 
+    tp_degree: int = 1
     env_applied: dict[str, str] = field(default_factory=dict)
     owns_group: bool = False
     owns_parallel_state: bool = False
 
     def setup(self) -> None:
-        """Idempotent. The group's rendezvous is an in-process store, not a TCP port: a world of
-        one needs no peer, and xdist workers (each its own world of one) cannot collide on a port."""
+        """Idempotent. Under torchrun the gloo group is the launch's (rendezvous from the
+        environment torchrun set, as NxDI's ``to_cpu`` makes it); a world of one has an
+        in-process store, not a TCP port: it needs no peer, and xdist workers (each its own
+        world of one) cannot collide on a port."""
         import torch.distributed as dist
+
+        from ..distributed.env import rank_info
 
         if os.environ.get("NXD_CPU_MODE") != "1":
             self.env_applied["NXD_CPU_MODE"] = os.environ["NXD_CPU_MODE"] = "1"
         if not dist.is_initialized():
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            ranks = rank_info()
+            if ranks.torchrun and ranks.world_size > 1:
+                dist.init_process_group("gloo")
+            else:
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             self.owns_group = True
-        if dist.get_world_size() != 1:
+        if dist.get_world_size() != self.tp_degree:
             raise PortError(
-                f"--port nxdi --target cpu runs in one process (a gloo group of world size 1); this process group "
-                f"has {dist.get_world_size()} ranks"
+                f"--port nxdi --target cpu --tp-degree {self.tp_degree} runs one process per shard (a gloo group of "
+                f"world size {self.tp_degree}); this process group has {dist.get_world_size()} ranks"
             )
         from neuronx_distributed.parallel_layers import parallel_state
 
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=1, skip_collective_init=True)
+            parallel_state.initialize_model_parallel(
+                self.tp_degree, 1, expert_model_parallel_size=1, skip_collective_init=True
+            )
             self.owns_parallel_state = True
 
+    @property
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_initialized() else 0
+
     def teardown(self) -> None:
+        import torch.distributed as dist
+
         from ..backends.neuron import release_distributed
 
+        if self.owns_group and dist.is_initialized() and dist.get_world_size() > 1:
+            # every rank leaves together: torchrun stops the others when one exits with a failure,
+            # and rank 0, which reports, must not be stopped before it has
+            dist.barrier()
         release_distributed(self.owns_parallel_state, self.owns_group, self.env_applied)
         self.owns_parallel_state = self.owns_group = False
         self.env_applied = {}
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """How the port's attention lays the model's key/value heads over the ranks, as NxDI's
+    GQA sharding does (``modules/attention/gqa.py``): the ``source`` heads, each repeated
+    ``repeats`` times in place (``repeat_interleave``: REPLICATE_TO_TP_DEGREE when there are
+    fewer KV heads than ranks, CONVERT_TO_MHA when the ranks do not divide them), padded to
+    ``total`` heads, ``total / tp`` consecutive heads on each rank."""
+
+    strategy: str
+    source: int
+    total: int
+    repeats: int
+    tp: int
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module, tp: int) -> KvLayout | None:
+        """The layout of ``layer``'s attention (None where no module of it shards KV heads)."""
+        for module in layer.modules():
+            source = getattr(module, "_src_num_key_value_heads", None)
+            strategy = getattr(module, "sharding_strategy", None)
+            total = getattr(module, "num_key_value_heads", None)
+            if isinstance(source, int) and isinstance(total, int) and strategy is not None:
+                name = getattr(strategy, "name", str(strategy))
+                heads = getattr(module, "_src_num_attention_heads", total)
+                # none replicated where total == source (NxDI may still name CONVERT_TO_MHA at tp 1)
+                repeats = 1 if total == source else heads // source if name == "CONVERT_TO_MHA" else total // source
+                return cls(name, source, total, repeats, tp)
+        return None
+
+    def describe(self) -> str:
+        per_rank = self.total // self.tp
+        if self.total == self.source:
+            return f"{self.source} KV heads, {per_rank} on each rank"
+        return f"{self.source} KV heads as {self.total} ({self.strategy}), {per_rank} on each rank"
+
+    def rank_heads(self, rank: int) -> list[int | None]:
+        """The source head of each of ``rank``'s heads (None: padding)."""
+        per_rank = self.total // self.tp
+        return [
+            j // self.repeats if j < self.source * self.repeats else None
+            for j in range(rank * per_rank, (rank + 1) * per_rank)
+        ]
+
+    def split(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """A [batch, source heads, positions, dim] tensor as ``rank`` holds it."""
+        heads = self.rank_heads(rank)
+        if heads == list(range(self.source)):
+            return tensor
+        picked = [tensor[:, h : h + 1] if h is not None else torch.zeros_like(tensor[:, :1]) for h in heads]
+        return torch.cat(picked, dim=1).contiguous()
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Each rank's [batch, heads on the rank, positions, dim] tensor gathered over the ranks,
+        one copy of each source head kept (in the model's order)."""
+        import torch.distributed as dist
+
+        if self.tp > 1:
+            parts = [torch.empty_like(tensor) for _ in range(self.tp)]
+            dist.all_gather(parts, tensor.contiguous())
+            tensor = torch.cat(parts, dim=1)
+        if self.total == self.source:
+            return tensor
+        return tensor[:, [h * self.repeats for h in range(self.source)]]
 
 
 # -- the port ----------------------------------------------------------------------------------
@@ -194,12 +286,16 @@ class NxdiPort:
     """Builds layer N of the NxDI port of one checkpoint, for one (batch, sequence) shape."""
 
     def __init__(
-        self, source: Callable[[], ModelSource], app_spec: str | None = None, compiled: CompiledPrograms | None = None
+        self,
+        source: Callable[[], ModelSource],
+        app_spec: str | None = None,
+        compiled: CompiledPrograms | None = None,
+        tp_degree: int = 1,
     ) -> None:
         self.source = source  # the session's model folder, read when first needed
         self.app_spec = app_spec
         self.compiled = compiled  # --target neuron: the programs NxDI's builder compiles; else CPU mode
-        self.runtime = CpuMode()
+        self.runtime = CpuMode(tp_degree)
         self.stood_in: list[str] = []
         self._app: type | None = None
 
@@ -220,12 +316,19 @@ class NxdiPort:
                 "sources (pip install --no-deps <src>) with transformers==4.57.*, as README 'NxDI ports' shows"
             ) from exc
         with nxd_warnings_quiet():
-            self._app = import_application(self.source().config_json.get("model_type"), self.app_spec)
+            app = import_application(self.source().config_json.get("model_type"), self.app_spec)
+        decoder_layer_class(app)  # one the port can build, or a usage error now (not mid-session)
+        self._app = app
 
     def stop(self) -> None:
         self.runtime.teardown()
         if self.compiled is not None:
             self.compiled.cleanup()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the layers run sharded over torchrun ranks (NxD's CPU mode at tp > 1)."""
+        return self.compiled is None and self.runtime.tp_degree > 1
 
     @property
     def app(self) -> type:
@@ -237,15 +340,36 @@ class NxdiPort:
         app = self.app
         layer = decoder_layer_class(app)
         version = _version("neuronx-distributed-inference")
-        runs = (
-            "NxD CPU mode (gloo, world size 1), no Neuron compile"
-            if self.compiled is None
-            else self.compiled.describe()
-        )
+        runs = self.compiled.describe() if self.compiled is not None else self._describe_cpu_mode()
         text = f"NxDI port {app.__name__} / {layer.__name__} (neuronx-distributed-inference {version}), {runs}"
         if self.stood_in:
             text += f"; stand-ins for the closed-source {', '.join(self.stood_in)}"
         return text
+
+    def _describe_cpu_mode(self) -> str:
+        tp = self.runtime.tp_degree
+        if tp == 1:
+            return "NxD CPU mode (gloo, world size 1), no Neuron compile"
+        return (
+            f"NxD CPU mode, tensor parallelism {tp} over {tp} torchrun ranks (gloo; bfloat16 collectives too, "
+            f"which NxDI's to_cpu refuses at tp > 1), {self.kv_heads_text(tp)}, no Neuron compile"
+        )
+
+    def kv_heads_text(self, tp: int) -> str:
+        """How NxDI shards this model's KV heads at ``tp`` (its own choice of GQA strategy)."""
+        from neuronx_distributed_inference.modules.attention.gqa import (
+            determine_sharding_strategy,
+            get_shardable_head_counts,
+        )
+
+        config = self.source().config_json
+        text = config.get("text_config") or config
+        heads = int(text["num_attention_heads"])
+        kv = int(text.get("num_key_value_heads") or heads)
+        strategy = determine_sharding_strategy(tp, kv)
+        _, total = get_shardable_head_counts(tp, heads, kv, strategy)
+        layout = KvLayout(strategy.name, kv, total, 1, tp)
+        return f"KV heads: {layout.describe()}"
 
     def inference_config(self, dtype: torch.dtype, batch_size: int, seq_len: int) -> Any:
         from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
@@ -257,11 +381,14 @@ class NxdiPort:
             )
         config_cls = self.app.get_config_cls()
         if self.compiled is None:
-            placement: dict[str, Any] = {"tp_degree": 1, "on_cpu": True}
+            placement: dict[str, Any] = {"tp_degree": self.runtime.tp_degree, "on_cpu": True}
         else:
             placement = {"tp_degree": self.compiled.tp_degree}
             if self.compiled.logical_nc_config is not None:
                 placement["logical_nc_config"] = self.compiled.logical_nc_config
+            if self.compiled.ep_degree > 1:
+                ep = self.compiled.ep_degree
+                placement.update(moe_ep_degree=ep, moe_tp_degree=self.compiled.tp_degree // ep)
         neuron_config = config_cls.get_neuron_config_cls()(
             batch_size=batch_size, seq_len=seq_len, torch_dtype=dtype, **placement
         )
@@ -286,13 +413,21 @@ class NxdiPort:
             state[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         one_layer = copy.copy(config)
         one_layer.num_hidden_layers = 1
-        try:
-            converted = app.convert_hf_to_neuron_state_dict(state, one_layer)
-        except KeyError as exc:
-            raise PortError(
-                f"layer {index}: {app.__name__}.convert_hf_to_neuron_state_dict needs {exc} beside the layer's own "
-                "tensors"
-            ) from exc
+        beside: dict[str, torch.Tensor] = {}  # model-level tensors the converter reads (Gemma-3's final norm)
+        while True:
+            try:  # on fresh copies: converters change tensors in place
+                given = {k: v.clone() for k, v in {**state, **beside}.items()}
+                converted = app.convert_hf_to_neuron_state_dict(given, one_layer)
+                break
+            except KeyError as exc:
+                name = exc.args[0] if exc.args else None
+                if not isinstance(name, str) or name in beside or f"{old}{name}" not in checkpoint.weight_map:
+                    raise PortError(
+                        f"layer {index}: {app.__name__}.convert_hf_to_neuron_state_dict needs {exc} beside the layer's "
+                        "own tensors"
+                    ) from exc
+                tensor = checkpoint.read([f"{old}{name}"])[f"{old}{name}"]
+                beside[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
         lead = f"{new}layers.0."
         return {k[len(lead) :]: v for k, v in converted.items() if k.startswith(lead)}
 
@@ -308,8 +443,8 @@ class NxdiPort:
     def _build_compiled(self, index: int, dtype: torch.dtype, batch_size: int, seq_len: int) -> torch.nn.Module:
         compiled = self.compiled
         assert compiled is not None
-        config = self.inference_config(dtype, batch_size, seq_len)
         layer_cls = decoder_layer_class(self.app)
+        config = layer_config(layer_cls, self.inference_config(dtype, batch_size, seq_len), index)
         programs: dict[tuple, Callable[..., Any]] = {}
 
         def program_for(example: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
@@ -326,13 +461,27 @@ class NxdiPort:
     def _build(self, index: int, dtype: torch.dtype, batch_size: int, seq_len: int) -> torch.nn.Module:
         from neuronx_distributed.trace.trace import get_sharded_checkpoint
 
-        config = self.inference_config(dtype, batch_size, seq_len)
         layer_cls = decoder_layer_class(self.app)
+        config = layer_config(layer_cls, self.inference_config(dtype, batch_size, seq_len), index)
         layer = make_layer(layer_cls, config, index)
         if dtype == torch.bfloat16:
             layer.bfloat16()  # as to_cpu does
         state = self.layer_state(index, config, dtype)
-        get_sharded_checkpoint(state, layer, 0, 1)
+        tp = self.runtime.tp_degree
+        try:
+            get_sharded_checkpoint(state, layer, self.runtime.rank, tp)
+        except RuntimeError as exc:
+            layout = KvLayout.of(layer, tp)
+            if layout is None or layout.strategy != "CONVERT_TO_MHA" or layout.total == layout.source:
+                raise
+            raise PortError(
+                f"layer {index}: NxDI's sharding failed at --tp-degree {tp} ({exc}): {tp} ranks do not divide the "
+                f"{layout.source} KV heads, so NxDI converts them to multi-head attention (GQA.CONVERT_TO_MHA), "
+                f"replicating each KV head {layout.repeats} times, then pads the replicated K/V projections as if they "
+                f"still held {layout.source} heads (modules/attention/gqa.py: maybe_pad_tail with "
+                "_src_num_key_value_heads after replicate_kv): a defect of NxDI's, not of the port; use a --tp-degree "
+                f"that divides the {layout.source} KV heads or that they divide"
+            ) from exc
         missing, unexpected = layer.load_state_dict(state, strict=False)
         # NxD's RankUtil holds arange(tp_degree) from construction; some converters leave it out.
         missing = [k for k in missing if not k.endswith("rank_util.rank")]
@@ -340,7 +489,15 @@ class NxdiPort:
             raise PortError(f"layer {index}: {layer_cls.__name__} parameters without a converted weight: {missing}")
         if unexpected:
             raise PortError(f"layer {index}: converted weights {layer_cls.__name__} has no place for: {unexpected}")
-        return HFCallToNxDI(layer.eval(), index)
+        return HFCallToNxDI(layer.eval(), index, KvLayout.of(layer, tp), self.runtime.rank)
+
+
+def layer_config(layer_cls: type, config: Any, index: int) -> Any:
+    """Layer ``index``'s config as NxDI's model class builds the layer: where the layer's module
+    has ``get_updated_configs`` (Gemma-3, GPT-OSS, Llama 4: which layers slide, chunk or skip
+    RoPE), its ``index``-th per-layer config; else the model's."""
+    per_layer = getattr(inspect.getmodule(layer_cls), "get_updated_configs", None)
+    return per_layer(config)[index] if callable(per_layer) else config
 
 
 def _version(dist_name: str) -> str:
@@ -409,18 +566,27 @@ class HFCall(torch.nn.Module):
 
 
 class HFCallToNxDI(HFCall):
-    """The HF call made into NxDI's call of its decoder layer (the submodule ``layer``)."""
+    """The HF call made into NxDI's call of its decoder layer (the submodule ``layer``), on one
+    rank of ``layout.tp``: the past keys and values split to this rank's heads, the ones the
+    ranks made gathered back into the model's heads."""
 
-    def __init__(self, layer: torch.nn.Module, index: int) -> None:
+    def __init__(self, layer: torch.nn.Module, index: int, layout: KvLayout | None = None, rank: int = 0) -> None:
         super().__init__(index)
         self.layer = layer
+        self.layout = layout
+        self.rank = rank
 
     def call_layer(
         self, hidden_states: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: tuple | None
     ) -> tuple[torch.Tensor, tuple | None]:
         """NxDI's call: the output and the keys and values the layer made (None if it made none)."""
+        layout = self.layout
+        if past is not None and layout is not None:
+            past = tuple(layout.split(t, self.rank) for t in past)
         outputs = self.layer(hidden_states, attention_mask=mask, position_ids=position_ids, past_key_value=past)
         present = outputs[1] if isinstance(outputs, (tuple, list)) and len(outputs) > 1 else None
+        if present is not None and layout is not None:
+            present = tuple(layout.gather(t) for t in present[:2])
         return outputs[0], present
 
 

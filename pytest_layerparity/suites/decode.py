@@ -48,4 +48,9 @@ def test_layer_decode_parity(layerparity_case, layerparity_session, layerparity_
             failure_text(outcomes[step], f"decode step {step} on {session.backend.describe()}", rerun)
             for step in failing
         ]
+        if session.port is not None and session.port.sharded:
+            from ..target.unsharded import unsharded_note
+
+            keyword = f"test_layer_decode_parity and layer_{layerparity_case}"
+            texts.append(unsharded_note(session, layerparity_case, keyword))
         pytest.fail("\n".join(texts), pytrace=False)

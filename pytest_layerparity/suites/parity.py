@@ -19,6 +19,10 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
     if not outcome.passed:
         rerun = session.commands.rerun(str(layerparity_case), f"layer_{layerparity_case}")
         text = failure_text(outcome, f"on {session.backend.describe()}", rerun)
+        if session.port is not None and session.port.sharded:
+            from ..target.unsharded import unsharded_note
+
+            text += "\n" + unsharded_note(session, layerparity_case, f"test_layer_parity and layer_{layerparity_case}")
         if session.settings.op_compare and session.port is not None and session.port.compiled is not None:
             text += (
                 "\n  op compare: not available for a compiled program (its ops are inside one NEFF); compare the "

@@ -89,6 +89,10 @@ def default_target_model(
         for index, layer in enumerate(layers):
             port = build_layer(layer_idx=index, reference_layer=layer, model_config=model.layer_config, device=device)
             if port is not None:
+                # the model's forward reads some layer attributes (transformers 4.57+: the
+                # ``attention_type`` that picks a layer's mask, full or sliding)
+                if hasattr(layer, "attention_type") and not hasattr(port, "attention_type"):
+                    port.attention_type = layer.attention_type
                 layers[index] = port
     loaded = loaded.eval().to(device)
     if sync is not None:

@@ -113,6 +113,8 @@ def build_module(
         "index": (module_init_kwargs or {}).get("index"),
         "example": [[list(t.shape), str(t.dtype)] for t in example_inputs[0]],
         "tp_degree": tp_degree,
+        "world_size": world_size,
+        "local_ranks_size": local_ranks_size,
         "logical_nc_config": logical_nc_config,
         "compiler_args": compiler_args,
         "compiler_workdir": str(compiler_workdir),

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from make_nxdi_fixtures import checkpoint, golden_dir
 
 HERE = Path(__file__).resolve().parent
@@ -135,3 +136,32 @@ def test_logical_nc_config_reaches_the_neuron_config_and_the_compiler(pytester):
     result.assert_outcomes(passed=1)
     (made,) = builds(pytester)
     assert made["logical_nc_config"] == 2 and "--lnc=2" in made["compiler_args"]
+
+
+def test_expert_parallelism_reaches_the_neuron_config_and_is_refused_on_the_cpu(pytester):
+    """--ep-degree is NxDI's moe_ep_degree of the compiled programs (the experts' tensor
+    parallelism the rest of --tp-degree, the builder's world the tp ranks); NxD's CPU mode has
+    no expert parallelism, so there it is refused rather than run as plain tensor parallelism."""
+    from types import SimpleNamespace
+
+    from pytest_layerparity.ports.compiled import CompiledPrograms
+    from pytest_layerparity.ports.nxdi import NxdiPort, nxd_warnings_quiet
+
+    source = SimpleNamespace(config_json=json.loads((checkpoint("mixtral") / "config.json").read_text()))
+    port = NxdiPort(lambda: source, None, CompiledPrograms(tp_degree=4, ep_degree=2))
+    with nxd_warnings_quiet():  # NxDI's own deprecation notices, as in a session
+        neuron = port.inference_config(torch.float32, 1, 32).neuron_config
+    assert (neuron.tp_degree, neuron.moe_ep_degree, neuron.moe_tp_degree) == (4, 2, 2)
+    assert "moe_ep_degree 2" in port.compiled.describe()
+
+    cpu = run(pytester, "mixtral", "float32", "--ep-degree", "2", flags=("--port", "nxdi", "--target", "cpu"))
+    assert cpu.ret == pytest.ExitCode.USAGE_ERROR
+    cpu.stderr.fnmatch_lines(["*--ep-degree 2: NxD's CPU mode has no expert parallelism*'_mesh'*"])
+    odd = run(pytester, "mixtral", "float32", "--tp-degree", "4", "--ep-degree", "3")
+    assert odd.ret == pytest.ExitCode.USAGE_ERROR
+    odd.stderr.fnmatch_lines(["*--ep-degree 3 must divide --tp-degree 4*"])
+
+    compiled = run(pytester, "mixtral", "float32", "-k", "layer_parity and layer_0")
+    compiled.assert_outcomes(passed=1)
+    (made,) = builds(pytester)
+    assert (made["world_size"], made["local_ranks_size"]) == (1, 1)

@@ -1,6 +1,7 @@
-"""``--port nxdi --target cpu``: NxDI's own decoder layers (Llama, Mixtral, Qwen3-MoE), built
-the way NxDI builds them and run in NxD's CPU mode, against goldens extracted with
-transformers 5, prompt and decode steps and the whole model, in float32 and bfloat16."""
+"""``--port nxdi --target cpu``: NxDI's own decoder layers (Llama, Mixtral, Qwen3-MoE, Qwen2,
+Qwen3, Mistral), built the way NxDI builds them and run in NxD's CPU mode, against goldens
+extracted with transformers 5, prompt and decode steps and the whole model, in float32 and
+bfloat16."""
 
 from __future__ import annotations
 
@@ -23,8 +24,15 @@ def run(pytester: pytest.Pytester, name: str, dtype: str, *args: str, subprocess
     )
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        *((name, dtype) for name in ("llama", "mixtral", "qwen3_moe") for dtype in ("float32", "bfloat16")),
+        ("qwen2", "float32"),
+        ("qwen3", "bfloat16"),
+        ("mistral", "float32"),  # sliding window 16 under a 32-token prompt
+    ],
+)
 def test_correct_nxdi_port_passes_every_layer_prompt_decode_and_model(pytester, name, dtype):
     result = run(pytester, name, dtype)
     result.assert_outcomes(passed=5)  # 2 layers' prompt, their decode steps, the whole model
@@ -70,6 +78,17 @@ def test_application_class_named_on_the_command_line(pytester):
     bad = run(pytester, "llama", "float32", "--nxdi-app=neuronx_distributed_inference.models.llama.modeling_llama:Nope")
     bad.stderr.fnmatch_lines(["*--nxdi-app *: neuronx_distributed_inference.models.llama.modeling_llama has no Nope*"])
     assert bad.ret != 0
+
+
+def test_an_application_without_one_decoder_layer_class_is_a_usage_error(pytester):
+    """DBRX's layer is a ``*Block``, Llama 4's model picks between two ``*DecoderLayer``
+    classes: refused before the session, naming what was found."""
+    spec = "neuronx_distributed_inference.models.dbrx.modeling_dbrx:NeuronDbrxForCausalLM"
+    result = run(pytester, "llama", "float32", f"--nxdi-app={spec}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*NeuronDbrxForCausalLM: expected one *DecoderLayer class in *modeling_dbrx, found none*"]
+    )
 
 
 def test_cpu_mode_is_set_up_once_and_undone(pytester):

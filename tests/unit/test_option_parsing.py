@@ -197,6 +197,10 @@ def test_mode_and_target(values, target, mode):
             {"layer_ranges": "0-1"},
             "--layer-ranges runs layers on a target: add --xla, --neuron or --target NAME",
         ),
+        (
+            {"xla": True, "ep_degree": 2},
+            "--ep-degree 2 shards the experts of NxDI's MoE layers: use it with --port nxdi",
+        ),
     ],
 )
 def test_contradictions_are_usage_errors(values, message):
