@@ -56,6 +56,23 @@ APPLICATIONS = {
 }
 
 
+#: NxDI's release decoders that cannot run as a layer port on the CPU, and why (README "NxDI
+#: ports"): refused by model_type before any work, unless --nxdi-app names a class.
+NOT_RUNNABLE = {
+    "gpt_oss": "NxDI's GPT-OSS layer is built with a rotary cache manager its model owns and called with cos/sin "
+    "caches, not a layer the plugin can build alone, and its converter reads the released MXFP4 expert tensors "
+    "(*_blocks, *_scales)",
+    "dbrx": "NxDI's DBRX layer is NeuronDbrxBlock (block_idx, checkpoint prefix transformer.blocks.N), not a "
+    "*DecoderLayer the plugin builds",
+    "llama4": "NxDI's Llama 4 module has two decoder layer classes (MoE and dense, chosen per layer by its model) "
+    "and its config reads the composite checkpoint's text_config",
+    "llama4_text": "NxDI's Llama 4 reads the composite llama4 checkpoint (text_config), and its module has two "
+    "decoder layer classes",
+    "deepseek_v3": "NxDI's models/deepseek has no application or decoder layer class (a config, an RMSNorm and "
+    "the MLA attention only)",
+}
+
+
 class PortError(Exception):
     """The NxDI port cannot be built as asked; the message names the fix."""
 
@@ -103,6 +120,11 @@ def import_application(model_type: str | None, spec: str | None = None) -> type:
     for ``model_type``."""
     if spec is None:
         spec = APPLICATIONS.get(model_type or "")
+        if spec is None and model_type in NOT_RUNNABLE:
+            raise PortError(
+                f"--port nxdi: {NOT_RUNNABLE[model_type]}; a port of your own of it: "
+                "--nxdi-app=package.module:NeuronXForCausalLM"
+            )
         if spec is None:
             raise PortError(
                 f"--port nxdi: no NxDI application class known for model_type {model_type!r} (known: "

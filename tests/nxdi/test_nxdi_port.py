@@ -142,3 +142,12 @@ def test_a_process_group_set_up_by_the_user_is_used_and_kept(pytester, monkeypat
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
         restore_env(applied)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "dbrx", "llama4_text", "deepseek_v3"])
+def test_release_decoders_that_cannot_run_on_the_cpu_are_refused_by_model_type_naming_why(model_type):
+    from pytest_layerparity.ports.nxdi import NOT_RUNNABLE, PortError, import_application
+
+    with pytest.raises(PortError) as info:
+        import_application(model_type)
+    assert NOT_RUNNABLE[model_type] in str(info.value) and "--nxdi-app=" in str(info.value)
