@@ -53,6 +53,8 @@ APPLICATIONS = {
     "qwen2": "neuronx_distributed_inference.models.qwen2.modeling_qwen2:NeuronQwen2ForCausalLM",
     "qwen3": "neuronx_distributed_inference.models.qwen3.modeling_qwen3:NeuronQwen3ForCausalLM",
     "mistral": "neuronx_distributed_inference.models.mistral.modeling_mistral:NeuronMistralForCausalLM",
+    # runs, and differs from transformers' Gemma-3 (README "Findings on NxDI's Gemma-3")
+    "gemma3": "neuronx_distributed_inference.models.gemma3.modeling_gemma3:NeuronGemma3ForCausalLM",
 }
 
 
