@@ -72,18 +72,27 @@ class LayerParitySession:
             tp = settings.tp_degree if compiled is None else 1  # compiled: ModelBuilder shards, in one process
             self.port = NxdiPort(lambda: self.model, settings.nxdi_app, compiled, tp)
         self.progress: Progress = SILENT  # the plugin shows bars on a terminal
+        #: Why the layers' experts run as they do on a lazy device, where the session chose.
+        self.experts_choice: str | None = None
 
     # -- wiring ---------------------------------------------------------------------------
 
     @cached_property
     def model(self) -> ModelSource:
         s = self.settings
-        experts = None
-        if s.mode == "parity":
+        experts = s.experts_implementation if s.mode == "parity" else None
+        if s.mode == "parity" and experts is None:
             from .backends import backend_class
 
-            lazy = backend_class(s.target_name or "cpu").lazy
-            experts = s.experts_implementation or ("eager" if lazy else None)
+            backend = backend_class(s.target_name or "cpu")
+            if backend.lazy and self.port is None:
+                from .target.experts import experts_for_goldens
+
+                experts, self.experts_choice = experts_for_goldens(
+                    self.store.read_manifest() or {}, s, model_dir_of(s.model), backend.free_memory()
+                )
+            elif backend.lazy:
+                experts = "eager"
         return ModelSource(
             model_dir_of(s.model),
             layer_module=s.layer_module,
@@ -260,6 +269,8 @@ class LayerParitySession:
                 )
             else:
                 lines.append("layerparity: port hf: the model's own HuggingFace layers")
+            if self.experts_choice:
+                lines.append(f"layerparity: experts: {self.experts_choice}")
         lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
         return lines
 

@@ -18,6 +18,11 @@ class Backend:
     #: (eager) implementations of attention and experts.
     lazy = False
 
+    @classmethod
+    def free_memory(cls) -> int | None:
+        """Bytes free on the device, known before it is set up (None where they are not)."""
+        return None
+
     def setup(self) -> None:
         """Bring the runtime up (once per session)."""
 

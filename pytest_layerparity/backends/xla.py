@@ -49,6 +49,16 @@ class XlaBackend(Backend):
         self._device = None
         self.compile_cache = compile_cache
 
+    @classmethod
+    def free_memory(cls) -> int | None:
+        """torch-xla's CPU device is the host's memory; another PJRT device's is not known
+        before it is set up."""
+        if os.environ.get("PJRT_DEVICE", "CPU") != "CPU":
+            return None
+        from ..reference.plan import free_memory
+
+        return free_memory()["cpu"]
+
     def setup(self) -> None:
         os.environ.setdefault("PJRT_DEVICE", "CPU")
         import torch_xla

@@ -71,12 +71,20 @@ class _TopkInputs(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+#: Each routing record's dtype on the CPU, by its name's suffix.
+_CPU_DTYPES = {".logits": torch.float32, ".indices": torch.int64, ".scores": torch.float64}
+
+
 @contextmanager
 def capture_routing(layer: torch.nn.Module, top_k: int | None, sink: dict[str, torch.Tensor]) -> Iterator[None]:
-    """While the block runs, store each router's ``routing.<name>.logits``, ``.indices`` and,
-    where it chose with torch.topk, ``.scores`` (CPU copies) into ``sink``."""
+    """While the block runs, record each router's ``routing.<name>.logits``, ``.indices`` and,
+    where it chose with torch.topk, ``.scores``; they reach ``sink`` as CPU copies when the
+    block ends. Until then they stay where the layer made them: on a lazy device a copy
+    inside the forward would cut the layer's graph at every router, so a block that ends
+    with the device's sync makes them outputs of the layer's one graph."""
     handles = []
     active: dict[str, _TopkInputs] = {}
+    held: dict[str, torch.Tensor] = {}
 
     def pre(name: str):
         def enter(module: torch.nn.Module, args: tuple) -> None:
@@ -95,12 +103,12 @@ def capture_routing(layer: torch.nn.Module, top_k: int | None, sink: dict[str, t
             if parsed is None:
                 return
             logits, indices = parsed
-            sink[f"routing.{name}.logits"] = logits.detach().float().to("cpu", copy=True)
-            sink[f"routing.{name}.indices"] = indices.detach().to("cpu", torch.int64, copy=True)
+            held[f"routing.{name}.logits"] = logits.detach().clone()
+            held[f"routing.{name}.indices"] = indices.detach().clone()
             scores = [_rows(sc) for sc in (mode.scores if mode else []) if sc.dim() >= 2]
             scores = [sc for sc in scores if tuple(sc.shape) == tuple(logits.shape)]
             if scores:
-                sink[f"routing.{name}.scores"] = scores[-1].double().to("cpu", copy=True)
+                held[f"routing.{name}.scores"] = scores[-1].detach().clone()
 
         return record
 
@@ -110,6 +118,8 @@ def capture_routing(layer: torch.nn.Module, top_k: int | None, sink: dict[str, t
                 handles.append(module.register_forward_pre_hook(pre(name)))
                 handles.append(module.register_forward_hook(post(name)))
         yield
+        for key, tensor in held.items():
+            sink[key] = tensor.to("cpu").to(_CPU_DTYPES[key[key.rindex(".") :]])
     finally:
         for mode in active.values():  # a forward that raised inside a router
             mode.__exit__(None, None, None)

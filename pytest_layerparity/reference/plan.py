@@ -221,7 +221,7 @@ def mlp_activations(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int, w
     text = cfg.get("text_config") or cfg
     tokens = batch * seq
     hidden = attention_shape(cfg)[0]
-    experts, top_k, inter = _mlp(text)
+    experts, top_k, inter = mlp_sizes(text)
     if experts:
         routed = tokens * top_k // experts if wider_pass else tokens * top_k
         # the experts' up projection: the routed inputs, their gate and up outputs, activated
@@ -245,7 +245,7 @@ def blocked_tokens(batch: int, seq: int, width: int) -> int:
     return batch * min(seq, block_rows((batch, seq, width), width))
 
 
-def _mlp(text: dict[str, Any]) -> tuple[int, int, int]:
+def mlp_sizes(text: dict[str, Any]) -> tuple[int, int, int]:
     """(experts, experts per token, intermediate size): an expert's for a mixture of
     experts, the MLP's for a dense one (experts 0)."""
     experts = text.get("num_local_experts") or text.get("num_experts") or text.get("n_routed_experts") or 0
@@ -264,7 +264,7 @@ def widest_weight(cfg: dict[str, Any]) -> int:
     columns at a time where it has more than ``perturb.WIDEN_BLOCK`` elements."""
     text = cfg.get("text_config") or cfg
     hidden, heads, _, head_dim = attention_shape(cfg)
-    experts, _, inter = _mlp(text)
+    experts, _, inter = mlp_sizes(text)
     mlp = (2 if experts else 1) * inter * hidden
     return min(max(heads * head_dim * hidden, mlp), WIDEN_BLOCK)
 
@@ -291,7 +291,7 @@ def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
         whole = max(2 * elements * wider, elements * (wider + 2 * size))
         return whole + min(elements, ROUNDING_BLOCK) * (3 * wider + size + 1)
 
-    experts, top_k, inter = _mlp(text)
+    experts, top_k, inter = mlp_sizes(text)
     # the norms and a dense MLP run over blocks of tokens (tokens.in_token_blocks)
     mlp = tokens * top_k * 2 * inter // experts if experts else blocked_tokens(batch, seq, max(inter, hidden)) * inter
     candidates = [op(blocked_tokens(batch, seq, hidden) * hidden, 4, 8), op(mlp, itemsize_, wide)]

@@ -235,6 +235,8 @@ def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], dev
         if device is not None:
             keys, values = keys.to(device), values.to(device)
         entry.update(keys, values)
+        if entry.keys.shape == keys.shape:  # the tensors themselves, not the entry's concatenation onto nothing:
+            entry.keys, entry.values = keys, values  # on a lazy device the past is then data, as in a real decode step
         if window:
             entry.cumulative_length = int(node.get("seen", keys.shape[-2]))
     return cache
@@ -307,6 +309,7 @@ def _appended(
     now = cached_kv(cache, layer) if cache is not None else None
     if now is None:
         return None
+    now = (now[0].to("cpu"), now[1].to("cpu"))  # sliced here: on a lazy device a slice would be a graph to compile
     past = _call_cache_node(spec)
     before = 0
     if past is not None and "keys" in past:

@@ -96,6 +96,32 @@ def default_target_model(
                 layers[index] = port
     loaded = loaded.eval().to(device)
     if sync is not None:
-        for layer in layers:
-            layer.register_forward_hook(lambda *_: sync())
+        cut_graphs_at_layers(layers, sync, model.top_k)
     return hf_step(loaded)
+
+
+def cut_graphs_at_layers(layers: torch.nn.ModuleList, sync: Callable[[], None], top_k: int | None) -> None:
+    """On a lazy device, make each decoder layer a graph of its own and the same graph a layer
+    test runs, so the whole model compiles nothing the layer tests compiled: a cut before the
+    first layer (the embedding, rotary tables and masks are a graph apart, and every layer's
+    inputs are device data), and each layer run as the tests run it (its routers' records kept,
+    then the sync)."""
+    from contextlib import ExitStack
+
+    from ..capture.routing import capture_routing
+
+    layers[0].register_forward_pre_hook(lambda *_: sync())
+    open_captures: dict[int, ExitStack] = {}
+
+    def enter(module: torch.nn.Module, args: Any) -> None:
+        stack = ExitStack()
+        stack.enter_context(capture_routing(module, top_k, {}))  # the records only keep the graph the tests'
+        open_captures[id(module)] = stack
+
+    def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
+        sync()
+        open_captures.pop(id(module)).close()
+
+    for layer in layers:
+        layer.register_forward_pre_hook(enter)
+        layer.register_forward_hook(leave)

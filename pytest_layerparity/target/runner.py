@@ -128,10 +128,9 @@ class TargetSide:
         routing: dict[str, torch.Tensor] = {}
         with torch.no_grad(), capture_routing(module, self.model.top_k, routing):
             output = module(*args, **kwargs)
-        out = first_tensor(output)
-        appended = appended_kv(args, kwargs, spec, tensors)
-        self.backend.sync()
-        return TargetRun(out, routing, appended)
+            out = first_tensor(output)
+            self.backend.sync()  # one graph: the output, the cache's keys and values, the routers' records
+        return TargetRun(out, routing, appended_kv(args, kwargs, spec, tensors))
 
     def judge(
         self,
