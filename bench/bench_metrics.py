@@ -9,7 +9,9 @@ compare_tensors and of a plain float32 implementation of the five metrics, run i
 process on the same data, and the cosine each returns for identical inputs. Then, in fresh
 subprocesses, the peak extra memory of one call on 32M elements: the peak RSS (VmHWM,
 the counter behind ru_maxrss, reset just before the call through /proc/self/clear_refs)
-minus the RSS before the call.
+minus the RSS before the call. Then, at 32M, the engine and plain float64 torch code (the
+exact way to get the same figures) on a quiet machine and beside another torch process
+running a matmul loop on its own threads (what a second xdist worker or another job is).
 This is a script, not a test.
 """
 
@@ -61,6 +63,52 @@ def make_pair(n: int, dtype_name: str, seed: int = 0):
         g[s:e] = x
         t[s:e] = x + 1e-2 * torch.randn(e - s, generator=gen)
     return g, t
+
+
+def exact_float64(g, t):
+    """The exact figures the plain way: everything widened to float64 torch tensors."""
+    g64, t64 = g.double().flatten(), t.double().flatten()
+    d = (g64 - t64).abs()
+    return d.max().item(), d.mean().item(), (g64 @ t64).item(), (g64 @ g64).item(), (t64 @ t64).item()
+
+
+COMPETITOR = """
+import sys, torch
+torch.set_num_threads(int(sys.argv[1]))
+a = torch.randn(1024, 1024)
+while True:
+    a @ a
+"""
+
+
+def busy_table(n: int, dtype_name: str, repeats: int) -> None:
+    """Engine and float64 torch, quiet and beside a competing process on its own threads."""
+    import torch
+
+    from pytest_layerparity.compare.metrics import compare_tensors
+
+    g, t = make_pair(n, dtype_name)
+    nbytes = g.numel() * g.element_size() * 2
+    threads = torch.get_num_threads()
+    print(f"\n{n // MI}M {dtype_name} pairs, this process on {threads} threads:")
+    print(f"{'beside':>34} | {'engine':>10} {'float64 torch':>14} | ratio")
+    for rival in (0, threads):
+        proc = subprocess.Popen([sys.executable, "-c", COMPETITOR, str(rival)]) if rival else None
+        try:
+            if proc is not None:
+                time.sleep(2)  # the rival's loop is running
+            t_ours = best_time(lambda: compare_tensors(g, t), repeats)
+            t_f64 = best_time(lambda: exact_float64(g, t), repeats)
+        finally:
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+        where = f"a matmul loop on {rival} threads" if rival else "nothing (quiet)"
+        print(
+            f"{where:>34} | {nbytes / t_ours / 1e9:>5.2f} GB/s {nbytes / t_f64 / 1e9:>9.2f} GB/s | "
+            f"{t_f64 / t_ours:.1f}x",
+            flush=True,
+        )
 
 
 def best_time(fn, repeats: int) -> float:
@@ -162,6 +210,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--repeats", type=int, default=5, help="best of N timings (halved above 32M)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--no-busy", action="store_true", help="skip the table beside a competing process")
     args = ap.parse_args()
 
     import torch
@@ -186,6 +235,8 @@ def main() -> None:
             delta, reset = peak_extra_mib(which, n, args.dtype)
             how = "VmHWM reset before the call" if reset else "ru_maxrss delta"
             print(f"  {label:<16} {delta:8.1f} MiB  ({how})", flush=True)
+    if not args.no_busy:
+        busy_table(32 * MI, args.dtype, args.repeats)
 
 
 if __name__ == "__main__":

@@ -6,3 +6,20 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+
+def pytest_configure(config):
+    """Under ``-n N`` each worker, and the pytest processes its tests start, use a share of the
+    cores (every process with as many threads as the machine has cores makes each parallel
+    region wait on a descheduled thread)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return
+    from pytest_layerparity.distributed.env import available_cores, thread_share
+
+    threads = thread_share(available_cores(), int(workerinput.get("workercount", 1)))
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)

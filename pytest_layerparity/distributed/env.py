@@ -189,6 +189,23 @@ def worker_environment(
     return env
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity where the OS tells it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def thread_share(cores: int, processes: int, environ: Mapping[str, str] = os.environ) -> int | None:
+    """The intra-op threads of one of ``processes`` processes sharing ``cores`` (xdist workers,
+    or torchrun's ranks on this machine): its share, at least one; None where the user set
+    OMP_NUM_THREADS or where one process has the cores to itself. Every process starting as
+    many threads as there are cores makes each parallel region wait on a descheduled thread."""
+    if processes <= 1 or environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, cores // processes)
+
+
 def apply_environment(env: Mapping[str, str | None], environ: MutableMapping[str, str] = os.environ) -> None:
     for key, value in env.items():
         if value is None:

@@ -17,6 +17,7 @@ from .env import (
     NEURON_CORES,
     RankInfo,
     apply_environment,
+    available_cores,
     check_cpu_tp_degree,
     check_neuron_core_plan,
     check_tp_degree,
@@ -24,6 +25,7 @@ from .env import (
     parse_core_list,
     parse_cuda_devices,
     rank_info,
+    thread_share,
     worker_environment,
     xdist_worker_index,
 )
@@ -57,6 +59,16 @@ def _xdist_workers(config: pytest.Config) -> int:
     return len(config.getoption("tx", None) or [])
 
 
+def share_cores(processes: int) -> None:
+    """This process's share of the machine's cores as torch's intra-op threads (see
+    :func:`thread_share`)."""
+    threads = thread_share(available_cores(), processes)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 class DistributedRuns:
     """Registered by the plugin in its pytest_configure (so this one's runs at once)."""
 
@@ -85,7 +97,10 @@ class DistributedRuns:
                 # runtime's collectives bootstrap; each world of one gets a port of its own.
                 env["NEURON_RT_ROOT_COMM_ID"] = f"localhost:{free_port()}"
             apply_environment(env)
+            share_cores(int(workerinput.get("workercount", 1)))
             return
+        if self.ranks.torchrun:
+            share_cores(self.ranks.local_world_size)
         workers = _xdist_workers(config)
         self._check_torchrun(workers)
         if self.compiled:

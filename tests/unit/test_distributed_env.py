@@ -127,3 +127,20 @@ def test_cache_locations(tmp_path):
     assert resolve_cache_location("cache", tmp_path) == str(tmp_path / "cache")
     assert resolve_cache_location("/abs/cache", tmp_path) == "/abs/cache"
     assert resolve_cache_location("s3://bucket/neuron", tmp_path) == "s3://bucket/neuron"
+
+
+@pytest.mark.parametrize(
+    ("cores", "processes", "environ", "threads"),
+    [
+        (2, 2, {}, 1),
+        (16, 4, {}, 4),
+        (16, 3, {}, 5),
+        (2, 4, {}, 1),  # more processes than cores: one thread each
+        (16, 1, {}, None),  # one process: torch's own choice
+        (16, 4, {"OMP_NUM_THREADS": "8"}, None),  # the user's choice stands
+    ],
+)
+def test_each_process_takes_its_share_of_the_cores(cores, processes, environ, threads):
+    from pytest_layerparity.distributed.env import thread_share
+
+    assert thread_share(cores, processes, environ) == threads

@@ -516,3 +516,24 @@ def test_xla_tensors_are_compared_on_the_cpu():
     m = compare_tensors(g.to(dev), t.to(dev), reference=g.float().to(dev))
     assert_matches(m, ref, g.shape)
     assert m.noise_ratio == pytest.approx(noise_ratio(g, t, g.float()), rel=1e-12)
+
+
+def test_a_pass_shared_over_threads_gives_what_one_thread_gives():
+    """The CPU pass shared out over threads (contiguous runs of chunks, one Python thread
+    each) sums each chunk as one thread does: the same figures, NaN/Inf and worst element too."""
+    gen = torch.Generator().manual_seed(7)
+    g = torch.randn(50_000, generator=gen).bfloat16()
+    t = (g.float() + 0.01 * torch.randn(50_000, generator=gen)).bfloat16()
+    t[12_345], g[40_000] = float("nan"), float("inf")
+    r = g.float() + 0.001
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = compare_tensors(g, t, reference=r, chunk_elements=1000)
+        torch.set_num_threads(4)
+        shared = compare_tensors(g, t, reference=r, chunk_elements=1000)
+        assert torch.get_num_threads() == 4  # given back as it was
+    finally:
+        torch.set_num_threads(before)
+    assert repr(shared.as_dict()) == repr(alone.as_dict())  # NaN figures included (NaN != NaN)
+    assert shared.target_nan == 1 and shared.golden_inf == 1
