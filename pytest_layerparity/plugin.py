@@ -35,10 +35,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
-    """Before pytest configures: quiet the torchrun ranks other than 0; ``--plan`` prints the
-    memory plan and exits without running tests."""
+    """Before pytest configures: torch's idle threads set to sleep (before torch loads), the
+    torchrun ranks other than 0 quieted; ``--plan`` prints the memory plan and exits without
+    running tests."""
+    from .distributed.env import idle_threads_sleep
     from .distributed.runs import quiet_secondary_rank
 
+    if read_settings(config).mode is not None:
+        idle_threads_sleep(os.environ, sys.modules)
     quiet_secondary_rank(config)
     if not config.getoption("layerparity_plan", False):
         return None

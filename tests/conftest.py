@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+# torch's idle threads sleep rather than spin (the plugin does the same for its own runs; here the
+# tests import torch before any plugin run): see distributed.env.idle_threads_sleep
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def pytest_configure(config):

@@ -144,3 +144,14 @@ def test_each_process_takes_its_share_of_the_cores(cores, processes, environ, th
     from pytest_layerparity.distributed.env import thread_share
 
     assert thread_share(cores, processes, environ) == threads
+
+
+def test_idle_threads_are_set_to_sleep_before_torch_loads_unless_the_user_chose():
+    from pytest_layerparity.distributed.env import idle_threads_sleep
+
+    environ: dict[str, str] = {}
+    assert idle_threads_sleep(environ, modules=()) and environ == {"OMP_WAIT_POLICY": "PASSIVE"}
+    chosen = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert not idle_threads_sleep(chosen, modules=()) and chosen == {"OMP_WAIT_POLICY": "ACTIVE"}
+    late: dict[str, str] = {}
+    assert not idle_threads_sleep(late, modules=("torch",)) and late == {}  # its runtime already read it
