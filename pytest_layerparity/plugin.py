@@ -63,6 +63,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
                 attn_implementation=settings.attn_implementation,
                 precision_floor=not settings.no_precision_floor,
                 envelope=settings.envelope_samples > 1,
+                envelope_samples=settings.envelope_samples,
                 decode_steps=settings.decode_steps,
             ),
         )

@@ -18,9 +18,17 @@ from ..compare.envelope import Envelope
 from ..compare.floor import FloorStats, floor_stats, token_mask
 from ..compare.routing import agreement, router_names
 from ..report.progress import SILENT, Progress
-from ..store.callspec import cache_argument, decode_call, first_tensor, replace_hidden_input
+from ..store.callspec import (
+    cache_argument,
+    call_cache_node,
+    decode_call,
+    first_tensor,
+    hidden_input_name,
+    replace_hidden_input,
+    tensor_names,
+)
 from .model import ModelSource, eager_experts_skeleton, give_back_memory, load_layer
-from .perturb import PerturbedArithmetic
+from .perturb import PerturbedArithmetic, samples_per_forward
 from .tokens import in_token_blocks
 
 if TYPE_CHECKING:
@@ -106,6 +114,68 @@ def envelope_from_runs(
     )
 
 
+def call_tokens(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> int:
+    """Tokens a stored call holds: its hidden states' rows, and in a decode step its past's
+    (what its memory grows with)."""
+    hidden = tensors[hidden_input_name(spec)]
+    tokens = hidden.numel() // max(hidden.shape[-1], 1) if hidden.dim() else 1
+    cache = call_cache_node(spec)
+    if cache is not None and "keys" in cache:
+        keys = tensors[cache["keys"]]
+        tokens += keys.shape[0] * keys.shape[-2] if keys.dim() >= 2 else 0
+    return tokens
+
+
+def stacked_call(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """The tensors of a stored call for ``n`` samples of its batch: each argument of two or
+    more dimensions whose first is the batch (the hidden states', masks, positions, rotary
+    tables, the cache's past) repeated ``n`` times along it; the rest as stored (a 1-D
+    ``cache_position`` is positions, not a batch)."""
+    batch = tensors[hidden_input_name(spec)].shape[0]
+    names = set(tensor_names({"args": spec["args"], "kwargs": spec["kwargs"]}))
+    cache = call_cache_node(spec)
+    if cache is not None and "keys" in cache:
+        names |= {cache["keys"], cache["values"]}
+    out = dict(tensors)
+    for name in names:
+        t = tensors[name]
+        if t.dim() >= 2 and t.shape[0] == batch:
+            out[name] = t.repeat(n, *([1] * (t.dim() - 1)))
+    return out
+
+
+def runs_apart(
+    layer: torch.nn.Module, spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: str
+) -> bool:
+    """Whether ``layer`` computes the samples of a batch apart on this call, as a decoder
+    layer does: two different inputs (the golden's, and it halved) run as one batch give
+    what each gives alone, to well within the rounding of another batch size (relative
+    difference under 1e-2). Checked in plain arithmetic before runs are stacked: a layer or
+    an argument that mixes samples would mix the runs."""
+    import torch
+
+    name = hidden_input_name(spec)
+    first = tensors[name]
+    second = first * 0.5
+    cache_name = cache_argument(layer)
+
+    def forward(call: dict[str, torch.Tensor]) -> torch.Tensor:
+        args, kwargs = decode_call(spec, call, device, cache_name)
+        with torch.no_grad():
+            return first_tensor(layer(*args, **kwargs)).detach().to("cpu", torch.float64)
+
+    try:
+        both = stacked_call(spec, tensors, 2)
+        both[name] = torch.cat([first, second])
+        together = forward(both)
+        alone = torch.cat([forward({**tensors, name: first}), forward({**tensors, name: second})])
+    except (RuntimeError, ValueError, IndexError):
+        return False
+    if together.shape != alone.shape:
+        return False
+    return bool(torch.linalg.vector_norm(together - alone) <= 1e-2 * torch.linalg.vector_norm(alone))
+
+
 class PerturbedRunner:
     """Runs the layers of one model in the golden's dtype under Monte Carlo arithmetic, K
     times each, on ``device``."""
@@ -165,6 +235,39 @@ class PerturbedRunner:
             out = first_tensor(layer(*args, **kwargs))
         return PerturbedRun(out.detach().to("cpu", copy=True), routing)
 
+    def run_together(
+        self,
+        layer: torch.nn.Module,
+        spec: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        seed: int,
+        hidden: Sequence[torch.Tensor | None],
+    ) -> list[PerturbedRun] | None:
+        """``len(hidden)`` perturbed runs of ``layer`` as the samples of one batch (run j on
+        ``hidden[j]``, None: the golden's input), each its own legitimate run (every draw is
+        per element; a variance's algorithm is drawn per run); None where the layer's
+        outputs cannot be split back into runs (its first dimension is not the batch)."""
+        import torch
+
+        n = len(hidden)
+        call = stacked_call(spec, tensors, n)
+        name = hidden_input_name(spec)
+        call[name] = torch.cat([tensors[name] if h is None else h for h in hidden])
+        args, kwargs = decode_call(spec, call, self.device, cache_argument(layer))
+        routing: dict[str, torch.Tensor] = {}
+        with (
+            torch.no_grad(),
+            capture_routing(layer, self.model.top_k, routing),
+            in_token_blocks(layer),
+            PerturbedArithmetic(seed, samples=n),
+        ):
+            out = first_tensor(layer(*args, **kwargs)).detach().to("cpu")
+        if out.shape[0] != call[name].shape[0] or any(t.shape[0] % n for t in routing.values()):
+            return None
+        outs = out.chunk(n)
+        parts = {key: t.chunk(n) for key, t in routing.items()}
+        return [PerturbedRun(outs[j].clone(), {key: p[j] for key, p in parts.items()}) for j in range(n)]
+
     def runs(
         self,
         index: int,
@@ -174,19 +277,32 @@ class PerturbedRunner:
         layer: torch.nn.Module | None = None,
     ) -> Iterator[PerturbedRun]:
         """The K perturbed runs of layer ``index`` on its golden call (run k on ``hidden[k]``
-        when given, for chains), one at a time (a chain keeps them: each run's output goes
-        on), with the layer loaded once and given back after (or ``layer``, already loaded on
-        the device, kept)."""
+        when given, for chains), in order (a chain keeps them: each run's output goes on),
+        with the layer loaded once and given back after (or ``layer``, already loaded on the
+        device, kept). Runs of a short call go through the layer together, as one batch of up
+        to ``perturb.BATCHED_TOKENS`` tokens (:meth:`run_together`), where the layer computes
+        the samples of a batch apart (:func:`runs_apart`, checked on the call); else one at
+        a time."""
         owned = layer is None
         if layer is None:
             layer = self.layer(index)
+        given = list(hidden) if hidden is not None else [None] * self.samples
+        group = samples_per_forward(self.samples, call_tokens(spec, tensors))
+        if group > 1 and not runs_apart(layer, spec, tensors, self.device):
+            group = 1
         with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
-            for k in range(self.samples):
-                run = self.run(layer, spec, tensors, BASE_SEED + k, hidden[k] if hidden is not None else None)
-                give_back_memory()  # the run's freed temporaries: the next run's heap starts empty
-                bar.update(1)
-                yield run
-                del run
+            k = 0
+            while k < self.samples:
+                n = min(group, self.samples - k)
+                together = self.run_together(layer, spec, tensors, BASE_SEED + k, given[k : k + n]) if n > 1 else None
+                if together is None:
+                    together, n = [self.run(layer, spec, tensors, BASE_SEED + k, given[k])], 1
+                give_back_memory()  # the runs' freed temporaries: the next ones' heap starts empty
+                for run in together:
+                    bar.update(1)
+                    yield run
+                del together
+                k += n
         if owned:
             del layer
             give_back_memory()

@@ -278,7 +278,7 @@ class ReferenceSide:
         from ..compare.logits import ModelEnvelope, compact_logits, logits_stats
         from ..target.model import hf_step, teacher_forced
         from .envelope import BASE_SEED
-        from .perturb import PerturbedArithmetic
+        from .perturb import PerturbedArithmetic, samples_per_forward
 
         logits = torch.cat([run.model_io["logits"].float(), *(t.float() for t in run.decode_logits)], dim=1)
         golden = compact_logits(logits, self.settings.logits_topk)
@@ -290,12 +290,21 @@ class ReferenceSide:
         samples = self.settings.envelope_samples if not self.settings.no_precision_floor else 0
         if samples > 1:
             stats = []
+            ids = golden["input_ids"]
+            batch = ids.shape[0]
+            group = samples_per_forward(samples, batch * logits.shape[1])
             with self.progress.bar(samples, "layerparity: noise envelope of the whole model", "run") as bar:
-                for k in range(samples):
-                    with PerturbedArithmetic(BASE_SEED + k):
-                        perturbed = teacher_forced(hf_step(model), golden["input_ids"], decode_ids, device)
-                    stats.append(logits_stats(golden, perturbed))
-                    bar.update(1)
+                for k in range(0, samples, group):
+                    n = min(group, samples - k)  # runs as the samples of one batch: the model computes them apart
+                    with PerturbedArithmetic(BASE_SEED + k, samples=n):
+                        perturbed = teacher_forced(
+                            hf_step(model),
+                            ids.repeat(n, 1),
+                            None if decode_ids is None else decode_ids.repeat(n, 1),
+                            device,
+                        )
+                    stats.extend(logits_stats(golden, part) for part in perturbed.split(batch))
+                    bar.update(n)
             metadata["envelope"] = ModelEnvelope.from_stats(stats).as_metadata()
         return golden, metadata
 

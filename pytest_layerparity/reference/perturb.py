@@ -492,6 +492,18 @@ def one_pass_var_mean(
     return var, mean
 
 
+#: Perturbed runs of a short call go through the layer (or the model) together, as the
+#: samples of one batch of up to this many tokens: a short call's work is mostly each op's
+#: overhead, paid once for all of them (the embedded model's 32-token prompt: 12 runs in
+#: one). A long one runs alone, as its memory was planned.
+BATCHED_TOKENS = 512
+
+
+def samples_per_forward(samples: int, tokens: int) -> int:
+    """How many of ``samples`` perturbed runs of a call of ``tokens`` tokens go together."""
+    return max(1, min(samples, BATCHED_TOKENS // max(tokens, 1)))
+
+
 class PerturbedArithmetic(TorchDispatchMode):
     """While active, rounded floating-point results are rounded another legitimate way (see
     the module's docstring for the two ``mode``s). ``systematic`` scales the per-op bias of
@@ -500,12 +512,18 @@ class PerturbedArithmetic(TorchDispatchMode):
     default ERROR_SCALE; 16-bit results keep 1). ``ops`` counts the results perturbed."""
 
     def __init__(
-        self, seed: int, mode: str = "jitter", systematic: float = 0.0, error_scale: float | None = None
+        self,
+        seed: int,
+        mode: str = "jitter",
+        systematic: float = 0.0,
+        error_scale: float | None = None,
+        samples: int = 1,
     ) -> None:
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"unknown perturbation mode {mode!r}; choose one of {', '.join(MODES)}")
         self.seed = seed
+        self.samples = samples  # runs stacked along the first dim, each its own legitimate run
         self.mode = mode
         self.systematic = systematic
         self.error_scale = ERROR_SCALE if error_scale is None else error_scale
@@ -539,6 +557,28 @@ class PerturbedArithmetic(TorchDispatchMode):
         if self.mode == "random" or not x.is_floating_point():
             return False
         return torch.rand((), generator=self._generator(x.device)).item() < 0.5
+
+    def _variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A variance, in one pass or two: drawn per op, and where runs are stacked
+        (``samples``) per run, each run's rows computed its own way."""
+        x = args[0]
+        if self.samples == 1 or self.mode == "random" or not x.is_floating_point() or x.dim() == 0:
+            if self._one_pass(x):
+                return self._one_pass_variance(func, args, kwargs)
+            return self._perturbed(func, args, kwargs)
+        one_pass = torch.rand(self.samples, generator=self._generator(x.device), device=x.device) < 0.5
+        if bool(one_pass.all()):
+            return self._one_pass_variance(func, args, kwargs)
+        two = self._perturbed(func, args, kwargs)
+        rows = x.shape[0]
+        first = two[0] if isinstance(two, tuple) else two
+        if not one_pass.any() or rows % self.samples or first.dim() == 0 or first.shape[0] != rows:
+            return two  # the rows are not the runs' (a variance across them): the op's draw is the runs'
+        one = self._one_pass_variance(func, args, kwargs)
+        keep = one_pass.repeat_interleave(rows // self.samples).view(rows, *([1] * (first.dim() - 1)))
+        if isinstance(two, tuple):
+            return tuple(torch.where(keep, a, b) for a, b in zip(one, two, strict=True))
+        return torch.where(keep, one, two)
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``var`` or ``var_mean`` (any overload) computed by :func:`one_pass_var_mean`, its
@@ -580,8 +620,12 @@ class PerturbedArithmetic(TorchDispatchMode):
         if decomposition is not None:
             with self:  # each op of the decomposition dispatches here again
                 return decomposition(*args, **kwargs)
-        if func.overloadpacket in VARIANCE_OPS and self._one_pass(args[0]):
-            return self._one_pass_variance(func, args, kwargs)
+        if func.overloadpacket in VARIANCE_OPS:
+            return self._variance(func, args, kwargs)
+        return self._perturbed(func, args, kwargs)
+
+    def _perturbed(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``func`` run, its rounded floating results rounded another legitimate way."""
         name = func.overloadpacket.__name__
         exact = None
         if self.mode != "random" and name != "_to_copy" and _may_round(func):

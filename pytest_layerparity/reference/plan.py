@@ -25,7 +25,7 @@ from .model import (
     hidden_size_from_config,
     split_by_conversion,
 )
-from .perturb import ROUNDING_BLOCK, WIDEN_BLOCK, query_block
+from .perturb import ROUNDING_BLOCK, WIDEN_BLOCK, query_block, samples_per_forward
 from .streaming import ROW_BLOCK_FRACTION
 from .tokens import block_rows
 
@@ -185,6 +185,7 @@ class RunOptions:
     attn_implementation: str | None = None  # None: the library's default (sdpa)
     precision_floor: bool = True
     envelope: bool = True
+    envelope_samples: int = 12  # K: a short call's runs go through the layer together
     decode_steps: int = 0
     logits_mapped: bool = False  # the prompt's logits in a file-backed map (streaming on the CPU)
 
@@ -317,7 +318,7 @@ LOAD_OR_WIDEST = "loading it, or one layer's activations (the widest pass: the f
 FORWARD = "the reference forward"
 GOLDENS = "each layer's goldens"
 FLOOR_OUTPUT = "the floor's output (the envelope's runs are held against it)"
-RUN_OUTPUT = "one perturbed run's output (its statistics taken, it goes)"
+RUN_OUTPUT = "the output of the perturbed runs that go together (their statistics taken, they go)"
 
 
 def stream_extraction_needs(
@@ -367,12 +368,17 @@ def stream_extraction_needs(
         widest = layer_activations(cfg, batch, seq, floor_size, eager, True) + widest_weight(cfg) * floor_size
         held = {FLOOR_OUTPUT: batch * seq * hidden * floor_size}
         if options.envelope:
-            # a perturbed run: the run's tensors in its dtype, and one op's wider work at a time
-            perturbed = layer_activations(cfg, batch, seq, size, eager, True) + perturbed_op_peak(
-                cfg, batch, seq, size, eager
+            # the perturbed runs that go together (perturb.samples_per_forward), one batch of
+            # them: its tensors in the run dtype, and one op's wider work at a time
+            runs = samples_per_forward(options.envelope_samples, batch * seq)
+            perturbed = layer_activations(cfg, runs * batch, seq, size, eager, True) + perturbed_op_peak(
+                cfg, runs * batch, seq, size, eager
             )
+            if options.decode_steps:  # a decode step's runs together: each run's copy of the past
+                steps = samples_per_forward(options.envelope_samples, batch * (seq + options.decode_steps))
+                perturbed = max(perturbed, steps * plan.kv_layer)
             widest = max(widest, perturbed)
-            held[RUN_OUTPUT] = batch * seq * hidden * size
+            held[RUN_OUTPUT] = runs * batch * seq * hidden * size
         layer = plan.largest_layer[1]
         goldens = {"the largest layer": layer, LOAD_OR_WIDEST: max(plan.load_extra, widest), **goldens, **held}
     return (FORWARD, forward) if sum(forward.values()) >= sum(goldens.values()) else (GOLDENS, goldens)

@@ -278,7 +278,7 @@ def _cache_node(node: Any) -> dict[str, Any] | None:
     return next((found for child in children if (found := _cache_node(child)) is not None), None)
 
 
-def _call_cache_node(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+def call_cache_node(spec: Mapping[str, Any]) -> dict[str, Any] | None:
     """The cache node among a call spec's arguments."""
     nodes = [*(spec.get("args") or ()), *(spec.get("kwargs") or {}).values()]
     return next((found for node in nodes if (found := _cache_node(node)) is not None), None)
@@ -310,7 +310,7 @@ def _appended(
     if now is None:
         return None
     now = (now[0].to("cpu"), now[1].to("cpu"))  # sliced here: on a lazy device a slice would be a graph to compile
-    past = _call_cache_node(spec)
+    past = call_cache_node(spec)
     before = 0
     if past is not None and "keys" in past:
         before = int(past.get("seen", tensors[past["keys"]].shape[-2]))

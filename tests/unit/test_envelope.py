@@ -17,7 +17,15 @@ from pytest_layerparity.compare.judge import judge
 from pytest_layerparity.compare.metrics import Metrics
 from pytest_layerparity.compare.verdict import evaluate
 from pytest_layerparity.options import make_settings
-from pytest_layerparity.reference.envelope import BASE_SEED, PerturbedRun, PerturbedRunner, envelope_from_runs
+from pytest_layerparity.reference import envelope as reference_envelope
+from pytest_layerparity.reference.envelope import (
+    BASE_SEED,
+    PerturbedRun,
+    PerturbedRunner,
+    envelope_from_runs,
+    runs_apart,
+)
+from pytest_layerparity.reference.perturb import PerturbedArithmetic
 from pytest_layerparity.report.properties import properties
 from pytest_layerparity.report.text import failure_text
 
@@ -199,11 +207,13 @@ def test_the_envelope_takes_each_runs_statistics_as_it_ends(monkeypatch):
         return PerturbedRun(out, {})
 
     monkeypatch.setattr(PerturbedRunner, "run", run)
+    monkeypatch.setattr(reference_envelope, "samples_per_forward", lambda samples, tokens: 1)  # a long call's runs
     runner = PerturbedRunner(model=None, golden_dtype=torch.float64, samples=6)
-    env = runner.envelope(0, {}, {}, golden, ref, x, layer=torch.nn.Identity())
+    spec = {"args": [{"t": "x"}], "kwargs": {}, "output": {"t": "out"}}
+    env = runner.envelope(0, spec, {"x": x}, golden, ref, x, layer=torch.nn.Identity())
     assert env == envelope_from_runs(golden, outputs, ref, x)
     assert len(made) == 6 and max(alive) == 2
-    kept = list(runner.runs(0, {}, {}, layer=torch.nn.Identity()))  # a chain keeps them all
+    kept = list(runner.runs(0, spec, {"x": x}, layer=torch.nn.Identity()))  # a chain keeps them all
     assert len(kept) == 6 and max(alive[6:]) == 6
 
 
@@ -234,3 +244,66 @@ def test_tainted_tokens_leave_the_statistics_unless_routing_is_strict():
         0, golden, target, make_settings(strict_routing=True), "float32", reference=ref, hidden_in=x, tainted=[5]
     )
     assert not strict.passed and strict.tainted_tokens == []
+
+
+class _Block(torch.nn.Module):
+    """A layer-like block: a projection, a norm (its variance), an activation, a projection;
+    with ``mix``, each sample also reads the batch's mean (what no decoder layer does)."""
+
+    def __init__(self, mix: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.norm, self.down = torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 16)
+        self.mix = mix
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.nn.functional.gelu(self.norm(self.up(x))))
+        return h + x.mean(0, keepdim=True) if self.mix else h
+
+
+CALL = {"args": [{"t": "x"}], "kwargs": {}, "output": {"t": "out"}}
+
+
+def _runner(samples: int) -> PerturbedRunner:
+    from types import SimpleNamespace
+
+    return PerturbedRunner(model=SimpleNamespace(top_k=None), golden_dtype=torch.bfloat16, samples=samples)
+
+
+def test_runs_of_a_short_call_go_through_the_layer_together_each_its_own_run(monkeypatch):
+    layer = _Block().bfloat16()
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    calls = []
+    monkeypatch.setattr(PerturbedRunner, "run", lambda *a, **k: calls.append(1))  # one at a time: not taken
+    runs = list(_runner(6).runs(0, CALL, {"x": x}, layer=layer))
+    plain = layer(x).float()
+    assert len(runs) == 6 and not calls
+    outputs = [r.output.float() for r in runs]
+    assert all(o.shape == plain.shape for o in outputs)
+    assert len({o.flatten().tolist().__repr__() for o in outputs}) == 6  # six different legitimate runs
+    for o in outputs:  # each within a few of bf16's roundings of the plain output
+        assert (o - plain).abs().max() < 0.1 * plain.abs().max()
+
+
+def test_a_layer_that_mixes_the_samples_of_a_batch_runs_them_one_at_a_time():
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(1))
+    assert runs_apart(_Block(), CALL, {"x": x}, "cpu")
+    assert not runs_apart(_Block(mix=True), CALL, {"x": x}, "cpu")
+    runs = list(_runner(4).runs(0, CALL, {"x": x.bfloat16()}, layer=_Block(mix=True).bfloat16()))
+    assert len(runs) == 4 and all(r.output.shape == (1, 8, 16) for r in runs)
+
+
+def test_each_stacked_run_draws_its_own_variance_algorithm():
+    """One pass (E[x^2] - E[x]^2) or two, drawn per run: on rows whose mean is large against
+    their spread the two differ, and the runs of one batch take both."""
+    rows = torch.randn(1, 64, generator=torch.Generator().manual_seed(2)) + 3000.0
+    x = rows.repeat(8, 1)  # eight runs of the same row
+    exact = torch.var(rows.double()).item()
+
+    def one_pass(var: torch.Tensor) -> set[bool]:  # its cancellation error is far above the two-pass rounding
+        return {abs(v - exact) > 1e-3 * exact for v in var.tolist()}
+
+    with PerturbedArithmetic(5, samples=8):
+        assert one_pass(torch.var(x, dim=-1)) == {True, False}
+    with PerturbedArithmetic(5, samples=1):  # one run: one draw for the op
+        assert len(one_pass(torch.var(x, dim=-1))) == 1

@@ -216,22 +216,23 @@ def test_the_wider_passes_hold_a_block_of_tokens_and_widen_a_block_of_a_weight()
 
 
 def test_stream_extraction_needs_name_every_term_and_follow_the_options():
-    plan = Plan(0, (0, 10_000), 5_000, 0, 4_000, {}, largest_outside=100_000, logits=1_000, kv_layer=500)
+    plan = Plan(0, (0, 10_000), 5_000, 0, 4_000, {}, largest_outside=10_000_000, logits=1_000, kv_layer=500)
     phase, full = stream_extraction_needs(plan, CONFIG, "bfloat16", 1, 8, RunOptions(decode_steps=2))
-    assert phase == FORWARD  # the embeddings outweigh a layer and its floor's pass over 8 tokens
-    assert full["the largest unit"] == 100_000
-    assert full[LOAD_OR_ACTIVATIONS] == 100_000  # loading the embeddings outweighs a plain pass over 8 tokens
+    assert phase == FORWARD  # the embeddings outweigh a layer and its passes over 8 tokens (12 runs: 96)
+    assert full["the largest unit"] == 10_000_000
+    assert full[LOAD_OR_ACTIVATIONS] == 10_000_000  # loading the embeddings outweighs a plain pass over 8 tokens
     assert full[KV_ONE_LAYER] == 500  # the other layers' on disk
     assert "the prompt's logits" not in full  # the head's activations: on disk once the forward returns
-    wide_vocab = dataclasses.replace(plan, logits=300_000)
+    wide_vocab = dataclasses.replace(plan, logits=30_000_000)
     assert (
-        stream_extraction_needs(wide_vocab, CONFIG, "bfloat16", 1, 8, RunOptions())[1][LOAD_OR_ACTIVATIONS] == 300_000
+        stream_extraction_needs(wide_vocab, CONFIG, "bfloat16", 1, 8, RunOptions())[1][LOAD_OR_ACTIVATIONS]
+        == 30_000_000
     )
     # streaming on the CPU writes the logits into a file-backed map: not the process's memory
     mapped = stream_extraction_needs(wide_vocab, CONFIG, "bfloat16", 1, 8, RunOptions(logits_mapped=True))[1]
-    assert mapped[LOAD_OR_ACTIVATIONS] == 100_000
+    assert mapped[LOAD_OR_ACTIVATIONS] == 10_000_000
     # a layer as the largest unit: loading it adds what the loader reads beside it
-    layered = dataclasses.replace(plan, largest_layer=(0, 200_000), load_extra=30_000)
+    layered = dataclasses.replace(plan, largest_layer=(0, 200_000), load_extra=30_000, largest_outside=100_000)
     bare = RunOptions(precision_floor=False, envelope=False)
     assert stream_extraction_needs(layered, CONFIG, "bfloat16", 1, 8, bare)[1][LOAD_OR_ACTIVATIONS] == 30_000
     no_floor = RunOptions(precision_floor=False, envelope=False)
@@ -264,10 +265,13 @@ def test_the_widest_pass_is_the_floors_or_one_perturbed_op_at_a_time():
     assert widest_weight(moe) == 2 * 32 * 64  # one expert's gate and up projections
     small = Plan(0, (0, 10), 5_000, 0, 4_000, {}, largest_outside=0, logits=1_000)
     _, goldens = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions())
-    assert goldens[FLOOR_OUTPUT] == 8 * 64 * 4 and goldens[RUN_OUTPUT] == 8 * 64 * 2  # one run's, whatever K
+    # 8 tokens: the 12 runs go through the layer together (96 tokens), their outputs held
+    assert goldens[FLOOR_OUTPUT] == 8 * 64 * 4 and goldens[RUN_OUTPUT] == 12 * 8 * 64 * 2
     floor_pass = layer_activations(CONFIG, 1, 8, 4, False, True) + 128 * 64 * 4
-    perturbed_pass = layer_activations(CONFIG, 1, 8, 2, False, True) + perturbed_op_peak(CONFIG, 1, 8, 2, False)
+    perturbed_pass = layer_activations(CONFIG, 12, 8, 2, False, True) + perturbed_op_peak(CONFIG, 12, 8, 2, False)
     assert goldens[LOAD_OR_WIDEST] == max(floor_pass, perturbed_pass)
+    _, long = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 512, RunOptions())
+    assert long[RUN_OUTPUT] == 512 * 64 * 2  # a long prompt's runs one at a time: one run's, whatever K
     _, floor_only = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions(envelope=False))
     assert RUN_OUTPUT not in floor_only and floor_only[LOAD_OR_WIDEST] == floor_pass
 
