@@ -780,7 +780,7 @@ class Settings:
 
     @property
     def compiled(self) -> bool:
-        """NxDI's port compiled per layer through build_module (--port nxdi --target neuron)."""
+        """NxDI's port compiled through build_module, one program per layer kind (--port nxdi --target neuron)."""
         return self.port == "nxdi" and self.target_name == "neuron"
 
     @property

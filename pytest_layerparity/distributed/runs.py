@@ -77,7 +77,7 @@ class DistributedRuns:
         self.ranks = ranks or rank_info()
         self.active = settings.mode is not None
         self.neuron = settings.target_name == "neuron"
-        self.compiled = settings.compiled  # NxDI's programs, compiled per layer
+        self.compiled = settings.compiled  # NxDI's programs, compiled once per layer kind
         self.xla = settings.target_name == "xla"
         self.cuda = uses_cuda(settings)
         self.quiet = self.active and self.ranks.torchrun and not self.ranks.reports

@@ -1,5 +1,5 @@
-"""``--port nxdi --target neuron``: each layer of the NxDI port compiled the way NxDI compiles
-a module, then called on host tensors.
+"""``--port nxdi --target neuron``: NxDI's decoder layers compiled the way NxDI compiles a
+module, once per distinct program, then called on host tensors.
 
 The builder is neuronx-distributed-inference's ``utils.testing.build_module`` (or what a
 conftest's ``pytest_layerparity_nxdi_build_module`` returns in its place): NxD's
@@ -11,20 +11,53 @@ in the prompt pass and the token-generation model in a decode step), ``tp_degree
 the trace and destroys both after it: the plugin holds none on this path, and checks after
 each build that none was left behind.
 
-One program per layer and call shape (prompt pass; each decode step, whose past grows by one).
-The checkpoint handed to the builder is layer N's converted, unsharded state dict (what NxDI's
-application class makes of the HF checkpoint); ModelBuilder shards it over the ranks.
+One build per program, as NxDI compiles a model: a program is keyed by what makes programs
+differ (:class:`ProgramKey`): the application, the layer's structure (its per-layer config as
+NxDI serialises it, so sliding and global layers differ where ``get_updated_configs`` makes
+them; the module tree NxDI builds for it, with its parameters' names, shapes and dtypes, so
+dense and MoE layers differ, and its plain attributes, so a layer that keeps its index, as
+Gemma-3's does to scale layer 0's input, gets a program of its own), the model tag and call
+shape, the compiler arguments and the placement. The layer index is not in it. The first
+layer to call a program is compiled with its own converted checkpoint; any other layer of
+the same key has its checkpoint sharded the way NxDI shards on load (``ModelBuilder.
+shard_checkpoint``, which runs on the CPU) and loaded into the built program through NxD's
+weight API (``nxd_model.initialize(sharded, start_rank)``, what NxDI's ``load_weights`` calls
+on the model ModelBuilder built). Each program knows which layer's weights it holds, and
+they are swapped only when another layer calls it.
+
+Decode steps run in a static KV cache, as NxDI's token-generation model does: the past keys
+and values padded to the goldens' prompt + decode tokens, the boolean mask False on the
+padding, the positions as inputs. NxDI's token-generation attention
+(``attention_base.compute_for_token_gen``) sets the scores of masked positions to the dtype's
+minimum before its softmax, so padded positions weigh zero (``tests/nxdi`` checks the padded
+call against the unpadded one in NxD's CPU mode): one token-generation program serves every
+decode step of every layer of a kind.
+
+What a Trainium user saves (measured with the CPU stand-in builder, tests/nxdi): a 6-layer
+Llama with 2 decode steps built 36 programs for its 13 tests (each layer's prompt and each
+decode step, twice: the layer tests, then the whole model), and layer 0 alone built 3; both
+now build 2 (context encoding, token generation). MiniMax-M2's 62 layers (every one MoE with
+full attention: one kind, if its port's layer keeps no index) go from 372 neuronx-cc runs of
+minutes each to 2; a model with K kinds of layer needs 2 x K.
+
+The compile cache (``--compile-cache DIR``) holds one entry per program,
+``DIR/nxdi/<application>/<model tag>-<key>/``: the compiler workdir and the checkpoint the
+program was built with.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import inspect
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -106,10 +139,6 @@ class LayerProgram(torch.nn.Module):
         return (outputs[0],)
 
 
-def _shape_name(tensors: Sequence[torch.Tensor]) -> str:
-    return "_".join("x".join(str(n) for n in t.shape) for t in tensors)
-
-
 def check_nothing_left() -> None:
     """The builder must leave no process group or parallel_state behind (ModelBuilder destroys
     what it set up for the trace; a builder that does not would break the next build)."""
@@ -129,10 +158,120 @@ def check_nothing_left() -> None:
         )
 
 
+#: Module attributes that make two layers' programs differ when they differ (plain values: the
+#: module's own settings, not its tensors or the objects it holds).
+PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+def _shape_name(tensors: Sequence[torch.Tensor]) -> str:
+    return "_".join("x".join(str(n) for n in t.shape) for t in tensors)
+
+
+def _signature(tensors: Sequence[torch.Tensor]) -> list[list[Any]]:
+    return [[list(t.shape), str(t.dtype)] for t in tensors]
+
+
+@contextmanager
+def traced_world(tp_degree: int, logical_nc_config: int) -> Iterator[None]:
+    """The world ModelBuilder traces and shards in (``ModelBuilder.trace``/``shard_checkpoint``:
+    a mocked process group of ``tp_degree`` ranks, ``parallel_state`` for it, modules built on the
+    meta device), set up and destroyed around one use."""
+    from neuronx_distributed.parallel_layers import parallel_state
+    from neuronx_distributed.trace.mock_torchdist import mock_distributed
+    from neuronx_distributed.utils.model_utils import init_on_device
+
+    with mock_distributed(world_size=tp_degree), init_on_device(torch.device("meta"), force_custom_init_on_device=True):
+        torch.distributed.init_process_group(backend="xla", rank=0, world_size=tp_degree)  # the mocked one
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp_degree,
+            pipeline_model_parallel_size=1,
+            expert_model_parallel_size=1,  # build_module's ModelBuilder: moe_ep comes from the neuron config
+            skip_collective_init=True,
+            lnc_size=logical_nc_config,
+        )
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
+def module_structure(module: torch.nn.Module) -> list[Any]:
+    """What of a built module its program depends on besides its weights' values: each
+    submodule's class and plain attributes, and the parameters' and buffers' names, shapes and
+    dtypes."""
+    tree = [
+        [name, type(m).__qualname__, sorted([k, repr(v)] for k, v in vars(m).items() if isinstance(v, PLAIN))]
+        for name, m in module.named_modules()
+    ]
+    tensors = sorted([n, list(t.shape), str(t.dtype)] for n, t in module.state_dict(keep_vars=True).items())
+    return [tree, tensors]
+
+
+@dataclass
+class CompiledLayer:
+    """One decoder layer of the port as the compiled programs see it: how NxDI builds it
+    (``layer_cls``, its per-layer ``config``, ``index``) and its converted, unsharded checkpoint
+    (``state()``, names relative to the layer)."""
+
+    app: type
+    layer_cls: type
+    config: Any
+    index: int
+    state: Callable[[], dict[str, torch.Tensor]]
+    _structure: str | None = None
+    _args: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def init(self) -> dict[str, Any]:
+        return {"layer_cls": self.layer_cls, "config": self.config, "index": self.index}
+
+    def structure(self, tp_degree: int, logical_nc_config: int) -> str:
+        """A digest of the layer's structure: its config as NxDI serialises it and the module
+        NxDI builds from it, built on the meta device as ModelBuilder builds it (once per layer)."""
+        if self._structure is None:
+            with traced_world(tp_degree, logical_nc_config):  # MoE layers read their groups in state_dict()
+                structure = module_structure(LayerProgram(**self.init))
+            check_nothing_left()
+            text = json.dumps([self.config.to_json_string(), structure])
+            self._structure = hashlib.sha256(text.encode()).hexdigest()
+        return self._structure
+
+    def compiler_args(self, tag: str) -> str:
+        if tag not in self._args:
+            self._args[tag] = compiler_args(self.app, self.config, tag)
+        return self._args[tag]
+
+
+@dataclass(frozen=True)
+class ProgramKey:
+    """What makes two programs differ; ``name`` is the program's entry in the compile cache."""
+
+    tag: str
+    digest: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.tag}-{self.digest[:16]}"
+
+
+@dataclass
+class Program:
+    """A built program and the layer whose weights it holds."""
+
+    key: ProgramKey
+    module: Any  # what the builder returned: called with the example's tensors; ``nxd_model`` its weights
+    example: tuple[torch.Tensor, ...]
+    compiler_args: str
+    workdir: Path
+    holds: int
+
+
 @dataclass
 class Compiled:
-    """A program the builder made: which layer and call, with what."""
+    """A program the builder made: its key, the layer it was built with, and with what."""
 
+    key: str
     layer: int
     tag: str
     shapes: str
@@ -142,8 +281,9 @@ class Compiled:
 
 @dataclass
 class CompiledPrograms:
-    """Compiles the programs of one session's layers (``root``: the compile-cache folder, else
-    a temporary one removed at the end) and keeps each for its layer and call shape."""
+    """Compiles the programs of one session's layers, one per :class:`ProgramKey` (``root``:
+    the compile-cache folder, else a temporary one removed at the end), and loads each layer's
+    weights into its program when that layer calls it."""
 
     given_builder: BuildModule | None = None  # None: NxDI's own build_module
     tp_degree: int = 1
@@ -151,6 +291,8 @@ class CompiledPrograms:
     logical_nc_config: int | None = None
     root: Path | None = None
     compiled: list[Compiled] = field(default_factory=list)
+    programs: dict[ProgramKey, Program] = field(default_factory=dict)
+    loads: list[tuple[str, int]] = field(default_factory=list)  # (program, layer) of each weight swap
     _temporary: str | None = None
 
     @property
@@ -165,41 +307,61 @@ class CompiledPrograms:
         name = f"{getattr(builder, '__module__', '?')}.{getattr(builder, '__qualname__', repr(builder))}"
         return f"{name} (a conftest's pytest_layerparity_nxdi_build_module)"
 
-    def folder(self, app: type, index: int) -> Path:
+    @property
+    def lnc(self) -> int:
+        """The logical_nc_config the builder gets (build_module's default where none is given)."""
+        return 1 if self.logical_nc_config is None else self.logical_nc_config
+
+    def folder(self, app: type, key: ProgramKey) -> Path:
         if self.root is None:
             self._temporary = tempfile.mkdtemp(prefix="layerparity-nxdi-")
             self.root = Path(self._temporary)
-        path = self.root / "nxdi" / app.__name__ / f"layer_{index}"
+        path = self.root / "nxdi" / app.__name__ / key.name
         path.mkdir(parents=True, exist_ok=True)
         return path
 
-    def build(
-        self,
-        app: type,
-        layer_cls: type,
-        config: Any,
-        index: int,
-        state: Callable[[], dict[str, torch.Tensor]],
-        example: tuple[torch.Tensor, ...],
-    ) -> Callable[..., Any]:
-        """Layer ``index``'s program for calls shaped like ``example`` (its checkpoint from
-        ``state()``, the converted layer)."""
+    def key(self, layer: CompiledLayer, example: tuple[torch.Tensor, ...]) -> ProgramKey:
+        """The program ``layer`` needs for calls shaped like ``example``: the same for every
+        layer of the same structure."""
+        tag = program_tag(past=len(example) > 3)
+        fields = {
+            "application": f"{layer.app.__module__}.{layer.app.__qualname__}",
+            "layer": layer.structure(self.tp_degree, self.lnc),
+            "call": _signature(example),
+            "compiler_args": layer.compiler_args(tag),
+            "placement": [self.tp_degree, self.ep_degree, self.logical_nc_config],
+        }
+        return ProgramKey(tag, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest())
+
+    def run(self, layer: CompiledLayer, example: tuple[torch.Tensor, ...]) -> Any:
+        """``layer`` called with ``example``: its program (built at the first call of its key),
+        holding its weights."""
+        return self.program(layer, example).module(*example)
+
+    def program(self, layer: CompiledLayer, example: tuple[torch.Tensor, ...]) -> Program:
+        key = self.key(layer, example)
+        program = self.programs.get(key)
+        if program is None:
+            program = self.programs[key] = self.build(layer, key, example)
+        elif program.holds != layer.index:
+            self.load(program, layer)
+        return program
+
+    def build(self, layer: CompiledLayer, key: ProgramKey, example: tuple[torch.Tensor, ...]) -> Program:
+        """The program of ``key``, compiled with ``layer``'s checkpoint."""
         from filelock import FileLock
 
-        tag = program_tag(past=len(example) > 3)
-        args = compiler_args(app, config, tag)
-        folder = self.folder(app, index)
-        workdir = folder / f"{tag}-{_shape_name(example)}"
+        args = layer.compiler_args(key.tag)
+        folder = self.folder(layer.app, key)
+        workdir = folder / "workdir"  # ModelBuilder empties it first: the checkpoint lies beside it
         checkpoint = folder / "checkpoint.pt"
-        init = {"layer_cls": layer_cls, "config": config, "index": index}
-        with FileLock(str(folder) + ".lock"):  # xdist workers may compile the same layer
-            if not self._wrote(index):  # once per process: a file left by another session may be stale
-                self._write_checkpoint(checkpoint, state())
+        with FileLock(str(folder / ".lock")):  # xdist workers may build the same program
+            self._write_checkpoint(checkpoint, layer.state())
             extra = {} if self.logical_nc_config is None else {"logical_nc_config": self.logical_nc_config}
-            program = self.build_module(
+            module = self.build_module(
                 LayerProgram,
                 [example],
-                module_init_kwargs=init,
+                module_init_kwargs=layer.init,
                 tp_degree=self.tp_degree,
                 world_size=self.tp_degree,  # expert parallelism divides these ranks, it adds none
                 local_ranks_size=self.tp_degree,
@@ -209,23 +371,58 @@ class CompiledPrograms:
                 **extra,
             )
         check_nothing_left()
-        self.compiled.append(Compiled(index, tag, _shape_name(example), args, str(workdir)))
-        return program
+        self.compiled.append(Compiled(key.name, layer.index, key.tag, _shape_name(example), args, str(workdir)))
+        return Program(key, module, example, args, workdir, holds=layer.index)
 
-    def _wrote(self, index: int) -> bool:
-        return any(c.layer == index for c in self.compiled)
+    def load(self, program: Program, layer: CompiledLayer) -> None:
+        """``layer``'s weights into ``program`` (built with another layer of its key): sharded as
+        NxDI shards on load, then handed to the program's NxD model as NxDI's ``load_weights``
+        hands them (ranks from 0: one process over the ranks)."""
+        sharded = self.shard(program, layer)
+        program.module.nxd_model.initialize(sharded, torch.tensor([0], dtype=torch.int32))
+        program.holds = layer.index
+        self.loads.append((program.key.name, layer.index))
+
+    def shard(self, program: Program, layer: CompiledLayer) -> list[dict[str, torch.Tensor]]:
+        """``layer``'s converted checkpoint, one state dict per rank, by a ModelBuilder made as
+        ``build_module`` makes it, through its ``shard_checkpoint`` (NxDI's ``load_weights``
+        without a pre-sharded checkpoint)."""
+        from neuronx_distributed.trace import ModelBuilder
+        from neuronx_distributed.trace.model_builder import BaseModelInstance
+
+        state = {f"layer.{k}": v for k, v in layer.state().items()}
+        builder = ModelBuilder(
+            router=None,
+            tp_degree=self.tp_degree,
+            world_size=self.tp_degree,
+            local_ranks_size=self.tp_degree,
+            checkpoint_loader=lambda: state,
+            compiler_workdir=str(program.workdir),
+            logical_nc_config=self.lnc,
+        )
+        builder.add(
+            key=LayerProgram.__name__,
+            model_instance=BaseModelInstance(partial(LayerProgram, **layer.init), input_output_aliases={}),
+            example_inputs=[program.example],
+            compiler_args=program.compiler_args,
+            priority_model_idx=0,  # build_module's default
+        )
+        sharded = builder.shard_checkpoint()
+        check_nothing_left()
+        return sharded
 
     def _write_checkpoint(self, path: Path, state: dict[str, torch.Tensor]) -> None:
-        """Layer ``index``'s converted state under the program's names, written atomically."""
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        torch.save({f"layer.{k}": v for k, v in state.items()}, partial)
-        os.replace(partial, path)
+        """A layer's converted state under the program's names, written atomically."""
+        partial_path = path.with_name(f".{path.name}.{os.getpid()}")
+        torch.save({f"layer.{k}": v for k, v in state.items()}, partial_path)
+        os.replace(partial_path, path)
 
     def describe(self) -> str:
         lnc = "NxDI's default" if self.logical_nc_config is None else str(self.logical_nc_config)
         where = self.root if self._temporary is None and self.root is not None else "a temporary folder"
         return (
-            f"compiled per layer and call shape by {self.builder_name} (tp_degree {self.tp_degree}, "
+            f"compiled once per program (layer kind and call shape; other layers' weights loaded into it) by "
+            f"{self.builder_name} (tp_degree {self.tp_degree}, "
             + (f"moe_ep_degree {self.ep_degree}, " if self.ep_degree > 1 else "")
             + f"logical_nc_config {lnc}; compiler workdirs under {where})"
         )

@@ -20,8 +20,9 @@ its own rotary embedding from them, so the port's RoPE is under test too), and i
 step ``past_key_value=(keys, values)``; the keys and values NxDI returns are appended to the
 cache it was given, where the decode-step test reads them.
 
-Under ``--target neuron`` the same layer is compiled instead (``ports/compiled.py``), and
-:class:`HFCallToProgram` makes the compiled program's positional call of the HF call.
+Under ``--target neuron`` the same layer runs in a compiled program instead, one per layer kind
+and call shape (``ports/compiled.py``), and :class:`HFCallToProgram` makes the program's
+positional call of the HF call, a decode step's past in a static KV cache.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .compiled import make_layer
+from .compiled import CompiledLayer, make_layer
 
 if TYPE_CHECKING:
     from ..reference.model import ModelSource
@@ -457,7 +458,8 @@ class NxdiPort:
 
     def build(self, index: int, dtype: torch.dtype, batch_size: int, seq_len: int) -> torch.nn.Module:
         """Layer ``index`` of the port, weights loaded, in eval mode, wrapped to take the
-        HuggingFace layer's call (under --target neuron: compiled for each call shape at its first call)."""
+        HuggingFace layer's call (under --target neuron: in the compiled program of its kind and
+        call shape, built at the first call of the first layer that needs it)."""
         with nxd_warnings_quiet():
             if self.compiled is not None:
                 return self._build_compiled(index, dtype, batch_size, seq_len)
@@ -469,18 +471,13 @@ class NxdiPort:
         assert compiled is not None
         layer_cls = decoder_layer_class(self.app)
         config = layer_config(layer_cls, self.inference_config(dtype, batch_size, seq_len), index)
-        programs: dict[tuple, Callable[..., Any]] = {}
+        layer = CompiledLayer(self.app, layer_cls, config, index, lambda: self.layer_state(index, config, dtype))
 
-        def program_for(example: tuple[torch.Tensor, ...]) -> Callable[..., Any]:
-            key = tuple((tuple(t.shape), t.dtype) for t in example)
-            if key not in programs:
-                with nxd_warnings_quiet():
-                    programs[key] = compiled.build(
-                        self.app, layer_cls, config, index, lambda: self.layer_state(index, config, dtype), example
-                    )
-            return programs[key]
+        def run(example: tuple[torch.Tensor, ...]) -> Any:
+            with nxd_warnings_quiet():
+                return compiled.run(layer, example)
 
-        return HFCallToProgram(program_for, index)
+        return HFCallToProgram(run, index, kv_length=seq_len)
 
     def _build(self, index: int, dtype: torch.dtype, batch_size: int, seq_len: int) -> torch.nn.Module:
         from neuronx_distributed.trace.trace import get_sharded_checkpoint
@@ -615,19 +612,41 @@ class HFCallToNxDI(HFCall):
 
 
 class HFCallToProgram(HFCall):
-    """The HF call made into the positional call of the layer's compiled program (one program
-    per call shape, from ``program_for(example)``); its routers are inside the program."""
+    """The HF call made into the positional call of the layer's compiled program (``run``
+    finds the program of the call's shape and calls it); its routers are inside the program.
+    A decode step's past comes in a static KV cache of ``kv_length`` positions, as NxDI's
+    token-generation model holds it, so that every step has the same shape."""
 
-    def __init__(self, program_for: Callable[[tuple[torch.Tensor, ...]], Callable[..., Any]], index: int) -> None:
+    def __init__(self, run: Callable[[tuple[torch.Tensor, ...]], Any], index: int, kv_length: int) -> None:
         super().__init__(index)
-        self.program_for = program_for
+        self.run = run
+        self.kv_length = kv_length
 
     def call_layer(
         self, hidden_states: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: tuple | None
     ) -> tuple[torch.Tensor, tuple | None]:
+        if past is not None:
+            mask, past = static_kv_cache(mask, past, self.kv_length)
         example = (hidden_states, mask.contiguous(), position_ids.contiguous(), *(t.contiguous() for t in past or ()))
-        outputs = self.program_for(example)(*example)
+        outputs = self.run(example)
         if isinstance(outputs, torch.Tensor):
             return outputs, None
         outputs = tuple(outputs)
         return outputs[0], (outputs[1], outputs[2]) if len(outputs) >= 3 else None
+
+
+def static_kv_cache(mask: torch.Tensor, past: tuple, length: int) -> tuple[torch.Tensor, tuple]:
+    """A decode step's past keys and values ([batch, heads, positions, dim]) padded with zeros
+    to ``length`` positions, and its boolean mask ([batch, 1, 1, positions]) with False there:
+    NxDI's token-generation attention gives masked positions the dtype's minimum score, so
+    they weigh zero (the new token is attended apart, from its own keys and values)."""
+    held = past[0].shape[-2]
+    if held >= length:
+        raise PortError(
+            f"a decode step's past of {held} tokens does not fit the token-generation program's KV cache of "
+            f"{length} positions (the goldens' prompt + decode tokens)"
+        )
+    extra = length - held
+    padded = tuple(torch.nn.functional.pad(t, (0, 0, 0, extra)) for t in past)
+    room = torch.zeros(*mask.shape[:-1], extra, dtype=torch.bool, device=mask.device)
+    return torch.cat([mask.to(torch.bool), room], dim=-1), padded

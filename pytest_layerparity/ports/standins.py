@@ -9,8 +9,10 @@ a placeholder can be imported, named in an annotation, subclassed, and applied a
 (``@nki.jit``), but calling one on a tensor raises ``NeuronOnlyError`` naming it, so a forward
 that would need the Neuron compiler fails loudly instead of computing something else.
 
-Four values are real, because NxD computes with them while setting up its groups:
-``torch_neuronx.utils.get_platform_target()`` (``NEURON_PLATFORM_TARGET_OVERRIDE``, else
+Five values are real. ``torch_neuronx.__version__`` is a 2.x version marked ``+standin``:
+NxD's ``ModelBuilder``, whose checkpoint sharding (what NxDI does on load) runs on the CPU,
+refuses a torch-neuronx older than 2. Four more because NxD computes with them while setting up
+its groups: ``torch_neuronx.utils.get_platform_target()`` (``NEURON_PLATFORM_TARGET_OVERRIDE``, else
 ``trn1``, the default NxD assumes), the ``torch.classes.neuron`` namespace (named in an
 annotation), ``xla_hlo_call`` for NxDI's layer-boundary markers (an HLO custom call
 that returns its operands: the identity), and ``CollectivesConfig(groups).rank_src_tgt_pairs``
@@ -119,6 +121,7 @@ def xla_hlo_call(fn: Any) -> Any:
 
 
 _REAL_VALUES: dict[str, dict[str, Any]] = {
+    "torch_neuronx": {"__version__": "2.9.0.0.0+standin"},  # torch-xla 2.9's, build 0: a stand-in
     "torch_neuronx.xla_impl.base": {"xla_hlo_call": xla_hlo_call},
     "torch_neuronx.utils": {"get_platform_target": platform_target},
     "torch_neuronx.utils.utils": {

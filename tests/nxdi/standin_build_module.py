@@ -12,10 +12,19 @@ wiring is tested against it:
   group the caller left set up makes it fail the way the real one does (torch refuses a second
   default group);
 - the compiled program: called with tensors of exactly the example's shapes and dtypes (a NEFF
-  takes nothing else), on host tensors, returning a tuple of host tensors.
+  takes nothing else), on host tensors, returning a tuple of host tensors;
+- its weights: NxD's weight API of the model ModelBuilder builds (``trace/spmd.py``: the traced
+  ``NxDModelExecutor``'s ``nxd_model``), ``nxd_model.initialize(sharded_checkpoint,
+  start_rank_tensor)``: a list of one state dict per rank (``local_ranks_size`` of them) and
+  the first rank as a tensor, loaded strictly (a missing or unexpected name, or a shape that
+  differs, is an error), with the build's one exception: a ``rank_util.rank`` the application's
+  converter leaves out (NxD's SPMDRank, which Mixtral's converter gives the model only; at
+  ``tp_degree`` 1 the module's own value is the rank). ModelBuilder's model has no
+  ``replace_weights`` (that is ModelBuilderV2's NxDModel), so neither has this one.
 
 Only ``tp_degree`` 1 is built (NxD's CPU mode in one process). Each build is recorded, one JSON
-line in ``builds.jsonl`` in the working directory: what the plugin passed.
+line in ``builds.jsonl`` in the working directory: what the plugin passed; each weight load one
+line in ``loads.jsonl``: the program's workdir and what was loaded.
 """
 
 from __future__ import annotations
@@ -51,11 +60,42 @@ def world(tp_degree: int):
             os.environ["NXD_CPU_MODE"] = before
 
 
+class StandinNxDModel:
+    """``nxd_model`` of the built program: NxD's ``NxDModel.initialize`` (trace/spmd.py)."""
+
+    def __init__(self, program: StandinProgram, workdir: str) -> None:
+        self.program = program
+        self.workdir = workdir
+
+    def initialize(self, checkpoint: list[dict[str, torch.Tensor]], start_rank_tensor: torch.Tensor) -> None:
+        if not isinstance(start_rank_tensor, torch.Tensor) or start_rank_tensor.numel() != 1:
+            raise TypeError("initialize takes the start rank as a one-element tensor")
+        if not (
+            isinstance(checkpoint, list)
+            and all(isinstance(d, dict) and all(isinstance(t, torch.Tensor) for t in d.values()) for d in checkpoint)
+        ):
+            raise TypeError("initialize takes a list of state dicts (one per rank)")
+        if len(checkpoint) != self.program.tp_degree:
+            raise ValueError(f"initialize: {len(checkpoint)} state dicts for {self.program.tp_degree} ranks")
+        start = int(start_rank_tensor)
+        # one process, one rank: the list's first state dict is rank start's
+        missing, unexpected = self.program.module.load_state_dict(checkpoint[0], strict=False)
+        missing = [k for k in missing if not k.endswith("rank_util.rank")]  # as the build: see build_module
+        if missing or unexpected:
+            raise RuntimeError(f"initialize: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        record = {"workdir": self.workdir, "ranks": len(checkpoint), "start_rank": start, "names": len(checkpoint[0])}
+        with open("loads.jsonl", "a") as sink:
+            sink.write(json.dumps(record) + "\n")
+
+
 class StandinProgram:
-    def __init__(self, module: torch.nn.Module, example: tuple[torch.Tensor, ...], tp_degree: int) -> None:
+    def __init__(
+        self, module: torch.nn.Module, example: tuple[torch.Tensor, ...], tp_degree: int, workdir: str
+    ) -> None:
         self.module = module
         self.signature = [(tuple(t.shape), t.dtype) for t in example]
         self.tp_degree = tp_degree
+        self.nxd_model = StandinNxDModel(self, workdir)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         given = [(tuple(t.shape), t.dtype) for t in inputs]
@@ -122,7 +162,7 @@ def build_module(
     }
     with open("builds.jsonl", "a") as sink:
         sink.write(json.dumps(record) + "\n")
-    return StandinProgram(module.eval(), example_inputs[0], tp_degree)
+    return StandinProgram(module.eval(), example_inputs[0], tp_degree, str(compiler_workdir))
 
 
 def pytest_layerparity_nxdi_build_module(settings: Any):

@@ -8,6 +8,7 @@ one), given through the ``pytest_layerparity_nxdi_build_module`` hook."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ def run(
     *args: str,
     builder: str = STANDIN,
     flags: tuple[str, ...] = ("--port", "nxdi", "--target", "neuron"),
+    model: Path | None = None,
 ) -> pytest.RunResult:
     if builder:
         pytester.makeconftest(builder)
@@ -36,7 +38,7 @@ def run(
         "-p",
         "no:cacheprovider",
         *flags,
-        f"--model={checkpoint(name)}",
+        f"--model={model or checkpoint(name)}",
         f"--golden-dir={golden_dir(name, dtype)}",
         *args,
     )
@@ -46,14 +48,25 @@ def builds(pytester: pytest.Pytester) -> list[dict]:
     return [json.loads(line) for line in (pytester.path / "builds.jsonl").read_text().splitlines()]
 
 
+def loads(pytester: pytest.Pytester) -> list[dict]:
+    path = pytester.path / "loads.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def entries(cache: Path, app: str) -> list[str]:
+    """The compile cache's entries of ``app``: one folder per program."""
+    return sorted(p.name for p in (cache / "nxdi" / app).iterdir())
+
+
 @pytest.mark.parametrize(("name", "dtype"), [("llama", "float32"), ("mixtral", "bfloat16")])
 def test_compiled_port_passes_every_layer_prompt_decode_and_model(pytester, name, dtype):
     result = run(pytester, name, dtype, "--compile-cache=cc")
     result.assert_outcomes(passed=5)
     result.stdout.fnmatch_lines(
         [
-            "layerparity: port NxDI port Neuron*ForCausalLM / Neuron*DecoderLayer (*), compiled per layer and call "
-            "shape by standin_build_module.build_module (a conftest's pytest_layerparity_nxdi_build_module) "
+            "layerparity: port NxDI port Neuron*ForCausalLM / Neuron*DecoderLayer (*), compiled once per program "
+            "(layer kind and call shape; other layers' weights loaded into it) by standin_build_module.build_module "
+            "(a conftest's pytest_layerparity_nxdi_build_module) "
             f"(tp_degree 1, logical_nc_config NxDI's default; compiler workdirs under {pytester.path}/cc)*",
         ]
     )
@@ -61,23 +74,163 @@ def test_compiled_port_passes_every_layer_prompt_decode_and_model(pytester, name
     app = "NeuronLlamaForCausalLM" if name == "llama" else "NeuronMixtralForCausalLM"
     prompt = [b for b in made if len(b["example"]) == 3]
     decode = [b for b in made if len(b["example"]) == 5]
-    assert prompt and decode
+    # both layers, both decode steps and the whole model: one context-encoding and one token-generation program
+    assert len(prompt) == 1 and len(decode) == 1 and len(made) == 2
     for b in made:
         assert b["module"] == "LayerProgram" and b["init"] == ["config", "index", "layer_cls"]
+        assert b["index"] == 0  # built with the first layer that called it
         assert b["tp_degree"] == 1 and b["logical_nc_config"] == 1  # NxDI's default, not passed
-        folder = pytester.path / "cc" / "nxdi" / app / f"layer_{b['index']}"
-        assert Path(b["compiler_workdir"]).parent == folder and b["checkpoint_path"] == str(folder / "checkpoint.pt")
+        folder = Path(b["compiler_workdir"]).parent  # the program's entry
+        assert folder.parent == pytester.path / "cc" / "nxdi" / app
+        assert b["checkpoint_path"] == str(folder / "checkpoint.pt")
         assert "--verify-hlo=true" in b["compiler_args"]
         hidden, mask, positions = b["example"][:3]
         assert mask[1] == "torch.bool" and positions[1] == "torch.int64" and hidden[1] == f"torch.{dtype}"
-    for b in decode:
-        assert b["example"][0][0][1] == 1 and b["example"][1][0][2:] == [1, b["example"][3][0][2]]  # one token; past
+    (step,) = decode
+    past = step["example"][3][0]
+    # one token, its past in a static KV cache of the goldens' prompt + decode tokens (32 + 2)
+    assert step["example"][0][0][1] == 1 and past[2] == 34 and step["example"][1][0] == [1, 1, 1, 34]
+    assert Path(prompt[0]["compiler_workdir"]).parent.name.startswith("context_encoding_model-")
+    assert Path(step["compiler_workdir"]).parent.name.startswith("token_generation_model-")
     if name == "mixtral":  # the application's own arguments
         assert all("--enable-mixed-precision-accumulation" in b["compiler_args"] for b in made)
     else:  # NxDI's defaults per model: context encoding -O1, token generation -O2
-        assert all(" -O1 " in b["compiler_args"] for b in prompt) and all(" -O2 " in b["compiler_args"] for b in decode)
-    # each program once per layer and shape in a process; the compiler workdirs are kept under --compile-cache
+        assert " -O1 " in prompt[0]["compiler_args"] and " -O2 " in step["compiler_args"]
+    # the compile cache: one entry per program, each with its compiler workdir
+    assert entries(pytester.path / "cc", app) == sorted(Path(b["compiler_workdir"]).parent.name for b in made)
     assert all((Path(b["compiler_workdir"]) / "compiler_args.txt").exists() for b in made)
+    # layer 1's weights swapped in where layer 0's were held: once per pass that moves between the layers
+    # (prompt test 1, decode test 1 for both of its steps, whole model: prompt 2, each decode token 2)
+    assert len(loads(pytester)) == 8
+    assert {x["workdir"] for x in loads(pytester)} == {b["compiler_workdir"] for b in made}
+
+
+def test_six_layers_and_two_decode_steps_build_two_programs_for_all_their_tests(pytester):
+    """The measured case of ``bench/bench_compile_once.py``: 13 tests (6 layers' prompt, their
+    decode steps, the whole model) built 36 programs when each layer and call shape had its own."""
+    result = run(pytester, "llama6", "float32", "--compile-cache=cc")
+    result.assert_outcomes(passed=13)
+    made = builds(pytester)
+    assert sorted(len(b["example"]) for b in made) == [3, 5]  # context encoding, token generation
+    assert entries(pytester.path / "cc", "NeuronLlamaForCausalLM") == sorted(
+        Path(b["compiler_workdir"]).parent.name for b in made
+    )
+    # built with layer 0; layers 1-5 loaded in the layer tests (once each per program), then each of the
+    # whole model's 3 passes loads all 6 (the program held layer 5 from the test before)
+    assert len(loads(pytester)) == 5 + 5 + 3 * 6
+    assert all(x["ranks"] == 1 and x["start_rank"] == 0 for x in loads(pytester))
+
+
+def test_a_bug_planted_in_one_layers_weights_fails_that_layer_alone(pytester):
+    """Every layer runs with its own weights in the shared program: layer 3's down projection
+    scaled by 1.5 in a copy of the checkpoint fails layer 3's prompt and decode tests and the
+    whole model, and nothing else (had layer 3 run with another layer's weights, it would pass
+    and that layer's would fail)."""
+    from safetensors.torch import load_file, save_file
+
+    model = pytester.path / "planted"
+    shutil.copytree(checkpoint("llama6"), model)
+    name = "model.layers.3.mlp.down_proj.weight"
+    index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+    shard = model / index[name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, shard, metadata={"format": "pt"})
+    result = run(pytester, "llama6", "float32", "-rf", model=model)
+    result.assert_outcomes(passed=10, failed=3)
+    failed = sorted(line.split()[1] for line in result.stdout.lines if line.startswith("FAILED "))
+    assert failed == [
+        "layerparity::test_layer_decode_parity[layer_3]",
+        "layerparity::test_layer_parity[layer_3]",
+        "layerparity::test_model_parity",
+    ]
+    assert len(builds(pytester)) == 2
+
+
+TWO_KINDS = """
+import copy
+
+from neuronx_distributed_inference.models.llama import modeling_llama as llama
+
+WINDOW = 33  # covers the goldens' 32-token prompt and its past: the windowed layers compute what global ones do
+
+
+class TwoKindsDecoderLayer(llama.NeuronLlamaDecoderLayer):
+    pass
+
+
+class TwoKindsModel(llama.NeuronLlamaModel):
+    pass
+
+
+class TwoKindsForCausalLM(llama.NeuronLlamaForCausalLM):
+    _model_cls = TwoKindsModel
+
+
+def get_updated_configs(config):
+    # even layers slide, odd ones are global (as Gemma-3's get_updated_configs makes its kinds)
+    configs = [copy.deepcopy(c) for c in llama.get_updated_configs(config)]
+    for i, c in enumerate(configs):
+        c.sliding_window = WINDOW if i % 2 == 0 else None
+    return configs
+"""
+
+
+def test_two_layer_kinds_make_one_program_per_kind_and_call(pytester):
+    """NxDI's per-layer configs (``get_updated_configs``) make two kinds of layer, windowed and
+    global attention: one program per kind and model tag, each shared by its three layers."""
+    pytester.makepyfile(two_kinds=TWO_KINDS)
+    result = run(pytester, "llama6", "float32", "--nxdi-app=two_kinds:TwoKindsForCausalLM", "--compile-cache=cc")
+    result.assert_outcomes(passed=13)
+    made = builds(pytester)
+    assert sorted((len(b["example"]), b["index"]) for b in made) == [(3, 0), (3, 1), (5, 0), (5, 1)]
+    assert len(entries(pytester.path / "cc", "TwoKindsForCausalLM")) == 4
+    # each kind's program built with its first layer and loaded with its two others, in every pass
+    assert len(loads(pytester)) == 2 * 2 + 2 * 2 + 3 * 6
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [("llama", torch.float32), ("mixtral", torch.bfloat16), ("mistral", torch.float32), ("qwen3_moe", torch.float32)],
+)
+def test_a_decode_step_in_the_static_kv_cache_computes_what_the_unpadded_one_does(name, dtype):
+    """What the token-generation program relies on, in NxD's CPU mode, uncompiled: NxDI's layer
+    given its past padded to the KV cache's length (garbage in the padding, masked out) returns
+    the unpadded call's output and new keys and values, to float rounding (measured: float32
+    within 1e-6, bfloat16 equal)."""
+    from pytest_layerparity.ports.nxdi import NxdiPort, nxd_warnings_quiet, static_kv_cache
+    from pytest_layerparity.reference.model import ModelSource
+
+    torch.manual_seed(0)
+    port = NxdiPort(lambda: ModelSource(checkpoint(name)))
+    try:
+        layer = port.build(1, dtype, 1, 34).layer
+        for held in (1, 16, 32, 33):
+            hidden = torch.randn(1, 1, 64, dtype=dtype)
+            past = tuple(torch.randn(1, 2, held, 16, dtype=dtype) for _ in range(2))
+            mask = torch.ones(1, 1, 1, held, dtype=torch.bool)
+            positions = torch.tensor([[held]])
+            padded_mask, padded = static_kv_cache(mask, past, 34)
+            assert padded_mask.shape == (1, 1, 1, 34) and not padded_mask[..., held:].any()
+            for t in padded:
+                t[:, :, held:] = 1e3 * torch.randn_like(t[:, :, held:])  # what is masked must not matter
+            with torch.no_grad(), nxd_warnings_quiet():  # NxDI's own deprecation notices
+                want = layer(hidden, attention_mask=mask, position_ids=positions, past_key_value=past)
+                got = layer(hidden, attention_mask=padded_mask, position_ids=positions, past_key_value=padded)
+            tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+            torch.testing.assert_close(got[0], want[0], **tol)
+            for g, w in zip(got[1], want[1], strict=True):
+                torch.testing.assert_close(g, w, rtol=0, atol=0)  # the new token's keys and values
+    finally:
+        port.stop()
+
+
+def test_a_past_longer_than_the_kv_cache_is_refused():
+    from pytest_layerparity.ports.nxdi import PortError, static_kv_cache
+
+    past = (torch.zeros(1, 2, 34, 16), torch.zeros(1, 2, 34, 16))
+    with pytest.raises(PortError, match="past of 34 tokens does not fit the token-generation program's KV cache of 34"):
+        static_kv_cache(torch.ones(1, 1, 1, 34, dtype=torch.bool), past, 34)
 
 
 def test_compiled_qwen3_moe_port_fails_on_the_unnormalised_checkpoint(pytester):
@@ -92,7 +245,7 @@ def test_compiled_qwen3_moe_port_fails_on_the_unnormalised_checkpoint(pytester):
         flags=("--neuron",),
     )
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["layerparity: port NxDI port NeuronQwen3MoeForCausalLM *, compiled per layer*"])
+    result.stdout.fnmatch_lines(["layerparity: port NxDI port NeuronQwen3MoeForCausalLM *, compiled once per program*"])
     result.stdout.fnmatch_lines(
         [
             "*op compare: not available for a compiled program (its ops are inside one NEFF); compare the port's "
@@ -165,3 +318,55 @@ def test_expert_parallelism_reaches_the_neuron_config_and_is_refused_on_the_cpu(
     compiled.assert_outcomes(passed=1)
     (made,) = builds(pytester)
     assert (made["world_size"], made["local_ranks_size"]) == (1, 1)
+
+
+def test_a_layer_that_keeps_its_index_gets_a_program_of_its_own():
+    """NxDI's Gemma-3 layer keeps its index (layer 0 scales its input, ``modeling_gemma3.py``):
+    no two of its layers share a program, though layers 1-4 slide alike (``get_updated_configs``:
+    every sixth layer is global)."""
+    from types import SimpleNamespace
+
+    from pytest_layerparity.ports.compiled import CompiledLayer, CompiledPrograms
+    from pytest_layerparity.ports.nxdi import NxdiPort, decoder_layer_class, layer_config, nxd_warnings_quiet
+
+    fields = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2}
+    text = {"model_type": "gemma3_text", "num_hidden_layers": 6, "head_dim": 16, "vocab_size": 256, **fields}
+    text.update(sliding_window=16, max_position_embeddings=512, query_pre_attn_scalar=16)
+    spec = "neuronx_distributed_inference.models.gemma3.modeling_gemma3:NeuronGemma3ForCausalLM"
+    port = NxdiPort(lambda: SimpleNamespace(config_json=text), spec, CompiledPrograms())
+    layer_cls = decoder_layer_class(port.app)
+    with nxd_warnings_quiet():
+        config = port.inference_config(torch.float32, 1, 34)
+        configs = [layer_config(layer_cls, config, i) for i in range(6)]
+        structures = [CompiledLayer(port.app, layer_cls, c, i, dict).structure(1, 1) for i, c in enumerate(configs)]
+    assert [c.sliding_window for c in configs] == [16, 16, 16, 16, 16, None]
+    assert len(set(structures)) == 6
+
+
+def test_the_standin_loads_weights_strictly(tmp_path, monkeypatch):
+    """The stand-in's ``nxd_model.initialize`` (NxD's weight API of a built model): one state
+    dict per rank, every name the program has and no other, each of its shape."""
+    from standin_build_module import StandinProgram
+
+    monkeypatch.chdir(tmp_path)  # where it records its loads
+
+    class Program(torch.nn.Module):  # a program's module: tensors in, a tuple of tensors out
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2, bias=False)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+            return (self.proj(x),)
+
+    program = StandinProgram(Program(), (torch.zeros(1, 2),), 1, "w")
+    start = torch.tensor([0], dtype=torch.int32)
+    program.nxd_model.initialize([{"proj.weight": 2 * torch.eye(2)}], start)
+    assert torch.equal(program(torch.tensor([[1.0, 2.0]]))[0], torch.tensor([[2.0, 4.0]]))
+    with pytest.raises(RuntimeError, match=r"missing \['proj.weight'\], unexpected \['proj.bias'\]"):
+        program.nxd_model.initialize([{"proj.bias": torch.zeros(2)}], start)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        program.nxd_model.initialize([{"proj.weight": torch.eye(3)}], start)
+    with pytest.raises(ValueError, match="2 state dicts for 1 ranks"):
+        program.nxd_model.initialize([{"proj.weight": torch.eye(2)}] * 2, start)
+    assert not hasattr(program.nxd_model, "replace_weights")  # ModelBuilderV2's API, not build_module's model's
+    assert len((tmp_path / "loads.jsonl").read_text().splitlines()) == 1  # the one that loaded
