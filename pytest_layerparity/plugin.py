@@ -175,6 +175,13 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
     return session
 
 
+def skip_reason(report: pytest.TestReport) -> str:
+    """What a skipped test's skip said (a test that judged nothing says why), else ''."""
+    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    return ""
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     regeneration = session.config.stash.get(REGEN_KEY, None)
     if regeneration is None:
@@ -357,7 +364,7 @@ class LayerParityReporter:
                     "layers": props.get("layers", report.nodeid.rsplit("[", 1)[-1].rstrip("]").split("_", 1)[-1]),
                     "verdict": verdict,
                     "metrics": reported_metrics(props),
-                    "message": report.longreprtext if report.failed else "",
+                    "message": report.longreprtext if report.failed else skip_reason(report),
                     "properties": {k: v for k, v in props.items() if "." in k},
                     "placement": props.get("placement"),
                 }

@@ -43,10 +43,31 @@ class LayerOutcome:
     tolerance: dict[str, float] = field(default_factory=dict)
     envelope: EnvelopeLimits | None = None  # the limits the noise policy drew from the golden's envelope
     tainted_tokens: list[int] = field(default_factory=list)  # left out after an earlier near-tie flip (chains)
+    judged_tokens: int | None = None  # tokens the verdict's statistics kept (None: all of them)
 
     @property
     def passed(self) -> bool:
         return all(check.ok for check in self.checks)
+
+    @property
+    def judged_nothing(self) -> bool:
+        """Every token was left out of the verdict (each routed apart from the golden on a
+        near tie, or followed such a flip in a chain): its checks held nothing."""
+        return self.judged_tokens == 0
+
+    def unjudged_reason(self, what: str) -> str:
+        """Why nothing of ``what`` (e.g. "layer 3, decode step 0") was judged."""
+        routers = sorted({r.router for r in self.routing if r.near_tie_tokens})
+        why = (
+            f"routed to other experts than the golden's on a near tie ({', '.join(routers)})"
+            if routers
+            else "followed a near-tie routing flip in an earlier layer of the chain"
+        )
+        rows = math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
+        return (
+            f"{what}: not judged: every one of its {rows} token(s) {why}, which the verdict leaves out as "
+            "legitimate; --strict-routing judges them"
+        )
 
 
 def dtype_name(tensor: torch.Tensor) -> str:
@@ -117,6 +138,7 @@ def judge(
         tolerance=min_passing_tolerance(g_cmp, t_cmp),
         envelope=limits,
         tainted_tokens=tainted,
+        judged_tokens=int(keep.sum()) if keep is not None else None,
     )
 
 

@@ -191,7 +191,7 @@ def write_report_html(
     for entry in entries:
         metrics = entry.get("metrics") or {}
         cells = "".join(f"<td>{html.escape(_cell(metrics.get(c)))}</td>" for c in CSV_COLUMNS[3:])
-        cls = {"pass": "pass", "written": "pass"}.get(entry["verdict"], "fail")
+        cls = {"pass": "pass", "written": "pass", "skipped": "skip"}.get(entry["verdict"], "fail")
         message = html.escape(entry.get("message") or "")
         detail = (
             f"<tr class='detail'><td colspan='{len(CSV_COLUMNS)}'><pre>{message}</pre></td></tr>" if message else ""
@@ -225,6 +225,7 @@ th, td {{ border: 1px solid #ccc; padding: 3px 6px; text-align: right; }}
 th {{ background: #eee; }} td:first-child {{ text-align: left; }}
 tr.pass td:nth-child(3) {{ color: #2e7d32; font-weight: bold; }}
 tr.fail td:nth-child(3) {{ color: #c62828; font-weight: bold; }}
+tr.skip td:nth-child(3) {{ color: #6d6d6d; font-weight: bold; }}
 tr.detail pre {{ text-align: left; margin: 0; font-size: 11px; white-space: pre-wrap; }}
 .bad {{ color: #c62828; font-weight: bold; }} .good {{ color: #2e7d32; font-weight: bold; }}
 </style></head><body>

@@ -142,6 +142,8 @@ def summary_lines(entries: list[dict[str, Any]]) -> list[str]:
         model = model_summary(metrics)
         if model is not None:
             lines.append(f"  {model}")
+        if entry["verdict"] == "skipped" and entry.get("message"):
+            lines.append(f"  {entry['message']}")
     first_fail = first_failing(entries)
     if first_fail is not None:
         lines.append(f"first failing: {first_fail['nodeid'].split('::')[-1]} (layers {first_fail['layers']})")

@@ -32,9 +32,10 @@ def suite_modules(settings: Settings, has_ranges: bool, has_decode: bool = False
     return [f"{__name__}.{name}" for name in names]
 
 
-def record_outcome(record, layers: str, passed: bool, props) -> None:
-    """Record a test's layers, verdict and (name, value) properties."""
+def record_outcome(record, layers: str, passed: bool, props, judged: bool = True) -> None:
+    """Record a test's layers, verdict (``skipped`` where nothing was ``judged``) and
+    (name, value) properties."""
     record("layers", layers)
-    record("verdict", "pass" if passed else "fail")
+    record("verdict", "skipped" if not judged else "pass" if passed else "fail")
     for name, value in props:
         record(name, value)

@@ -25,13 +25,22 @@ def pytest_configure(config: pytest.Config) -> None:
     """Import what the plugin imports lazily, once, before any in-process pytester run:
     pytester restores sys.modules after each inner run, and torch refuses to register its
     operators a second time when a module is imported again."""
+    from pytest_layerparity.options import read_settings
+
+    if read_settings(config).mode is not None:
+        return  # the plugin's own run (the README's main job in this folder): nothing of the suite's
     import torch
     import torch.distributed._functional_collectives
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     import pytest_layerparity.session  # noqa: F401
     from pytest_layerparity.reference import extract, model  # noqa: F401
     from pytest_layerparity.target import runner  # noqa: F401
 
-    AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL))
+    hf_logging.disable_progress_bar()
+    try:
+        AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL))
+    finally:
+        hf_logging.enable_progress_bar()
     model.build_skeleton(model.load_hf_config(DEFAULT_MODEL), torch.float32)

@@ -449,3 +449,33 @@ def test_a_sparse_attention_indexer_is_recorded_one_row_per_query():
     assert sink["routing.indexer.indices"].shape == (10, 2)
     assert torch.equal(sink["routing.indexer.indices"], chosen.reshape(10, 2))
     assert sink["routing.indexer.scores"].shape == (10, 5)
+
+
+def test_a_call_whose_every_token_routed_apart_on_a_near_tie_is_judged_nothing_and_says_so():
+    """A decode step's one token routed to other experts on a near tie: the verdict leaves it
+    out, which leaves nothing to judge: the outcome says so rather than passing on nothing."""
+    from pytest_layerparity.compare.routing import RoutingAgreement
+
+    x, ref, golden = layer_like(tokens=1)
+    tie = RoutingAgreement("mlp.gate", 1, 0.0, 1, 1, (0,), (0,))
+    settings = make_settings()
+    outcome = judge(3, golden, golden + 0.3, settings, "float32", reference=ref, hidden_in=x, routing=[tie])
+    assert outcome.judged_nothing and outcome.judged_tokens == 0
+    assert outcome.unjudged_reason("layer 3, decode step 0") == (
+        "layer 3, decode step 0: not judged: every one of its 1 token(s) routed to other experts than the golden's "
+        "on a near tie (mlp.gate), which the verdict leaves out as legitimate; --strict-routing judges them"
+    )
+    strict = judge(
+        3,
+        golden,
+        golden + 0.3,
+        make_settings(strict_routing=True),
+        "float32",
+        reference=ref,
+        hidden_in=x,
+        routing=[tie],
+    )
+    assert not strict.judged_nothing and not strict.passed  # judged, and far off
+    _, _, many = layer_like()
+    whole = judge(3, many, many, settings, "float32")  # no routing: every token judged
+    assert not whole.judged_nothing and whole.judged_tokens is None

@@ -139,6 +139,20 @@ def test_summary_lines():
     assert summary_lines([]) == []
 
 
+def test_a_test_that_judged_nothing_is_counted_as_skipped_with_its_reason():
+    skipped = {
+        "nodeid": "layerparity::test_layer_decode_parity[layer_3]",
+        "layers": "3",
+        "verdict": "skipped",
+        "metrics": {},
+        "message": "layer 3, decode step 0: not judged: every one of its 1 token(s) routed ...",
+    }
+    lines = summary_lines([skipped])
+    assert lines[1].split()[:2] == ["test_layer_decode_parity[layer_3]", "skipped"]
+    assert lines[2] == "  layer 3, decode step 0: not judged: every one of its 1 token(s) routed ..."
+    assert not any(line.startswith("first failing") for line in lines)
+
+
 def test_the_whole_model_row_is_followed_by_its_own_metrics():
     model = {
         "nodeid": "layerparity::test_model_parity",
