@@ -1,5 +1,6 @@
-"""The project's own tests: ``unit/`` (pure modules, no model, seconds) and ``e2e/`` (the
-plugin as a user runs it, on the embedded model and torch-xla's CPU device)."""
+"""The project's own tests: ``unit/`` (the modules in this process: no subprocess, no checkpoint
+written; seconds) and ``e2e/`` (the plugin as a user runs it, on the embedded model and
+torch-xla's CPU device, and what needs a process of its own or a checkpoint written for it)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """End-to-end tests: the plugin run as a user runs it (pytester), on the embedded default
-model and torch-xla's CPU device."""
+model and torch-xla's CPU device, and the slower checks of its parts: in a process of their
+own, or on a checkpoint written for them."""
 
 from __future__ import annotations
 
