@@ -127,7 +127,12 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
     """The session, with everything that can be refused before a test runs checked."""
     from .reference.inputs import check_prompt
     from .reference.model import ModelError
-    from .reference.support import check_attention_mode, check_checkpoint_names, check_decode_cache
+    from .reference.support import (
+        check_attention_mode,
+        check_checkpoint_names,
+        check_decode_cache,
+        check_recurrent_depth,
+    )
     from .report.progress import for_pytest
     from .selection import SelectionError
     from .session import LayerParitySession
@@ -154,6 +159,7 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
             check_checkpoint_names(session.model, session.selected_layers)
             check_attention_mode(session.model, settings.seq_len)
         if settings.mode in ("extract", "verify"):
+            check_recurrent_depth(session.model, session.selected_layers)
             check_decode_cache(session.model, session.selected_layers, settings.decode_steps)
         if settings.mode == "extract":
             check_prompt(settings, session.model.model_dir)

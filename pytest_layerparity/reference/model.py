@@ -737,6 +737,15 @@ class ModelSource:
         return find_layer_list(skeleton, layer_count_from_config(self.config_json), self.layer_module)
 
     @cached_property
+    def layer_owner(self) -> torch.nn.Module:
+        """The module the decoder-layer list belongs to (whose forward runs the layers), of a
+        skeleton."""
+        import torch
+
+        skeleton = next(iter(self._skeletons.values()), None) or self.skeleton(torch.float32)
+        return skeleton.get_submodule(self.layer_list[0].rpartition(".")[0])
+
+    @cached_property
     def cache_argument(self) -> str | None:
         """The name the model's decoder layers take their KV cache by in the installed
         transformers (``cache`` from 5.24, ``past_key_values`` before): a call is replayed

@@ -3,7 +3,7 @@ work is done: a refusal names the reason and the way round it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..store.callspec import UnstorableCache, check_storable
 from .model import ModelError
@@ -86,3 +86,182 @@ def check_attention_mode(model: ModelSource, seq_len: int) -> None:
         "keeps block-sparse attention, so it would not compute what the model's layer did; test a copy of the "
         'checkpoint whose config.json says "attention_type": "original_full" (what the model runs a short prompt with)'
     )
+
+
+def check_recurrent_depth(model: ModelSource, layers: list[int]) -> None:
+    """Refuse selected layers the model runs more than once in one forward pass (a
+    recurrent-depth model: its forward loops over a stretch of its layers several times), read
+    from the forward of the module that holds the layer list: a loop over that list inside
+    another loop. Each run is another computation on another input and cache entry, and a
+    golden holds one call per layer. The layers it runs once are named for ``--layers``. The
+    recording still refuses a layer that runs twice where the code does not show it."""
+    path, found = model.layer_list
+    attribute = path.rpartition(".")[2]
+    found_loop = repeated_layers(model.layer_owner, attribute, len(found))
+    if found_loop is None:
+        return
+    looped, loop = found_loop
+    if not set(layers) & looped:
+        return
+    once = [i for i in range(len(found)) if i not in looped]
+    ran = "--layers " + layer_spec(once) if once else None
+    one = len(looped) == 1
+    which = f"layer{'' if one else 's'} {layer_spec(sorted(looped))}"
+    raise ModelError(
+        f"{model_class_name(model)} runs decoder {which} of {path} more than once in one forward pass: "
+        f"{type(model.layer_owner).__name__}.forward calls {'it' if one else 'them'} inside the loop `{loop}` (a "
+        "recurrent-depth model); each run is another computation on another input and cache entry, and a golden "
+        "holds one call per layer; "
+        + (f"test the layers it runs once with {ran}" if ran else "no layer runs once: this model is not supported")
+    )
+
+
+def layer_spec(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5`` (what ``--layers`` reads)."""
+    from ..selection import contiguous_runs
+
+    return ",".join(str(r.first) if r.first == r.last else f"{r.first}-{r.last}" for r in contiguous_runs(layers))
+
+
+class _Unknown(Exception):
+    """A value the source does not give without running the model."""
+
+
+def repeated_layers(owner: Any, attribute: str, count: int) -> tuple[set[int], str] | None:
+    """Which of the ``count`` layers in ``owner.<attribute>`` its ``forward`` iterates over
+    inside another ``for`` loop, with that outer loop's header; None where it does not (or its
+    source cannot be read). The slice of the list is read from the forward's own assignments
+    and ``self``'s attributes (``self.layers[start:end]`` with ``start = self.config.n_input_layers``);
+    every layer where it cannot be."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(owner).forward)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    function = next((n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if function is None:
+        return None
+    assigned: dict[str, list[ast.expr]] = {}
+    for node in _own_nodes(function):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            assigned.setdefault(node.targets[0].id, []).append(node.value)
+    names = {name: values[0] for name, values in assigned.items() if len(values) == 1}
+    for outer, inner in _nested_loops(function):
+        listed = _layer_list_use(inner.iter, attribute)
+        if listed is None:
+            continue
+        header = f"for {ast.unparse(outer.target)} in {ast.unparse(outer.iter)}"
+        try:
+            bounds = slice(*(_value(part, names, owner) if part is not None else None for part in listed))
+            looped = set(range(count)[bounds])
+        except (_Unknown, TypeError, ValueError):
+            looped = set(range(count))
+        return looped, header
+    return None
+
+
+def _own_nodes(function: Any) -> Any:
+    """The nodes of ``function``'s body, not those of functions defined in it."""
+    import ast
+
+    stack = list(ast.iter_child_nodes(function))
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _nested_loops(function: Any) -> Any:
+    """(outer, inner) for each ``for`` loop of ``function`` inside another of its ``for`` loops."""
+    import ast
+
+    def visit(node: Any, enclosing: Any) -> Any:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+                continue
+            if isinstance(child, (ast.For, ast.AsyncFor)):
+                if enclosing is not None:
+                    yield enclosing, child
+                yield from visit(child, enclosing if enclosing is not None else child)
+            else:
+                yield from visit(child, enclosing)
+
+    yield from visit(function, None)
+
+
+def _layer_list_use(node: Any, attribute: str) -> tuple[Any, Any, Any] | None:
+    """(lower, upper, step) of the slice of ``self.<attribute>`` a loop header iterates over
+    (all None for the whole list), or None where it does not use that list."""
+    import ast
+
+    for found in ast.walk(node):
+        if isinstance(found, ast.Subscript) and _is_list(found.value, attribute):
+            part = found.slice
+            if isinstance(part, ast.Slice):
+                return part.lower, part.upper, part.step
+            return None if isinstance(part, ast.Constant) else (None, None, None)
+        if _is_list(found, attribute):
+            return None, None, None
+    return None
+
+
+def _is_list(node: Any, attribute: str) -> bool:
+    import ast
+
+    return (
+        isinstance(node, ast.Attribute)
+        and node.attr == attribute
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+    )
+
+
+def _value(node: Any, names: dict[str, Any], owner: Any, depth: int = 0) -> Any:
+    """An expression of the forward evaluated from constants, ``self``'s attributes and the
+    forward's single assignments; _Unknown where it needs more (an input, a call)."""
+    import ast
+    import operator
+
+    operators = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+    if depth > 20:
+        raise _Unknown
+    if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id == "self":
+            return owner
+        if node.id not in names:
+            raise _Unknown
+        return _value(names[node.id], names, owner, depth + 1)
+    if isinstance(node, ast.Attribute):
+        try:
+            return getattr(_value(node.value, names, owner, depth + 1), node.attr)
+        except AttributeError:
+            raise _Unknown from None
+    if isinstance(node, ast.BinOp) and type(node.op) in operators:
+        left, right = _value(node.left, names, owner, depth + 1), _value(node.right, names, owner, depth + 1)
+        if not isinstance(left, int) or not isinstance(right, int):
+            raise _Unknown
+        return operators[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        value = _value(node.operand, names, owner, depth + 1)
+        if not isinstance(value, int):
+            raise _Unknown
+        return -value
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "len"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
+        try:
+            return len(_value(node.args[0], names, owner, depth + 1))
+        except TypeError:
+            raise _Unknown from None
+    raise _Unknown

@@ -122,3 +122,141 @@ def test_a_model_that_switches_its_layers_attention_by_length_is_refused_naming_
     with pytest.raises(ModelError, match=r"for each decode step \(one token\)"):
         check_attention_mode(model, 512)
     check_attention_mode(_model("big_bird", attention_type="original_full"), 32)
+
+
+class _Looped:
+    """A model body that runs its middle layers ``passes`` times (a recurrent-depth model)."""
+
+    def __init__(self, config):
+        import torch
+
+        self.config = config
+        self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(5))
+
+    def forward(self, hidden_states):
+        start = self.config.n_input_layers
+        end = start + self.config.n_recurrent_layers
+        for layer in self.layers[:start]:
+            hidden_states = layer(hidden_states)
+        for _ in range(self.config.passes):
+            for layer in self.layers[start:end]:
+                hidden_states = layer(hidden_states)
+        for layer in self.layers[end:]:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+
+
+class _Once:
+    """Each layer once, the sequence cut into chunks where it is long (xLSTM's forward): the
+    ``while`` depends on the input, not on the model."""
+
+    def __init__(self):
+        import torch
+
+        self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(3))
+
+    def forward(self, hidden_states, chunk=None):
+        for step in range(1):
+            hidden_states = hidden_states + step
+        offset = 0
+        while chunk is not None and offset < hidden_states.shape[1]:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states)
+            offset += chunk
+        for layer in self.layers[: len(self.layers)]:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+
+
+class _LoopedByInput:
+    """Loops over layers ``first`` to ``last``, given with the input: not known from the model."""
+
+    def __init__(self):
+        import torch
+
+        self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(3))
+
+    def forward(self, hidden_states, first=0, last=3):
+        for _ in range(2):
+            for layer in self.layers[first:last]:
+                hidden_states = layer(hidden_states)
+        return hidden_states
+
+
+def _looped_model(owner, name: str):
+    return SimpleNamespace(
+        layer_list=("model.layers", owner.layers), layer_owner=owner, config_json={"architectures": [name]}
+    )
+
+
+def test_layers_a_model_runs_more_than_once_are_refused_up_front_naming_those_run_once():
+    from pytest_layerparity.reference.support import check_recurrent_depth
+
+    config = SimpleNamespace(n_input_layers=1, n_recurrent_layers=2, passes=3)
+    model = _looped_model(_Looped(config), "LoopedForCausalLM")
+    with pytest.raises(ModelError) as excinfo:
+        check_recurrent_depth(model, [0, 1, 2, 3, 4])
+    assert str(excinfo.value) == (
+        "LoopedForCausalLM runs decoder layers 1-2 of model.layers more than once in one forward pass: "
+        "_Looped.forward calls them inside the loop `for _ in range(self.config.passes)` (a recurrent-depth model); "
+        "each run is another computation on another input and cache entry, and a golden holds one call per layer; "
+        "test the layers it runs once with --layers 0,3-4"
+    )
+    with pytest.raises(ModelError, match=r"runs decoder layers 1-2 of model\.layers"):
+        check_recurrent_depth(model, [2])
+    check_recurrent_depth(model, [0, 3, 4])  # the layers it runs once
+    config.n_recurrent_layers = 1  # read from the model as it is configured
+    with pytest.raises(ModelError, match=r"runs decoder layer 1 of model\.layers .* --layers 0,2-4$"):
+        check_recurrent_depth(model, [0, 1])
+    check_recurrent_depth(model, [2])
+
+
+def test_a_model_that_runs_each_layer_once_is_taken():
+    from pytest_layerparity.reference.support import check_recurrent_depth
+
+    check_recurrent_depth(_looped_model(_Once(), "OnceForCausalLM"), [0, 1, 2])
+
+
+def test_a_loop_whose_layers_the_code_does_not_fix_refuses_every_layer():
+    from pytest_layerparity.reference.support import check_recurrent_depth
+
+    with pytest.raises(ModelError) as excinfo:
+        check_recurrent_depth(_looped_model(_LoopedByInput(), "ByInputForCausalLM"), [0])
+    assert str(excinfo.value).endswith(
+        "runs decoder layers 0-2 of model.layers more than once in one forward pass: _LoopedByInput.forward calls "
+        "them inside the loop `for _ in range(2)` (a recurrent-depth model); each run is another computation on "
+        "another input and cache entry, and a golden holds one call per layer; no layer runs once: this model is "
+        "not supported"
+    )
+
+
+@pytest.mark.parametrize(("model_type", "looped", "once"), [("dory", "1", "0,2"), ("inkling2_loop_text", "3", "0-2,4")])
+def test_transformers_recurrent_depth_models_are_refused_up_front(model_type, looped, once):
+    """Dory and Inkling-2-Loop (transformers 5.24) loop over a stretch of their layers: found
+    in their forward's code and config, whichever transformers has them."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModel
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    from pytest_layerparity.reference.support import check_recurrent_depth
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"this transformers has no {model_type}")
+    sizes = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1}
+    if model_type == "dory":
+        config = AutoConfig.for_model(model_type, num_hidden_layers=3, n_input_layers=1, n_output_layers=1, **sizes)
+    else:
+        config = AutoConfig.for_model(
+            model_type,
+            num_hidden_layers=5,
+            n_layers_per_attn_res_block=1,
+            loop_layer_index_start=3,
+            loop_layer_index_end=4,
+            **sizes,
+        )
+    with init_empty_weights():
+        owner = AutoModel.from_config(config, dtype=torch.float32)
+    model = _looped_model(owner, f"{type(owner).__name__}ForCausalLM")
+    with pytest.raises(ModelError, match=rf"runs decoder layer {looped} of model\.layers .* --layers {once}$"):
+        check_recurrent_depth(model, list(range(len(owner.layers))))
