@@ -233,8 +233,11 @@ class ReferenceSide:
         """The decode steps after the prompt: the prompt once more with the KV cache, then
         ``--decode-steps`` greedy tokens, one forward each, recording every selected layer's
         call (its past keys and values included) per step. With ``kv``, the cache is held a
-        layer at a time (the rest on disk)."""
+        layer at a time (the rest on disk). Each step feeds the model what its generate would
+        (the new token, or the whole sequence to a model that slices the cached part off)."""
         import torch
+
+        from ..target.model import step_input_ids
 
         def spilling() -> contextlib.AbstractContextManager[None]:
             return kv.hooks(layer_list) if kv is not None else contextlib.nullcontext()
@@ -249,9 +252,12 @@ class ReferenceSide:
             return
         name = cache_argument(model.forward, "past_key_values")
         tokens = []
+        sequence = ids
         for step in range(self.settings.decode_steps):
             token = output.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(token.cpu())
+            sequence = torch.cat([sequence, token.to(sequence.device)], dim=-1)
+            fed = step_input_ids(model, sequence, cache, name)  # what generate feeds the model
             routing: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layers}
 
             def sink(i: int, record: CallRecord, step: int = step) -> None:
@@ -259,10 +265,10 @@ class ReferenceSide:
 
             try:
                 with self._capturing(layer_list, layers, sink, routing), spilling():  # spilled after the capture saw it
-                    output = model(input_ids=token, **{name: cache}, use_cache=True)
+                    output = model(input_ids=fed, **{name: cache}, use_cache=True)
             except UnstorableCache as exc:  # an entry the config did not announce
                 raise ModelError(f"--decode-steps {self.settings.decode_steps}: {exc}") from None
-            run.decode_logits.append(output.logits.detach().to("cpu", copy=True))
+            run.decode_logits.append(output.logits[:, -1:].detach().to("cpu", copy=True))  # the new token's
             for i, tensors in routing.items():
                 run.decode_calls.add((i, step), tensors)
         run.model_io["decode_ids"] = torch.cat(tokens, dim=-1)

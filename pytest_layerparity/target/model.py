@@ -10,7 +10,7 @@ own KV cache manager's state). ``pytest_layerparity_build_target_model`` returns
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -23,16 +23,58 @@ StepFn = Callable[[Any, Any], tuple[Any, Any]]
 
 def hf_step(model: torch.nn.Module) -> StepFn:
     """The step function of a transformers causal LM (its own DynamicCache as ``past``,
-    passed under the name its forward takes)."""
+    passed under the name its forward takes). A decode step feeds the model what its
+    generate would (:func:`step_input_ids`): the new token, or the whole sequence so far to a
+    model whose forward slices the cached part off itself."""
+    import torch
+
     from ..store.callspec import cache_argument, returned_cache
 
     name = cache_argument(model.forward, "past_key_values")
+    sequence: torch.Tensor | None = None
 
     def step(input_ids: torch.Tensor, past: Any) -> tuple[torch.Tensor, Any]:
-        output = model(input_ids=input_ids, **{name: past}, use_cache=True)
-        return output.logits, returned_cache(output)
+        nonlocal sequence
+        fed = input_ids
+        if past is None or sequence is None:
+            sequence = input_ids
+        else:
+            sequence = torch.cat([sequence, input_ids.to(sequence.device)], dim=-1)
+            fed = step_input_ids(model, sequence, past, name)
+        output = model(input_ids=fed, **{name: past}, use_cache=True)
+        logits = output.logits if fed is input_ids else output.logits[:, -input_ids.shape[-1] :]
+        return logits, returned_cache(output)
 
     return step
+
+
+def step_input_ids(model: torch.nn.Module, sequence: torch.Tensor, past: Any, name: str) -> torch.Tensor:
+    """The input ids of a decode step whose new token ends ``sequence`` (the prompt and every
+    token since), as transformers' generate hands them to ``model``: what its
+    ``prepare_inputs_for_generation`` gives for the whole sequence, the cache ``past`` and one
+    new token. Most models take the new token alone; CPM-Ant's forward takes the whole
+    sequence and slices off the cached part itself. The new token alone where the model's
+    preparation gives no input ids that end the sequence."""
+    import torch
+
+    from ..store.callspec import cache_argument
+
+    token = sequence[:, -1:]
+    prepare = getattr(model, "prepare_inputs_for_generation", None)
+    if prepare is None:
+        return token
+    try:
+        prepared = prepare(
+            sequence, next_sequence_length=1, **{cache_argument(prepare, name) or name: past}, use_cache=True
+        )
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError, RuntimeError):
+        return token  # a preparation that takes other arguments (a model's own code)
+    ids = prepared.get("input_ids") if isinstance(prepared, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not 0 < ids.shape[-1] <= sequence.shape[-1]:
+        return token
+    if ids.shape[0] != sequence.shape[0] or not torch.equal(ids, sequence[:, -ids.shape[-1] :]):
+        return token
+    return ids
 
 
 def teacher_forced(
