@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -42,7 +42,9 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
+    from ..compare.logits import ModelEnvelope
     from ..options import Settings
+    from ..target.model import StepFn
     from .streaming import Unit
 
 
@@ -281,10 +283,8 @@ class ReferenceSide:
         teacher-forced procedure the target gets."""
         import torch
 
-        from ..compare.logits import ModelEnvelope, compact_logits, logits_stats
-        from ..target.model import hf_step, teacher_forced
-        from .envelope import BASE_SEED
-        from .perturb import PerturbedArithmetic, samples_per_forward
+        from ..compare.logits import compact_logits
+        from ..target.model import hf_step
 
         logits = torch.cat([run.model_io["logits"].float(), *(t.float() for t in run.decode_logits)], dim=1)
         golden = compact_logits(logits, self.settings.logits_topk)
@@ -295,23 +295,9 @@ class ReferenceSide:
         metadata: dict[str, Any] = {"kind": "model_logits", "topk": self.settings.logits_topk}
         samples = self.settings.envelope_samples if not self.settings.no_precision_floor else 0
         if samples > 1:
-            stats = []
-            ids = golden["input_ids"]
-            batch = ids.shape[0]
-            group = samples_per_forward(samples, batch * logits.shape[1])
             with self.progress.bar(samples, "layerparity: noise envelope of the whole model", "run") as bar:
-                for k in range(0, samples, group):
-                    n = min(group, samples - k)  # runs as the samples of one batch: the model computes them apart
-                    with PerturbedArithmetic(BASE_SEED + k, samples=n):
-                        perturbed = teacher_forced(
-                            hf_step(model),
-                            ids.repeat(n, 1),
-                            None if decode_ids is None else decode_ids.repeat(n, 1),
-                            device,
-                        )
-                    stats.extend(logits_stats(golden, part) for part in perturbed.split(batch))
-                    bar.update(n)
-            metadata["envelope"] = ModelEnvelope.from_stats(stats).as_metadata()
+                envelope = whole_model_envelope(hf_step(model), golden, device, samples, bar.update)
+            metadata["envelope"] = envelope.as_metadata()
         return golden, metadata
 
     def _load(self, streaming: bool) -> PreTrainedModel:
@@ -461,3 +447,38 @@ class ReferenceSide:
         golden = golden_tensors[primary_output_name(spec)]
         new = record.tensors[primary_output_name(record.spec)]
         return judge(index, golden, new, self.settings, self.dtype_name, reference=golden_tensors.get(FLOOR_KEY))
+
+
+def whole_model_envelope(
+    step: StepFn,
+    golden: Mapping[str, torch.Tensor],
+    device: Any,
+    samples: int,
+    done: Callable[[int], Any] = lambda n: None,
+) -> ModelEnvelope:
+    """The whole model's noise envelope: ``samples`` runs of the teacher-forced procedure the
+    target gets (the golden's prompt and decode tokens through ``step``), each under perturbed
+    arithmetic that also breaks exact ties among top-k candidates its own way (another
+    backend's top-k takes other equal candidates, and what follows in later layers and the
+    logits is legitimate). Runs go through the model together as the samples of one batch
+    (``perturb.samples_per_forward``: the model computes them apart); ``done(n)`` after each
+    batch of ``n`` runs."""
+    from ..compare.logits import ModelEnvelope, logits_stats
+    from ..target.model import teacher_forced
+    from .envelope import BASE_SEED
+    from .perturb import PerturbedArithmetic, samples_per_forward
+
+    ids, decode_ids = golden["input_ids"], golden.get("decode_ids")
+    batch = ids.shape[0]
+    tokens = batch * (ids.shape[-1] + (decode_ids.shape[-1] if decode_ids is not None else 0))
+    group = samples_per_forward(samples, tokens)
+    stats = []
+    for k in range(0, samples, group):
+        n = min(group, samples - k)
+        with PerturbedArithmetic(BASE_SEED + k, samples=n, break_ties=True):
+            perturbed = teacher_forced(
+                step, ids.repeat(n, 1), None if decode_ids is None else decode_ids.repeat(n, 1), device
+            )
+        stats.extend(logits_stats(golden, part) for part in perturbed.split(batch))
+        done(n)
+    return ModelEnvelope.from_stats(stats)

@@ -46,6 +46,14 @@ which results a correct port's kernels legitimately give):
   of the same products (:func:`sequential_sum_error_std`), the least accurate of the orders such
   kernels use. Not for bfloat16: no kernel sums in bfloat16 (8 significant bits).
 
+With ``break_ties``, a run also breaks exact ties among ``topk``'s candidates in an order of
+its own (the values are the same; which of equal candidates it takes is drawn per call): a
+router's or a sparse-attention indexer's choice among equal scores (DeepSeek-V3.2's indexer
+scores many keys exactly 0) is the implementation's, and another backend's top-k takes
+others. The layer tests judge such choices one router at a time (a flip between equal scores
+is a near tie); the whole model's envelope runs with it, so that what follows another choice
+among equals in the next layers and in the logits is within what the runs reach.
+
 Each run under a new seed is one legitimate implementation of the same layer: the spread of
 a statistic over runs is what a correct port's statistic is judged against.
 """
@@ -518,6 +526,7 @@ class PerturbedArithmetic(TorchDispatchMode):
         systematic: float = 0.0,
         error_scale: float | None = None,
         samples: int = 1,
+        break_ties: bool = False,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -527,8 +536,10 @@ class PerturbedArithmetic(TorchDispatchMode):
         self.mode = mode
         self.systematic = systematic
         self.error_scale = ERROR_SCALE if error_scale is None else error_scale
+        self.break_ties = break_ties
         self.ops = 0
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._tie_generators: dict[torch.device, torch.Generator] = {}  # the arithmetic's draws stay as they were
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -551,6 +562,23 @@ class PerturbedArithmetic(TorchDispatchMode):
         results; 1 for 16-bit ones, which kernels compute in float32 and round once, so their
         error is that rounding whatever the kernel's own accuracy."""
         return self.error_scale if _UNIT_ROUNDOFF.get(dtype, 1.0) <= _UNIT_ROUNDOFF[torch.float32] else 1.0
+
+    def _topk_ties_broken(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``topk`` with exact ties among its candidates broken in a random order of this
+        run's: the candidates are shuffled along the dimension, chosen from, and mapped back
+        (the same values; which of equal candidates comes first is drawn)."""
+        named = _named_arguments(func, args, kwargs)
+        x, dim = named["self"], named.get("dim", -1)
+        if x.dim() == 0 or x.numel() == 0:
+            return func(*args, **kwargs)
+        if x.device not in self._tie_generators:
+            self._tie_generators[x.device] = torch.Generator(device=x.device).manual_seed(self.seed)
+        draw = torch.rand(x.shape, generator=self._tie_generators[x.device], device=x.device)
+        order = draw.argsort(dim=dim)
+        values, picked = func(
+            x.gather(dim, order), named["k"], dim, named.get("largest", True), named.get("sorted", True)
+        )
+        return values, order.gather(dim, picked)
 
     def _one_pass(self, x: torch.Tensor) -> bool:
         """Whether this variance runs in one pass (half the time, drawn per op)."""
@@ -616,6 +644,8 @@ class PerturbedArithmetic(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.break_ties and func is torch.ops.aten.topk.default:
+            return self._topk_ties_broken(func, args, kwargs)
         decomposition = DECOMPOSED_OPS.get(func)
         if decomposition is not None:
             with self:  # each op of the decomposition dispatches here again

@@ -111,3 +111,51 @@ def test_judged_outcome_says_how_many_generated_tokens_match():
     outcome = judge_logits(golden, target, "float32", 0.0, 1e-3)
     assert (outcome.generated, outcome.generated_matched) == (3, 1)
     assert "first 1 of 3 generated tokens" in describe_model_outcome(outcome, "on cpu")
+
+
+def _tie_model(other_choice: bool = False, bug_at: int | None = None):
+    """A toy model's step function: at positions 3 and 6 an indexer-like top-1 among four
+    candidates all scored exactly 0 (a tie) picks the next token, over the runner-up token 7 by
+    a logit margin of 1; elsewhere the choice is clear and its token leads by 7.
+    ``other_choice``: a backend that takes another of the equal candidates (as torch-xla's
+    top-k does); ``bug_at``: a port whose greedy token at that position is wrong."""
+
+    def step(input_ids, past):
+        b, n = input_ids.shape
+        scores = torch.zeros(b, n, 4)
+        clear = [p for p in range(n) if p not in (3, 6)]
+        scores[:, clear, 0] = 1.0
+        chosen = scores.topk(1, dim=-1).indices[..., 0]
+        if other_choice:
+            chosen[:, [3, 6]] = (chosen[:, [3, 6]] + 1) % 4
+        lead = torch.full((b, n, 1), 9.0)
+        lead[:, [3, 6]] = 3.0
+        logits = torch.zeros(b, n, 8)
+        logits[..., 7] = 2.0
+        logits = logits.scatter(-1, chosen[..., None], lead)
+        if bug_at is not None:
+            logits[:, bug_at, 7] = 20.0
+        return logits, past
+
+    return step
+
+
+def test_the_whole_models_envelope_takes_another_choice_among_equal_top_k_candidates():
+    """glm_moe_dsa's sparse indexer scores many keys exactly 0: torch-xla's top-k takes other
+    equal keys than the CPU's, and greedy tokens after them flip. The whole model's envelope
+    runs break such ties their own way, so those flips are within it; a wrong token where the
+    choice was clear still fails."""
+    from pytest_layerparity.reference.extract import whole_model_envelope
+
+    prompt = torch.arange(1, 9).reshape(1, 8)
+    golden = compact_logits(_tie_model()(prompt, None)[0], 8)
+    golden["input_ids"] = prompt
+    envelope = whole_model_envelope(_tie_model(), golden, None, 8)
+    assert max(envelope.flip_margins) == pytest.approx(1.0, rel=1e-3)  # the runs flipped at the ties' margin
+    other = _tie_model(other_choice=True)(prompt, None)[0]
+    tolerance = 4 * float(torch.finfo(torch.float32).eps)
+    outcome = judge_logits(golden, other, "float32", tolerance, 0.01, envelope)
+    assert outcome.passed and outcome.near_ties == [3, 6] and outcome.hard_flips == []
+    assert not judge_logits(golden, other, "float32", tolerance, 0.01, None).passed  # rounding alone: hard flips
+    wrong = judge_logits(golden, _tie_model(bug_at=0)(prompt, None)[0], "float32", tolerance, 0.01, envelope)
+    assert not wrong.passed and wrong.hard_flips == [0]

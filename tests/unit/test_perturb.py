@@ -298,3 +298,34 @@ def test_wider_arithmetic_widens_a_convolution_that_checks_its_operands_first():
             got = torch.nn.functional.conv1d(narrow, conv.weight, conv.bias, padding=3, groups=8)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_broken_ties_take_other_equal_candidates_and_the_same_values():
+    scores = torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0, -1.0], [3.0, 1.0, 2.0, 0.5, 0.25, 0.125]])
+    plain = scores.topk(3, dim=-1)
+    chosen = set()
+    for seed in range(12):
+        with PerturbedArithmetic(seed, break_ties=True):
+            values, indices = torch.topk(scores, 3, dim=-1)
+        assert torch.equal(values, plain.values)
+        assert torch.equal(scores.gather(-1, indices), values)  # each index is a candidate of that value
+        assert torch.equal(indices[1], plain.indices[1])  # no tie: the one choice
+        assert indices[0, 0] == 1 and set(indices[0, 1:].tolist()) <= {0, 2, 3, 4}
+        chosen.add(tuple(sorted(indices[0, 1:].tolist())))
+    assert len(chosen) > 1  # other runs take other equal candidates
+    with PerturbedArithmetic(0):  # by default a run takes what topk takes
+        assert torch.equal(torch.topk(scores, 3, dim=-1).indices, plain.indices)
+
+
+def test_breaking_ties_leaves_the_arithmetic_as_it_was():
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    with PerturbedArithmetic(5):
+        plain = (x @ x.T).softmax(-1)
+    with PerturbedArithmetic(5, break_ties=True):
+        scores = (x @ x.T).softmax(-1)
+        scores.topk(4, dim=-1)
+        again = (x @ x.T).softmax(-1)
+    with PerturbedArithmetic(5):
+        (x @ x.T).softmax(-1)
+        second = (x @ x.T).softmax(-1)
+    assert torch.equal(scores, plain) and torch.equal(again, second)
