@@ -270,24 +270,25 @@ class Checkpoint:
         raise ModelError(f"{root} has no model.safetensors or model.safetensors.index.json")
 
     def layer_keys(self, layer_path: str, index: int) -> list[str]:
-        """Checkpoint keys of decoder layer ``index`` of the list at ``layer_path``."""
+        """Checkpoint keys of decoder layer ``index`` of the list at ``layer_path``: the keys
+        whose names under the model's names (:meth:`model_name`) are the layer's. Those are the
+        checkpoint's own names where transformers renames nothing; a checkpoint it renames as it
+        loads may name the layers otherwise (EXAONE's transformer.h.N) or keep some of a
+        layer's tensors outside it (Inkling-2's attn_res.mlp_queries.N, the layer's
+        mlp_input.query): the loader, given those keys, renames them into the layer."""
         prefix = f"{layer_path}.{index}."
-        keys = [key for key in self.weight_map if key.startswith(prefix)]
+        names = self.model_names
+        keys = [key for key, name in names.items() if name.startswith(prefix)]
         if keys:
             return keys
         list_name = re.escape(layer_path.rsplit(".", 1)[-1])
         pattern = re.compile(rf"(^|\.){list_name}\.{index}\.")
-        keys = [key for key in self.weight_map if pattern.search(key)]
-        if keys or not self.renames:
-            return keys
-        # a checkpoint under names transformers renames as it loads (EXAONE's transformer.h.N): the
-        # keys that become the layer's (the loader, given the model's conversion mapping, renames them)
-        return [key for key in self.weight_map if pattern.search(self.model_name(key))]
+        return [key for key, name in names.items() if pattern.search(name)]
 
     @cached_property
-    def renames(self) -> list[tuple[re.Pattern[str], str]]:
-        """The key renames transformers applies to this checkpoint's model_type as it loads it
-        (its conversion mapping's plain renames), in order."""
+    def renames(self) -> list[Any]:
+        """The key renames (transformers' ``WeightRenaming`` rules) transformers applies to this
+        checkpoint's model_type as it loads it, in order."""
         try:
             model_type = json.loads((self.root / "config.json").read_text(encoding="utf-8")).get("model_type")
             from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -296,18 +297,21 @@ class Checkpoint:
             mapping = get_checkpoint_conversion_mapping(model_type) or []
         except (OSError, ValueError, ImportError):
             return []
-        out = []
-        for rule in mapping:
-            sources, targets = getattr(rule, "source_patterns", None), getattr(rule, "target_patterns", None)
-            if type(rule) is WeightRenaming and len(sources or ()) == 1 and len(targets or ()) == 1:
-                out.append((re.compile(sources[0]), targets[0]))
-        return out
+        return [rule for rule in mapping if isinstance(rule, WeightRenaming) and hasattr(rule, "rename_source_key")]
 
     def model_name(self, key: str) -> str:
-        """``key`` under the model's name (the renames applied)."""
-        for pattern, target in self.renames:
-            key = pattern.sub(target, key)
+        """``key`` under the model's name: each rename applied in turn, as the loader does
+        (each rule's own ``rename_source_key``: index shifts and layer pairs included)."""
+        for rule in self.renames:
+            key = rule.rename_source_key(key)[0]
         return key
+
+    @cached_property
+    def model_names(self) -> dict[str, str]:
+        """Every checkpoint key's name under the model's names, worked out once."""
+        if not self.renames:
+            return {key: key for key in self.weight_map}
+        return {key: self.model_name(key) for key in self.weight_map}
 
     def files_for(self, keys: Iterable[str]) -> list[str]:
         return sorted({self.weight_map[key] for key in keys})

@@ -98,6 +98,56 @@ def test_exaone_checkpoints_layers_are_found_under_its_own_names(tmp_path):
     assert checkpoint.model_name(keys[1]) == "model.layers.0.mlp.gate_proj.weight"
 
 
+def test_a_layers_tensors_kept_outside_it_are_found_under_the_names_transformers_gives_them(tmp_path, monkeypatch):
+    """Inkling-2's checkpoints keep each layer's MLP input query outside the layer
+    (model.llm.attn_res.mlp_queries.N, which transformers renames to model.layers.N.mlp_input.query
+    as it loads): a layer's keys are those whose names under the model's names are the
+    layer's, wherever the checkpoint keeps them."""
+    from transformers import conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    own = conversion_mapping.get_checkpoint_conversion_mapping
+    renames = {
+        "kept_outside": [
+            WeightRenaming(r"^model\.llm\.", "model."),
+            WeightRenaming(r"attn_res\.mlp_queries\.(\d+)", r"layers.\1.mlp_input.query"),
+        ]
+    }
+    monkeypatch.setattr(conversion_mapping, "get_checkpoint_conversion_mapping", lambda t: renames.get(t) or own(t))
+    keys = [
+        "model.llm.layers.0.attn.wq.weight",
+        "model.llm.attn_res.mlp_queries.0",
+        "model.llm.attn_res.mlp_queries.1",
+        "model.llm.layers.1.attn.wq.weight",
+        "model.llm.norm.weight",
+    ]
+    checkpoint = _checkpoint(tmp_path / "outside", "kept_outside", keys)
+    assert sorted(checkpoint.layer_keys("model.layers", 0)) == sorted(keys[:2])
+    assert sorted(checkpoint.layer_keys("model.layers", 1)) == sorted(keys[2:4])
+    assert checkpoint.model_name(keys[2]) == "model.layers.1.mlp_input.query"
+
+
+def test_inkling2_layer_queries_are_found_with_transformers_own_index_shift(tmp_path):
+    """Inkling-2 (transformers 5.24): attn_res.attn_queries.N is layer N + 1's attention input
+    query (a rename that shifts the index), attn_res.mlp_queries.N layer N's MLP input query."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if "inkling2_text" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("this transformers has no Inkling-2")
+    keys = [
+        "model.llm.layers.0.attn_norm.weight",
+        "model.llm.layers.1.attn_norm.weight",
+        "model.llm.attn_res.attn_queries.0",
+        "model.llm.attn_res.mlp_queries.0",
+        "model.llm.attn_res.mlp_queries.1",
+        "model.llm.attn_res.output_query",
+    ]
+    checkpoint = _checkpoint(tmp_path / "inkling2", "inkling2_text", keys)
+    assert sorted(checkpoint.layer_keys("model.layers", 0)) == sorted([keys[0], keys[3]])
+    assert sorted(checkpoint.layer_keys("model.layers", 1)) == sorted([keys[1], keys[2], keys[4]])
+    assert checkpoint.model_name(keys[2]) == "model.layers.1.attention_input.query"
+
+
 def test_a_checkpoint_without_the_layers_tensors_is_refused_up_front(tmp_path):
     from pytest_layerparity.reference.support import check_checkpoint_names
 
