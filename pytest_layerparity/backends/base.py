@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +38,11 @@ class Backend:
 
     def sync(self) -> None:
         """Wait until every queued operation has run."""
+
+    def running(self) -> contextlib.AbstractContextManager[Any]:
+        """Entered while the port runs on this device (a layer, or the whole model): what its
+        ops need here that they do not elsewhere. Nothing by default."""
+        return contextlib.nullcontext()
 
     def describe(self) -> str:
         return self.name

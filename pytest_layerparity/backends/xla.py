@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from .xla_ops import FreshIndexOperands
+
 from .base import Backend, BackendUnavailable
 
 CACHE_COUNTERS = ("PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure")
@@ -77,6 +79,13 @@ class XlaBackend(Backend):
         import torch_xla
 
         torch_xla.sync()
+
+    def running(self) -> FreshIndexOperands:
+        """torch-xla aborts on an index op whose index comes straight from a sort or top-k
+        (backends/xla_ops.py): each such index is taken as a view of itself."""
+        from .xla_ops import FreshIndexOperands
+
+        return FreshIndexOperands()
 
     def cache_summary(self) -> str | None:
         """One line on the persistent cache's use in this process, or None without a cache."""

@@ -126,7 +126,7 @@ class TargetSide:
         cache_name = cache_argument(module, self.model.cache_argument)  # the callee's name for it
         args, kwargs = decode_call(spec, tensors, self.backend.device, cache_name)
         routing: dict[str, torch.Tensor] = {}
-        with torch.no_grad(), capture_routing(module, self.model.top_k, routing):
+        with torch.no_grad(), capture_routing(module, self.model.top_k, routing), self.backend.running():
             output = module(*args, **kwargs)
             out = first_tensor(output)
             self.backend.sync()  # one graph: the output, the cache's keys and values, the routers' records
@@ -205,7 +205,8 @@ class TargetSide:
                     return self._build_port(layer_idx)
 
             step = default_target_model(self.model, getattr(torch, self.dtype_name), device, self.backend.sync, build)
-        logits = teacher_forced(step, entry.tensors["input_ids"], entry.tensors.get("decode_ids"), device)
+        with self.backend.running():
+            logits = teacher_forced(step, entry.tensors["input_ids"], entry.tensors.get("decode_ids"), device)
         self.backend.sync()
         return judge_logits(
             entry.tensors,

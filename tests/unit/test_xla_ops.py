@@ -1,0 +1,136 @@
+"""torch-xla aborts the process on an index op whose index comes straight from a sort or top-k
+(backends/xla_ops.py); the xla backend's ``running()`` takes such an index as a view of itself.
+Each check runs in a process of its own: an abort there is a failed test, not a lost session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytest.importorskip("torch_xla")
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], check=False, capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_index_ops_on_sorted_indices_run_on_xla_under_the_backend_and_give_the_cpus_results():
+    done = _run(
+        """
+        import torch
+        from pytest_layerparity.backends.xla import XlaBackend
+
+        backend = XlaBackend()
+        device = backend.device
+        g = torch.Generator().manual_seed(0)
+        keys, source = torch.randperm(64, generator=g), torch.randn(64, 16, generator=g)  # no ties: one order
+        weight = torch.randn(64, 16, generator=g)
+
+        def ops(keys, source, weight):
+            _, index = keys.sort(0)
+            _, top = keys.float().topk(64)
+            zeros = torch.zeros_like(source)
+            return [
+                zeros.index_add(0, index, source),
+                zeros.clone().index_add_(0, top, source),
+                zeros.index_copy(0, index, source),
+                zeros.index_fill(0, index[:8].sort()[1], 1.0),
+                source.index_select(0, index),
+                torch.nn.functional.embedding(index, weight),
+            ]
+
+        expected = ops(keys, source, weight)
+        with backend.running() as mode:
+            got = ops(keys.to(device), source.to(device), weight.to(device))
+        backend.sync()
+        for e, t in zip(expected, got):
+            assert torch.equal(e, t.cpu()), (e, t)
+        print("taken", mode.taken)
+        """
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "taken 6" in done.stdout
+
+
+def test_data_dependent_token_selection_is_the_same_under_the_backend():
+    """Experts computed one at a time select their tokens with data-dependent ops (one_hot,
+    nonzero, where: transformers' eager experts); on torch-xla they must select the same under
+    the backend's ``running()`` as without it (a Python dispatch mode there picked other
+    tokens)."""
+    done = _run(
+        """
+        import torch
+        from pytest_layerparity.backends.xla import XlaBackend
+
+        def experts(hidden, top_k_index, weights):
+            out = torch.zeros_like(hidden)
+            mask = torch.nn.functional.one_hot(top_k_index, num_classes=4).permute(2, 1, 0)
+            for expert in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+                position, token = torch.where(mask[expert[0]])
+                out.index_add_(0, token, hidden[token] @ weights[expert[0]])
+            return out
+
+        g = torch.Generator().manual_seed(0)
+        hidden, weights = torch.randn(32, 8, generator=g), torch.randn(4, 8, 8, generator=g)
+        top_k_index = torch.randn(32, 4, generator=g).topk(2, dim=-1).indices
+        backend = XlaBackend()
+        device = backend.device
+        on_xla = [t.to(device) for t in (hidden, top_k_index, weights)]
+        plain = experts(*on_xla).cpu()
+        with backend.running():
+            under = experts(*on_xla)
+        backend.sync()
+        torch.testing.assert_close(under.cpu(), plain)
+        torch.testing.assert_close(plain, experts(hidden, top_k_index, weights), rtol=1e-5, atol=1e-5)
+        print("ok")
+        """
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_jetmoe_attention_experts_run_on_xla_as_on_the_cpu():
+    """JetMoE's attention experts add each expert's queries back with index_add at the indices
+    of a sort: the op that aborted torch-xla (every jetmoe --xla run crashed)."""
+    done = _run(
+        """
+        import torch
+        from transformers import JetMoeConfig
+        from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoA
+        from pytest_layerparity.backends.xla import XlaBackend
+
+        config = JetMoeConfig(hidden_size=64, kv_channels=16, num_key_value_heads=2, num_local_experts=8,
+                              num_experts_per_tok=2)
+        torch.manual_seed(0)
+        experts = JetMoeMoA(config).eval()
+        for parameter in experts.parameters():
+            torch.nn.init.normal_(parameter, std=0.1)
+        x = torch.randn(1, 32, 64)
+        with torch.no_grad():
+            expected = experts.map(x)[0]
+            backend = XlaBackend()
+            on_xla = experts.to(backend.device)
+            with backend.running():
+                got = on_xla.map(x.to(backend.device))[0]
+            backend.sync()
+        torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+        print("ok")
+        """
+    )
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+def test_other_backends_run_the_port_as_it_is():
+    import contextlib
+
+    from pytest_layerparity.backends.base import Backend
+    from pytest_layerparity.backends.cpu import CpuBackend
+
+    assert isinstance(Backend().running(), contextlib.nullcontext)
+    assert isinstance(CpuBackend().running(), contextlib.nullcontext)
