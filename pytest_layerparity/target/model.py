@@ -36,11 +36,13 @@ def hf_step(model: torch.nn.Module) -> StepFn:
     def step(input_ids: torch.Tensor, past: Any) -> tuple[torch.Tensor, Any]:
         nonlocal sequence
         fed = input_ids
+        ids = input_ids.to("cpu")  # token ids are small: on a lazy device each look at them would be a graph
         if past is None or sequence is None:
-            sequence = input_ids
+            sequence = ids
         else:
-            sequence = torch.cat([sequence, input_ids.to(sequence.device)], dim=-1)
-            fed = step_input_ids(model, sequence, past, name)
+            sequence = torch.cat([sequence, ids], dim=-1)
+            prepared = step_input_ids(model, sequence, past, name)
+            fed = input_ids if prepared.shape == ids.shape else prepared.to(input_ids.device)
         output = model(input_ids=fed, **{name: past}, use_cache=True)
         logits = output.logits if fed is input_ids else output.logits[:, -input_ids.shape[-1] :]
         return logits, returned_cache(output)
