@@ -63,6 +63,28 @@ def is_kv_cache(value: Any) -> bool:
     return type(value).__name__.endswith("Cache") and isinstance(getattr(value, "layers", None), list)
 
 
+#: A cache of caches: the self-attention one a decoder layer appends to, beside the
+#: cross-attention one an encoder fills (transformers' BERT-family decoders take one always).
+ENCODER_DECODER_CACHE = "EncoderDecoderCache"
+
+
+def own_kv_cache(value: Any) -> Any:
+    """The KV cache of a layer's own keys and values in a cache argument: the cache itself, or
+    an EncoderDecoderCache's self-attention cache (None for anything else). Raises
+    :class:`UnstorableCache` for an EncoderDecoderCache whose cross-attention cache holds keys
+    (an encoder's output: a golden stores the layer's own keys and values alone)."""
+    if type(value).__name__ == ENCODER_DECODER_CACHE:
+        cross = getattr(value, "cross_attention_cache", None)
+        if cross is not None and is_kv_cache(cross) and any(cached_kv(cross, i) for i in range(len(cross.layers))):
+            raise UnstorableCache(
+                "the layer's KV cache holds an encoder's cross-attention keys and values beside its own, which a "
+                "decode-step golden cannot store; extract with --decode-steps 0 (the prompt tests and the whole "
+                "model's prompt still run)"
+            )
+        value = getattr(value, "self_attention_cache", None)
+    return value if value is not None and is_kv_cache(value) else None
+
+
 def cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Layer ``layer``'s keys and values in ``cache`` (None while it holds none)."""
     if layer >= len(cache.layers):
@@ -157,14 +179,17 @@ def rename_cache_argument(kwargs: dict[str, Any], name: str | None) -> dict[str,
 def encode(value: Any, name: str, tensors: dict[str, torch.Tensor], cache_layer: int | None = None) -> dict[str, Any]:
     """Encode ``value`` into a spec node, storing tensors into ``tensors`` (as CPU copies).
     A KV cache is stored as layer ``cache_layer``'s past keys and values."""
-    if cache_layer is not None and is_kv_cache(value):
+    own = own_kv_cache(value) if cache_layer is not None else None
+    if own is not None:
         node: dict[str, Any] = {"layer": cache_layer}
-        past = cached_kv(value, cache_layer)
+        past = cached_kv(own, cache_layer)
         if past is not None:
             node["keys"], node["values"] = f"{name}.keys", f"{name}.values"
             tensors[node["keys"]] = past[0].detach().to("cpu", copy=True)
             tensors[node["values"]] = past[1].detach().to("cpu", copy=True)
-        node.update(cache_layer_state(value, cache_layer))
+        node.update(cache_layer_state(own, cache_layer))
+        if own is not value:
+            node["within"] = ENCODER_DECODER_CACHE  # replayed inside one, its cross-attention part empty
         return {"cache": node}
     if isinstance(value, torch.Tensor):
         if value.is_complex():  # safetensors has no complex dtype: stored as (real, imaginary) pairs
@@ -184,6 +209,12 @@ def encode(value: Any, name: str, tensors: dict[str, torch.Tensor], cache_layer:
         return {"tuple": [encode(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]}
     if isinstance(value, list):
         return {"list": [encode(v, f"{name}.{i}", tensors) for i, v in enumerate(value)]}
+    if cache_layer is not None and type(value).__name__.endswith("Cache"):
+        raise UnstorableCache(
+            f"the layer's KV cache is a {type(value).__name__}, which a decode-step golden cannot store (replayed "
+            "without it, the step would compute another thing); extract with --decode-steps 0 (the prompt tests "
+            "and the whole model's prompt still run)"
+        )
     return {"dropped": type(value).__name__}
 
 
@@ -217,6 +248,11 @@ def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], dev
     an entry of the kind the reference's was: a sliding-window entry keeps sliding."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
+    if node.get("within") == ENCODER_DECODER_CACHE:
+        from transformers.cache_utils import EncoderDecoderCache
+
+        own = past_cache({k: v for k, v in node.items() if k != "within"}, tensors, device)
+        return EncoderDecoderCache(own, DynamicCache())
     cache = DynamicCache()
     window = node.get("sliding_window")
     if "keys" not in node and not window:
@@ -243,9 +279,11 @@ def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], dev
 
 
 def find_kv_cache(value: Any) -> Any:
-    """The first KV cache in a (nested) call's arguments, or None."""
-    if is_kv_cache(value):
-        return value
+    """The first KV cache of a layer's own keys and values in a (nested) call's arguments
+    (an EncoderDecoderCache's self-attention part), or None."""
+    own = own_kv_cache(value) if type(value).__name__.endswith("Cache") else None
+    if own is not None:
+        return own
     if isinstance(value, Mapping):
         value = list(value.values())
     if isinstance(value, (tuple, list)):

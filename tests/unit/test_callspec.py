@@ -257,3 +257,56 @@ def test_state_beyond_keys_and_values_is_refused_naming_the_entry():
     record = CallRecord()
     with pytest.raises(ValueError, match=r"layer 0.s KV-cache entry is a RecurrentLayer: .*--decode-steps 0 "):
         encode_call((torch.zeros(1),), {"cache": cache}, record, cache_layer=0)
+
+
+class _DecoderAttention(_Attention):
+    """A BERT-family decoder layer's self-attention: it appends to the self-attention part of
+    the EncoderDecoderCache it is given."""
+
+    def forward(self, hidden_states, past_key_values=None):
+        return super().forward(hidden_states, past_key_values.self_attention_cache if past_key_values else None)
+
+
+def test_an_encoder_decoder_cache_without_an_encoder_is_stored_as_its_self_attention_part():
+    """RoCBert's decoder takes an EncoderDecoderCache always: its self-attention part is the
+    layer's past (stored, and replayed inside a new EncoderDecoderCache); without it the decode
+    step replayed with no past at all (cosine 0.88 on a correct port)."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    own = DynamicCache()
+    past = torch.randn(1, 1, 5, 4)
+    own.update(past, past + 1, 0)
+    layer = _DecoderAttention(0)
+    records = {}
+    x = torch.randn(1, 1, 4)
+    with capture_calls({0: layer}, records.__setitem__):
+        expected = layer(x, past_key_values=EncoderDecoderCache(own, DynamicCache()))
+    record = records[0]
+    assert record.spec["kwargs"]["past_key_values"]["cache"]["within"] == "EncoderDecoderCache"
+    assert torch.equal(record.tensors["kwargs.past_key_values.keys"], past)
+    spec = json.loads(json.dumps(record.spec))
+    args, kwargs = decode_call(spec, record.tensors)
+    assert isinstance(kwargs["past_key_values"], EncoderDecoderCache)
+    assert torch.equal(layer(*args, **kwargs), expected)
+    new_keys, _ = appended_kv(args, kwargs, spec, record.tensors)
+    assert torch.equal(new_keys, record.tensors["cache.new_keys"])
+
+
+def test_a_cache_that_cannot_be_stored_is_refused_not_dropped():
+    """An encoder's cross-attention keys beside the layer's own, or a cache object of no known
+    kind: replayed without it a decode step computes something else, so the recording refuses."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    from pytest_layerparity.store.callspec import UnstorableCache, encode
+
+    cross = DynamicCache()
+    cross.update(torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), 0)
+    with pytest.raises(UnstorableCache, match="cross-attention keys and values beside its own"):
+        encode(EncoderDecoderCache(DynamicCache(), cross), "kwargs.cache", {}, cache_layer=0)
+
+    class OtherCache:
+        pass
+
+    with pytest.raises(UnstorableCache, match="the layer's KV cache is a OtherCache"):
+        encode(OtherCache(), "kwargs.cache", {}, cache_layer=0)
+    assert encode(OtherCache(), "kwargs.thing", {}) == {"dropped": "OtherCache"}  # not a layer's call: kept as before
