@@ -21,6 +21,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..store.tensorfile import SAFETENSORS_ITEMSIZE, SAFETENSORS_TORCH_DTYPE
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel
@@ -428,46 +430,6 @@ class Checkpoint:
                     tensor = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start - base)
                     out[key] = tensor.reshape(info["shape"])
         return out
-
-
-#: Bytes per element of each safetensors dtype name.
-SAFETENSORS_ITEMSIZE = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-}
-
-
-#: torch's name of each floating or integer safetensors dtype (little-endian, as the format stores them).
-SAFETENSORS_TORCH_DTYPE = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F64": "float64",
-}
 
 
 def read_header_and_data_start(path: Path) -> tuple[dict[str, Any], int]:

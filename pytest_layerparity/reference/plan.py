@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..store.tensorfile import SAFETENSORS_ITEMSIZE, SAFETENSORS_TORCH_DTYPE
 from .model import (
     LAYER_LIST_CANDIDATES,
-    SAFETENSORS_ITEMSIZE,
-    SAFETENSORS_TORCH_DTYPE,
     Checkpoint,
     ModelSource,
     checkpoint_conversions,

@@ -21,25 +21,32 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-#: safetensors' names of the dtypes it stores, in the order of its ``Dtype`` (the file lays
-#: tensors out by that order, highest first, then by name); torch's names of them.
-DTYPE_NAMES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "float8_e5m2": "F8_E5M2",
-    "float8_e4m3fn": "F8_E4M3",
-    "int16": "I16",
-    "uint16": "U16",
-    "float16": "F16",
-    "bfloat16": "BF16",
-    "int32": "I32",
-    "uint32": "U32",
-    "float32": "F32",
-    "float64": "F64",
-    "int64": "I64",
-    "uint64": "U64",
-}
+#: The dtypes safetensors stores, in the order of its ``Dtype`` (the file lays tensors out by
+#: that order, highest first, then by name): its name, torch's, bytes per element. The one
+#: table of them; the lookups below are views of it.
+SAFETENSORS_DTYPES = (
+    ("BOOL", "bool", 1),
+    ("U8", "uint8", 1),
+    ("I8", "int8", 1),
+    ("F8_E5M2", "float8_e5m2", 1),
+    ("F8_E4M3", "float8_e4m3fn", 1),
+    ("I16", "int16", 2),
+    ("U16", "uint16", 2),
+    ("F16", "float16", 2),
+    ("BF16", "bfloat16", 2),
+    ("I32", "int32", 4),
+    ("U32", "uint32", 4),
+    ("F32", "float32", 4),
+    ("F64", "float64", 8),
+    ("I64", "int64", 8),
+    ("U64", "uint64", 8),
+)
+#: torch's name -> safetensors' name, in safetensors' order.
+DTYPE_NAMES = {torch_name: name for name, torch_name, _ in SAFETENSORS_DTYPES}
+#: safetensors' name -> torch's name (little-endian, as the format stores them).
+SAFETENSORS_TORCH_DTYPE = {name: torch_name for name, torch_name, _ in SAFETENSORS_DTYPES}
+#: safetensors' name -> bytes per element.
+SAFETENSORS_ITEMSIZE = {name: size for name, _, size in SAFETENSORS_DTYPES}
 BLOCK_BYTES = 1 << 22
 
 
