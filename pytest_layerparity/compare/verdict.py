@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .metrics import Metrics
 
 # Per golden dtype: (max_noise_ratio, max_token_noise_ratio, min_cosine). Chosen from the
-# measurements in bench/bench_verdicts.py (see README, "Choosing the default verdict"):
+# measurements in bench/bench_verdicts.py (see bench/README.md, "Verdicts"):
 # correct bf16 layers on torch-xla stayed below 1.1 (tensor-wide) and 1.6 (per token).
 NOISE_DEFAULTS = {
     "bfloat16": (1.5, 3.0, 0.99),

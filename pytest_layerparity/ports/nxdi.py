@@ -54,13 +54,14 @@ APPLICATIONS = {
     "qwen2": "neuronx_distributed_inference.models.qwen2.modeling_qwen2:NeuronQwen2ForCausalLM",
     "qwen3": "neuronx_distributed_inference.models.qwen3.modeling_qwen3:NeuronQwen3ForCausalLM",
     "mistral": "neuronx_distributed_inference.models.mistral.modeling_mistral:NeuronMistralForCausalLM",
-    # runs, and differs from transformers' Gemma-3 (README "Findings on NxDI's Gemma-3")
+    # runs, and differs from transformers' Gemma-3 (docs/nxdi-and-trainium.md, "Findings on NxDI's Gemma-3")
     "gemma3": "neuronx_distributed_inference.models.gemma3.modeling_gemma3:NeuronGemma3ForCausalLM",
 }
 
 
-#: NxDI's release decoders that cannot run as a layer port on the CPU, and why (README "NxDI
-#: ports"): refused by model_type before any work, unless --nxdi-app names a class.
+#: NxDI's release decoders that cannot run as a layer port on the CPU, and why
+#: (docs/nxdi-and-trainium.md, "NxDI's release decoders"): refused by model_type before any
+#: work, unless --nxdi-app names a class.
 NOT_RUNNABLE = {
     "gpt_oss": "NxDI's GPT-OSS layer is built with a rotary cache manager its model owns and called with cos/sin "
     "caches, not a layer the plugin can build alone, and its converter reads the released MXFP4 expert tensors "
@@ -338,7 +339,7 @@ class NxdiPort:
         except ImportError as exc:
             raise PortError(
                 f"--port nxdi: neuronx-distributed-inference does not import ({exc}); install NxD and NxDI from their "
-                "sources (pip install --no-deps <src>) with transformers==4.57.*, as README 'NxDI ports' shows"
+                "sources (pip install --no-deps <src>) with transformers==4.57.*, as docs/nxdi-and-trainium.md shows"
             ) from exc
         with nxd_warnings_quiet():
             app = import_application(self.source().config_json.get("model_type"), self.app_spec)

@@ -1,6 +1,6 @@
 """The golden store: one safetensors file per entry plus ``manifest.json``.
 
-Guarantees (see README, "What the store guarantees"):
+Guarantees (see docs/how-it-works.md, "What the store guarantees"):
 
 * every file is written to a temporary name (``.<name>.<random>.tmp``, never a name the
   manifest can list), fsynced and renamed into place; the rename and the manifest update

@@ -1,15 +1,18 @@
 """Structural promises of the package, checked on its source: no import loop (top level,
-inside functions and under TYPE_CHECKING) and no class over 25 methods (those checked in a
-process of their own: e2e/test_architecture_processes.py)."""
+inside functions and under TYPE_CHECKING), no class over 25 methods, and documentation that
+stays short at the top and whose relative links resolve (those checked in a process of their
+own: e2e/test_architecture_processes.py)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pytest_layerparity"
 MAX_METHODS = 25
+MAX_README_LINES = 400
 
 
 def module_name(path: Path) -> str:
@@ -108,3 +111,58 @@ def test_no_class_over_25_methods():
                 if count > MAX_METHODS:
                     big.append(f"{name}.{node.name}: {count} methods")
     assert big == []
+
+
+def markdown_outside_code(text: str) -> str:
+    """The text with fenced code blocks and inline code spans blanked (links there are examples)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of a markdown file (lower case, punctuation but
+    hyphens and underscores dropped, spaces as hyphens; a repeated slug gets -1, -2, ...)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.MULTILINE | re.DOTALL)
+    anchors: set[str] = set()
+    for heading in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, flags=re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        candidate, n = slug, 0
+        while candidate in anchors:
+            n += 1
+            candidate = f"{slug}-{n}"
+        anchors.add(candidate)
+    return anchors
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative links of a markdown file whose file, or heading anchor in a markdown file, is missing."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", markdown_outside_code(path.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:: not relative
+            continue
+        file_part, _, anchor = target.partition("#")
+        linked = (path.parent / file_part).resolve() if file_part else path
+        if not linked.exists():
+            broken.append(f"{path.relative_to(ROOT)}: {target} (no such file)")
+        elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked):
+            broken.append(f"{path.relative_to(ROOT)}: {target} (no such heading)")
+    return broken
+
+
+def test_heading_anchors_are_githubs(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# `--plan`: will it fit?\n\n```\n# not a heading\n```\n## NxDI's ports\n## NxDI's ports\n")
+    assert heading_anchors(page) == {"--plan-will-it-fit", "nxdis-ports", "nxdis-ports-1"}
+
+
+def test_readme_stays_short():
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= MAX_README_LINES, f"README.md has {lines} lines (at most {MAX_README_LINES}): move detail to docs/"
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "bench" / "README.md"]
+    pages += sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "examples").glob("*/README.md"))
+    assert len(pages) > 8
+    broken = [link for page in pages for link in broken_links(page)]
+    assert broken == []
