@@ -117,6 +117,10 @@ def main() -> None:
         f"{full / (bf16_first + fp32_first):>6.2f}x of the first bf16 + float32 forwards, {full / (bf16 + fp32):.2f}x "
         "of the best"
     )
+    print(
+        f"{'  the same against one plain bf16 forward':<58} {'':>8} "
+        f"{full / bf16_first:>6.2f}x of the first, {full / bf16:.2f}x of the best"
+    )
     print(f"{'(model loading, left out of the ratios)':<58} {load:>8.2f}")
 
 
