@@ -87,7 +87,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # torch-xla (a few hundred MB of memory) just because it is installed.
         os.environ.setdefault("USE_TORCH_XLA", "0")
     if settings.mode in ("extract", "verify"):
-        from .reference.model import bound_reference_memory
+        from .reference.memory import bound_reference_memory
 
         bound_reference_memory()
     nxdi_builder = None  # --port nxdi --target neuron: a conftest's builder in place of NxDI's (no SDK needed)

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .options import Settings, is_url
-from .reference.model import ModelSource, checkpoint_dtype, model_dir_of
+from .reference.model import checkpoint_dtype
+from .reference.source import ModelSource, model_dir_of
 from .report.progress import SILENT, Progress
 from .selection import (
     LayerRange,

@@ -42,7 +42,7 @@ import torch
 from .compiled import CompiledLayer, make_layer
 
 if TYPE_CHECKING:
-    from ..reference.model import ModelSource
+    from ..reference.source import ModelSource
     from .compiled import CompiledPrograms
 
 #: NxDI's application class of each architecture whose decoder layer has been run here

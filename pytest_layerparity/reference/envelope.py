@@ -27,8 +27,11 @@ from ..store.callspec import (
     replace_hidden_input,
     tensor_names,
 )
-from .model import ModelSource, eager_experts_skeleton, give_back_memory, load_layer
+from .checkpoint import load_layer
+from .memory import give_back_memory
+from .model import eager_experts_skeleton
 from .perturb import PerturbedArithmetic, samples_per_forward
+from .source import ModelSource
 from .tokens import in_token_blocks
 
 if TYPE_CHECKING:

@@ -33,9 +33,11 @@ from .audit import dtype_audit
 from .envelope import PerturbedRunner
 from .floor import FloorEvaluator
 from .inputs import input_description, make_input_ids
-from .model import ModelError, ModelSource, build_skeleton, find_layer_list, give_back_memory, layer_count_from_config
+from .memory import give_back_memory
+from .model import ModelError, build_skeleton, find_layer_list, layer_count_from_config
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
 from .plan import resolve_golden_device
+from .source import ModelSource
 from .spill import SpilledCalls, SpilledKV, mapped_empty
 
 if TYPE_CHECKING:

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing, ref_routing
 from ..store.callspec import appended_kv, cache_argument, decode_call, first_tensor, replace_hidden_input
-from .model import ModelSource, eager_experts_skeleton, give_back_memory, load_layer
+from .checkpoint import load_layer
+from .memory import give_back_memory
+from .model import eager_experts_skeleton
+from .source import ModelSource
 
 if TYPE_CHECKING:
     import torch

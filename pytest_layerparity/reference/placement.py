@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..options import parse_max_memory
-from .model import ModelSource, model_class_for, own_config
+from .model import model_class_for, own_config
 from .plan import fits_whole, make_plan
+from .source import ModelSource
 
 if TYPE_CHECKING:
     import torch

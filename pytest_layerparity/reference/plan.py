@@ -16,15 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..store.tensorfile import SAFETENSORS_ITEMSIZE, SAFETENSORS_TORCH_DTYPE
-from .model import (
-    LAYER_LIST_CANDIDATES,
-    Checkpoint,
-    ModelSource,
-    checkpoint_conversions,
-    hidden_size_from_config,
-    split_by_conversion,
-)
+from .checkpoint import Checkpoint, split_by_conversion
+from .model import LAYER_LIST_CANDIDATES, hidden_size_from_config
 from .perturb import ROUNDING_BLOCK, WIDEN_BLOCK, query_block, samples_per_forward
+from .source import ModelSource, checkpoint_conversions
 from .streaming import ROW_BLOCK_FRACTION
 from .tokens import block_rows
 

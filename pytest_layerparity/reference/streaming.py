@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
     Device = str | torch.device
 
-from . import model as modeling
+from .checkpoint import Checkpoint
+from .memory import give_back_memory
 
 #: A head read by blocks of rows reads at most this fraction of the largest decoder layer at once.
 ROW_BLOCK_FRACTION = 0.5
@@ -72,7 +73,7 @@ def _has_direct_weights(module: torch.nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False))
 
 
-def plan_units(model: torch.nn.Module, checkpoint: modeling.Checkpoint, layer_path: str) -> StreamPlan:
+def plan_units(model: torch.nn.Module, checkpoint: Checkpoint, layer_path: str) -> StreamPlan:
     """Split the model into streamable units: each decoder layer, and each other module
     that directly holds parameters (outside the layers)."""
     layers = model.get_submodule(layer_path)
@@ -111,9 +112,7 @@ def _tied_pairs(model: torch.nn.Module) -> list[tuple[str, str]]:
     return []
 
 
-def _load(
-    model: torch.nn.Module, checkpoint: modeling.Checkpoint, keys: list[str], dtype: torch.dtype, device: Device
-) -> None:
+def _load(model: torch.nn.Module, checkpoint: Checkpoint, keys: list[str], dtype: torch.dtype, device: Device) -> None:
     if keys:
         checkpoint.load_into(model, keys, dtype, device=str(device))
 
@@ -121,7 +120,7 @@ def _load(
 @contextmanager
 def streamed(
     model: torch.nn.Module,
-    checkpoint: modeling.Checkpoint,
+    checkpoint: Checkpoint,
     layer_path: str,
     dtype: torch.dtype,
     device: Device,
@@ -154,7 +153,7 @@ def streamed(
         def release(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             _release(module)
             _put_back(module)
-            modeling.give_back_memory()
+            give_back_memory()
 
         return release
 
@@ -192,7 +191,7 @@ def streamed(
             del module.forward
 
 
-def _layer_elements(checkpoint: modeling.Checkpoint, plan: StreamPlan) -> int:
+def _layer_elements(checkpoint: Checkpoint, plan: StreamPlan) -> int:
     """The largest decoder layer's number of elements, from the checkpoint's headers."""
     layers = [u for u in plan.units if u.layer]
     headers = checkpoint.headers([k for u in layers for k in u.keys])
@@ -200,7 +199,7 @@ def _layer_elements(checkpoint: modeling.Checkpoint, plan: StreamPlan) -> int:
 
 
 def _embedding_rows(
-    module: torch.nn.Module, checkpoint: modeling.Checkpoint, key: str, tokens: torch.Tensor, dtype, device
+    module: torch.nn.Module, checkpoint: Checkpoint, key: str, tokens: torch.Tensor, dtype, device
 ) -> torch.Tensor:
     """Give the embedding ``module`` the rows of ``tokens`` alone (read from the checkpoint,
     in ``dtype`` on ``device``); returns each token's row among them. The
@@ -244,7 +243,7 @@ def _runs(ids: list[int]) -> list[tuple[int, int]]:
 
 def _blocked_linear(
     unit: Unit,
-    checkpoint: modeling.Checkpoint,
+    checkpoint: Checkpoint,
     dtype: torch.dtype,
     device: Device,
     block_elements: int,
@@ -285,7 +284,7 @@ def _blocked_linear(
     finally:
         _release(module)
         _put_back(module)
-        modeling.give_back_memory()
+        give_back_memory()
     return out
 
 

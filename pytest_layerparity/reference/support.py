@@ -9,7 +9,7 @@ from ..store.callspec import UnstorableCache, check_storable
 from .model import ModelError
 
 if TYPE_CHECKING:
-    from .model import ModelSource
+    from .source import ModelSource
 
 
 def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int) -> None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ..reference.model import ModelSource
+    from ..reference.source import ModelSource
 
 StepFn = Callable[[Any, Any], tuple[Any, Any]]
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ..ports.nxdi import NxdiPort
     from ..reference.envelope import PerturbedRunner
     from ..reference.floor import FloorEvaluator
-    from ..reference.model import ModelSource
+    from ..reference.source import ModelSource
 
 BuildHook = Callable[..., Any]
 #: The fewest perturbed chains without an upstream routing flip that make an envelope of

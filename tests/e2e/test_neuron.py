@@ -353,11 +353,12 @@ def test_example_gives_the_released_checkpoints_names_back(example):
     import torch
     from safetensors import safe_open
 
+    from pytest_layerparity.reference import checkpoint
     from pytest_layerparity.reference import model as modeling
 
     config = modeling.load_hf_config(DEFAULT_MODEL)
     skeleton = modeling.build_skeleton(config, torch.float32)
-    layer = modeling.load_layer(skeleton, modeling.Checkpoint.open(DEFAULT_MODEL), "model.layers", 3, torch.float32)
+    layer = checkpoint.load_layer(skeleton, checkpoint.Checkpoint.open(DEFAULT_MODEL), "model.layers", 3, torch.float32)
     names = example.hf_layer_to_checkpoint_names(layer.state_dict(), 3)
     index = json.loads((DEFAULT_MODEL / "model.safetensors.index.json").read_text())["weight_map"]
     raw = {}

@@ -1,4 +1,4 @@
-"""Checkpoints read from disk (reference.model.Checkpoint, and the plan's reading of them),
+"""Checkpoints read from disk (reference.checkpoint.Checkpoint, and the plan's reading of them),
 each on a checkpoint written for it: rows read where the header places them, tensors read as
 private maps of their shard, a cut or unreadable shard named, and the plan's block of the head
 or tied weights (moved from unit/test_streaming.py, which reads the embedded model alone)."""
@@ -12,7 +12,8 @@ import torch
 from support import DEFAULT_MODEL as MODEL
 
 from pytest_layerparity.reference import streaming
-from pytest_layerparity.reference.model import Checkpoint, ModelSource
+from pytest_layerparity.reference.checkpoint import Checkpoint
+from pytest_layerparity.reference.source import ModelSource
 
 
 def _mapped_from_a_file(tensor: torch.Tensor) -> bool:

@@ -37,7 +37,7 @@ def _checkpoint(folder, model_type: str, keys: list[str]):
     import torch
     from safetensors.torch import save_file
 
-    from pytest_layerparity.reference.model import Checkpoint
+    from pytest_layerparity.reference.checkpoint import Checkpoint
 
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["LlamaForCausalLM"]}))

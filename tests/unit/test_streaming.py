@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pytest_layerparity.reference import streaming
-from pytest_layerparity.reference.model import Checkpoint, ModelSource
+from pytest_layerparity.reference.checkpoint import Checkpoint
+from pytest_layerparity.reference.source import ModelSource
 from pytest_layerparity.reference.spill import mapped_empty
 
 MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "minimax_m2_tiny"
