@@ -78,10 +78,12 @@ the CPU re-run (an op the CPU cannot run, even in float32) are logged and the
 op is skipped.
 """
 
+from ._compare_with_cpu import CompareError, CompareWithCPU
 from ._dump import DUMP_FORMAT, DumpFormatError, load_op_dump, save_op_dump
-from ._modes import CompareError, CompareWithCPU, NanInfError, NanInfTracker, OpCheckError, OpFailure, get_rank
 from ._names import DEFAULT_WHITE_LIST, op_display_name, resolve_op
+from ._nan_inf import NanInfError, NanInfTracker
 from ._single import compare_for_single_op, nan_inf_track_for_single_op
+from ._tool import OpCheckError, OpFailure, get_rank
 from ._tracker import ModuleInfo, ModuleTrackerHandle, open_module_tracker
 
 __all__ = [

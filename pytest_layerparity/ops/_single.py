@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from . import _compare as C
+from ._compare_with_cpu import compare_op_results
 from ._dump import load_op_dump
-from ._modes import compare_op_results, logger
 from ._names import op_display_name, resolve_op
+from ._tool import logger
 
 __all__ = ["compare_for_single_op", "nan_inf_track_for_single_op", "replay_device"]
 
