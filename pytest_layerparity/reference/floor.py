@@ -4,7 +4,7 @@ evaluate it along the chain. The verdict measures the target's error against it 
 the golden's own rounding error.
 
 The layer's weights stay in the golden's dtype: every op is computed in the floor dtype on
-its operands widened for that op alone (:class:`~.perturb.WiderArithmetic`), which gives
+its operands widened for that op alone (:class:`~.wider.WiderArithmetic`), which gives
 what the layer with its weights converted computes (the conversion is exact) without a
 second, wider copy of the layer in memory."""
 
@@ -71,8 +71,8 @@ class FloorEvaluator:
         ``layer``: the layer already loaded (by :meth:`load`), else it is loaded and given back."""
         import torch
 
-        from .perturb import WiderArithmetic
         from .tokens import in_token_blocks
+        from .wider import WiderArithmetic
 
         owned = layer is None
         if layer is None:

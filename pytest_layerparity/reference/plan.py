@@ -18,10 +18,12 @@ from typing import Any
 from ..store.tensorfile import SAFETENSORS_ITEMSIZE, SAFETENSORS_TORCH_DTYPE
 from .checkpoint import Checkpoint, split_by_conversion
 from .model import LAYER_LIST_CANDIDATES, hidden_size_from_config
-from .perturb import ROUNDING_BLOCK, WIDEN_BLOCK, query_block, samples_per_forward
+from .perturb import samples_per_forward
+from .rounding import ROUNDING_BLOCK
 from .source import ModelSource, checkpoint_conversions
 from .streaming import ROW_BLOCK_FRACTION
 from .tokens import block_rows
+from .wider import WIDEN_BLOCK, query_block
 
 # -- checkpoint sizes from headers -------------------------------------------------------------
 
@@ -256,7 +258,7 @@ def widest_weight(cfg: dict[str, Any]) -> int:
     projection, the dense MLP's up projection, or one expert's gate and up projections:
     transformers stacks them into one tensor, and one expert's slice is what an op reads)
     that a pass one precision wider widens at once: for the op alone, and a block of its
-    columns at a time where it has more than ``perturb.WIDEN_BLOCK`` elements."""
+    columns at a time where it has more than ``wider.WIDEN_BLOCK`` elements."""
     text = cfg.get("text_config") or cfg
     hidden, heads, _, head_dim = attention_shape(cfg)
     experts, _, inter = mlp_sizes(text)
@@ -268,13 +270,13 @@ def perturbed_op_peak(cfg: dict[str, Any], batch: int, seq: int, itemsize_: int,
     """Bytes one op of a perturbed run (``perturb.PerturbedArithmetic``) adds at its widest,
     beyond the run's own tensors: its result computed one precision wider (beside its
     widened input, then beside the result and the rounded result), and the rounding's error,
-    point and mask for one block (``perturb.ROUNDING_BLOCK``), for the largest result
+    point and mask for one block (``rounding.ROUNDING_BLOCK``), for the largest result
     of the layer: the norms' float32 pass over a block of tokens' hidden states (float64
     wide), the MLP's intermediate (a block of tokens'; for a mixture of experts: one
     expert's gate and up outputs, its share of the tokens), eager attention's float32
     softmax; and a fused attention's wider reference, the math attention (its queries, keys
     and values widened, its output, and one block of queries' scores and probabilities:
-    ``perturb.attention_reference``)."""
+    ``wider.attention_reference``)."""
     text = cfg.get("text_config") or cfg
     tokens = batch * seq
     hidden, heads, kv_heads, head_dim = attention_shape(cfg)

@@ -150,7 +150,7 @@ ATTENTION_HEAP_PROBE = """
 import os
 import torch
 from pytest_layerparity.reference.memory import bound_reference_memory
-from pytest_layerparity.reference.perturb import attention_reference
+from pytest_layerparity.reference.wider import attention_reference
 bound_reference_memory()  # the allocator's settings of a reference run
 torch.set_num_threads(1)  # one heap: other threads' arenas grow as their timing falls
 page = os.sysconf("SC_PAGE_SIZE")

@@ -10,8 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from pytest_layerparity.reference import perturb
-from pytest_layerparity.reference.perturb import WiderArithmetic, query_block
+from pytest_layerparity.reference import perturb, wider
 from pytest_layerparity.reference.plan import (
     FLOOR_OUTPUT,
     FORWARD,
@@ -28,6 +27,7 @@ from pytest_layerparity.reference.plan import (
     widest_weight,
 )
 from pytest_layerparity.reference.spill import SpilledCalls
+from pytest_layerparity.reference.wider import WiderArithmetic, query_block
 from pytest_layerparity.store.callspec import CallRecord
 from pytest_layerparity.store.golden import _all_finite_by_sum, check_finite
 
@@ -84,18 +84,18 @@ def test_a_large_weight_is_widened_a_block_of_columns_at_a_time(monkeypatch, nar
             return value.to(wide)
         return value
 
-    monkeypatch.setattr(perturb, "WIDEN_BLOCK", 400)  # ten columns of b a block
+    monkeypatch.setattr(wider, "WIDEN_BLOCK", 400)  # ten columns of b a block
     if c is None:
-        got = perturb.widened_matmul(torch.ops.aten.mm.default, (a, b), {}, widen)
+        got = wider.widened_matmul(torch.ops.aten.mm.default, (a, b), {}, widen)
         want = a.to(wide) @ b.to(wide)
     else:
         c = c.to(narrow)
-        got = perturb.widened_matmul(torch.ops.aten.addmm.default, (c, a, b), {"beta": 0.5}, widen)
+        got = wider.widened_matmul(torch.ops.aten.addmm.default, (c, a, b), {"beta": 0.5}, widen)
         want = torch.addmm(c.to(wide), a.to(wide), b.to(wide), beta=0.5)
     assert got.dtype == wide
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     assert a.numel() in widened and max(widened) == 400 and widened.count(400) == 5  # a whole, b ten columns a time
-    assert perturb.widened_matmul(torch.ops.aten.mm.default, (a, b[:, :10]), {}, widen) is None  # small: whole
+    assert wider.widened_matmul(torch.ops.aten.mm.default, (a, b[:, :10]), {}, widen) is None  # small: whole
 
 
 def test_the_floor_and_a_perturbed_run_of_a_large_linear_widen_it_in_blocks(monkeypatch):
@@ -105,7 +105,7 @@ def test_the_floor_and_a_perturbed_run_of_a_large_linear_widen_it_in_blocks(monk
         want = torch.nn.functional.linear(x.float(), linear.weight.float(), linear.bias.float())
         with perturb.PerturbedArithmetic(0):
             whole = linear(x)  # the weight widened whole (below WIDEN_BLOCK)
-        monkeypatch.setattr(perturb, "WIDEN_BLOCK", 40 * 7)
+        monkeypatch.setattr(wider, "WIDEN_BLOCK", 40 * 7)
         with WiderArithmetic(torch.float32):
             got = linear(x.float())
         with perturb.PerturbedArithmetic(0):

@@ -6,17 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_layerparity.reference import perturb
-from pytest_layerparity.reference.perturb import (
-    ERROR_SCALE,
-    PerturbedArithmetic,
-    another_rounding,
-    attention_reference,
-    one_pass_var_mean,
-    query_block,
-    sequential_sum_error_std,
-    stochastic_round,
-)
+from pytest_layerparity.reference import rounding
+from pytest_layerparity.reference.perturb import ERROR_SCALE, PerturbedArithmetic, one_pass_var_mean
+from pytest_layerparity.reference.rounding import another_rounding, sequential_sum_error_std, stochastic_round
+from pytest_layerparity.reference.wider import attention_reference, query_block
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -250,7 +243,7 @@ def _plain_another_rounding(result, wide, generator, jitter, scale):
     sign = torch.randint(0, 2, wide.shape, generator=generator).to(wide.dtype) * 2 - 1
     point = torch.where(torch.isfinite(error), wide + sign * error * scale, wide)
     if jitter:
-        u = perturb.unit_roundoff(result.dtype) * scale
+        u = rounding.unit_roundoff(result.dtype) * scale
         return (point * (1 + u * (torch.rand(wide.shape, generator=generator, dtype=wide.dtype) * 2 - 1))).to(
             result.dtype
         )
@@ -263,20 +256,20 @@ def _plain_another_rounding(result, wide, generator, jitter, scale):
     return torch.where((draw < p_other) & torch.isfinite(other) & (back != point), other, nearest)
 
 
-@pytest.mark.parametrize("block", [perturb.ROUNDING_BLOCK, 999, 1000])
+@pytest.mark.parametrize("block", [rounding.ROUNDING_BLOCK, 999, 1000])
 @pytest.mark.parametrize("jitter", [False, True])
 @pytest.mark.parametrize(("narrow", "wide"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)])
 def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, narrow, wide, jitter, block):
     """In place, and in blocks (the same draws as the whole, the generator left where the
     whole leaves it)."""
-    monkeypatch.setattr(perturb, "ROUNDING_BLOCK", block)
+    monkeypatch.setattr(rounding, "ROUNDING_BLOCK", block)
     g = torch.Generator().manual_seed(1)
     exact = 10 * torch.randn(5000, generator=g, dtype=torch.float64).to(wide)
     exact[::97] = 0
     exact[5], exact[7], exact[9] = float("inf"), float("nan"), 1e-40
     result = (exact * (1 + 1e-3 * torch.randn(5000, generator=g, dtype=wide))).to(narrow)
     mine, plain = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    got = perturb.another_rounding(result.view(50, 100), exact.view(50, 100), mine, jitter, 2.0).view(-1)
+    got = rounding.another_rounding(result.view(50, 100), exact.view(50, 100), mine, jitter, 2.0).view(-1)
     want = _plain_another_rounding(result, exact, plain, jitter, 2.0)
     assert torch.equal(torch.rand(4, generator=mine), torch.rand(4, generator=plain))
     assert got.dtype == narrow
@@ -287,7 +280,7 @@ def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, 
 def test_wider_arithmetic_widens_a_convolution_that_checks_its_operands_first():
     """A depthwise causal conv1d (Mamba's) on a widened input: the composite checks that its
     input and bias agree before any op runs, so its operands are widened where it is called."""
-    from pytest_layerparity.reference.perturb import WiderArithmetic
+    from pytest_layerparity.reference.wider import WiderArithmetic
 
     conv = torch.nn.Conv1d(8, 8, 4, groups=8, padding=3)
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)

@@ -1,0 +1,275 @@
+"""The rounding model of the perturbed runs (:mod:`.perturb`): which ops round at all
+(``EXACT_OPS`` do not), each dtype's unit roundoff, another legitimate rounding of an op's
+result given the op computed one precision wider (:func:`stochastic_round`,
+:func:`another_rounding`), and the size of the error of a matmul summed sequentially in a
+16-bit dtype (:func:`sequential_sum_error_std`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+# Ops whose floating results involve no rounding (data movement, selection, exact arithmetic).
+EXACT_OPS = frozenset(
+    {
+        "clone",
+        "copy",
+        "copy_",
+        "cat",
+        "stack",
+        "slice",
+        "select",
+        "index",
+        "index_select",
+        "gather",
+        "scatter",
+        "expand",
+        "permute",
+        "transpose",
+        "t",
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "unsqueeze",
+        "squeeze",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "narrow",
+        "where",
+        "masked_fill",
+        "masked_fill_",
+        "zeros",
+        "zeros_like",
+        "ones",
+        "ones_like",
+        "full",
+        "full_like",
+        "empty",
+        "empty_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+        "arange",
+        "embedding",
+        "neg",
+        "abs",
+        "relu",
+        "max",
+        "min",
+        "amax",
+        "amin",
+        "topk",
+        "sort",
+        "argmax",
+        "argmin",
+        "lift_fresh",
+        "lift_fresh_copy",
+        "detach",
+        "alias",
+        "_to_copy",
+        "to",
+        "flip",
+        "roll",
+        "repeat",
+        "index_put",
+        "index_put_",
+        "fill",
+        "fill_",
+        "zero_",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "logical_not",
+        "logical_and",
+        "logical_or",
+        "isnan",
+        "isinf",
+        "isfinite",
+        "sign",
+        "clamp_min",
+        "clamp_max",
+        "clamp",
+        "triu",
+        "tril",
+        "constant_pad_nd",
+        "pad",
+        "unbind",
+        "diagonal",
+        "as_strided",
+        "scalar_tensor",
+        "_softmax_backward_data",
+        "one_hot",
+        "bitwise_not",
+        "bitwise_and",
+        "bitwise_or",
+        "nonzero",
+        "unique",
+        "histc",
+        "bincount",
+        "floor",
+        "ceil",
+        "round",
+        "trunc",
+        "maximum",
+        "minimum",
+        "masked_scatter",
+        "index_add",
+        "index_add_",
+        "scatter_add",
+        "scatter_add_",
+        "_local_scalar_dense",
+        "item",
+        "sym_size",
+        "sym_stride",
+        "sym_numel",
+    }
+)
+_UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24, torch.float64: 2.0**-53}
+_WIDER = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
+#: Checkpoints along the summed dimension at which the partial sums are computed exactly.
+_CHECKPOINTS = 8
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return _UNIT_ROUNDOFF[dtype]
+
+
+def _may_round(func: Any) -> bool:
+    """Whether ``func`` is an op that may round at all (not data movement or exact arithmetic)."""
+    name = func.overloadpacket.__name__
+    return not (name in EXACT_OPS or name.rstrip("_") in EXACT_OPS or getattr(func, "is_view", False))
+
+
+def _rounds(func: Any, args: tuple, out: Any) -> bool:
+    """Whether ``func``'s floating results are rounded (and so may be perturbed)."""
+    name = func.overloadpacket.__name__
+    if name == "_to_copy":  # a conversion rounds only when it narrows
+        source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        return (
+            source is not None
+            and isinstance(out, torch.Tensor)
+            and source.is_floating_point()
+            and out.is_floating_point()
+            and _UNIT_ROUNDOFF.get(out.dtype, 0) > _UNIT_ROUNDOFF.get(source.dtype, 0)
+        )
+    return _may_round(func)
+
+
+def stochastic_round(exact: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """``exact`` (a wider dtype) rounded to ``dtype`` up or down at random, each neighbour
+    with probability in proportion to its closeness (unbiased: E[result] = exact)."""
+    # In place where it can be (the same values): a perturbed op's temporaries are the peak of
+    # extraction's perturbed runs, several copies of the op's result one precision wider.
+    nearest = exact.to(dtype)
+    back = nearest.to(exact.dtype)
+    toward = torch.full_like(nearest, -float("inf")).masked_fill_(back < exact, float("inf"))
+    other = torch.nextafter(nearest, toward)
+    del toward
+    p_other = (exact - back).abs_()
+    gap = other.to(exact.dtype).sub_(back).abs_()
+    p_other.div_(gap).nan_to_num_(0.0).clamp_(0, 1)
+    del gap
+    draw = torch.rand(exact.shape, generator=generator, dtype=exact.dtype, device=exact.device)
+    take = draw < p_other
+    del draw, p_other
+    take &= torch.isfinite(other)
+    take &= back != exact
+    del back
+    return torch.where(take, other, nearest)
+
+
+#: Elements another_rounding works on at once (on the CPU): its wide temporaries (the error,
+#: the point reached, the rounding's draws) are a block's, not several copies of the result.
+ROUNDING_BLOCK = 1 << 20
+
+
+def another_rounding(
+    result: torch.Tensor, wide: torch.Tensor, generator: torch.Generator, jitter: bool = False, scale: float = 1.0
+) -> torch.Tensor:
+    """Another legitimate value of an op's ``result``, given the op computed one precision
+    wider (``wide``): per element, the result's error against ``wide`` is kept or reflected
+    (at random, half and half), and the point reached is rounded stochastically.
+
+    For an elementwise op (``result`` is ``wide`` rounded to nearest) this is exactly
+    stochastic rounding of ``wide``. For a reduction (a matmul or a sum accumulated in the
+    result's dtype) it keeps the size of the accumulation error while drawing its sign anew,
+    as another reduction order would; recomputing wider alone would drop that error and
+    make every run more accurate than the golden. ``scale`` multiplies both errors: a kernel
+    that is that many times less accurate than the reference's.
+
+    On the CPU a result of more than ``ROUNDING_BLOCK`` elements is worked through in blocks
+    with the same draws as the whole: the signs are the generator's next n draws and the
+    rounding's the n after them (a second generator starts where the signs end; the
+    generator is left where the whole would leave it)."""
+    n = wide.numel()
+    if wide.device.type != "cpu" or n <= ROUNDING_BLOCK:
+        return _another_rounding(result, wide, generator, generator, jitter, scale)
+    draws = torch.Generator(device=wide.device)
+    draws.set_state(generator.get_state())
+    for start in range(0, n, ROUNDING_BLOCK):  # past the signs' draws
+        torch.randint(0, 2, (min(ROUNDING_BLOCK, n - start),), generator=draws, dtype=wide.dtype)
+    out = torch.empty(wide.shape, dtype=result.dtype, device=wide.device)
+    flat_out, flat_result, flat_wide = out.view(-1), result.reshape(-1), wide.reshape(-1)
+    for start in range(0, n, ROUNDING_BLOCK):
+        stop = min(start + ROUNDING_BLOCK, n)
+        part = _another_rounding(flat_result[start:stop], flat_wide[start:stop], generator, draws, jitter, scale)
+        flat_out[start:stop] = part
+        del part
+    generator.set_state(draws.get_state())
+    return out
+
+
+def _another_rounding(
+    result: torch.Tensor,
+    wide: torch.Tensor,
+    signs: torch.Generator,
+    draws: torch.Generator,
+    jitter: bool,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`another_rounding` of one block: its signs from ``signs``, its rounding's
+    draws from ``draws``."""
+    error = result.to(wide.dtype).sub_(wide)
+    # the sign drawn in the wide dtype: the same draws as in int64 (tested), a quarter of the bytes
+    point = torch.randint(0, 2, wide.shape, generator=signs, device=wide.device, dtype=wide.dtype)
+    point.mul_(2).sub_(1).mul_(error).mul_(scale).add_(wide)  # wide + sign * error * scale
+    finite = torch.isfinite(error)
+    del error
+    point = torch.where(finite, point, wide)
+    del finite
+    if jitter:  # anywhere within half an ulp (times scale) of the point, then to nearest
+        u = _UNIT_ROUNDOFF[result.dtype] * scale
+        factor = torch.rand(wide.shape, generator=draws, dtype=wide.dtype, device=wide.device)
+        factor.mul_(2).sub_(1).mul_(u).add_(1)  # 1 + u * (2 rand - 1)
+        return point.mul_(factor).to(result.dtype)
+    return stochastic_round(point, result.dtype, draws)
+
+
+def sequential_sum_error_std(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The standard deviation of the error of ``a @ b`` (batched or not) summed sequentially
+    in ``dtype``: each of the k additions rounds its partial sum S_j to nearest, an error
+    uniform within half an ulp of S_j, of variance u^2 S_j^2 / (8 ln 2) over S_j's position
+    within its binade, so the total's is u^2 / (8 ln 2) * sum_j S_j^2. The partial sums are
+    computed exactly at ``_CHECKPOINTS`` points along k (block products, same work as one
+    matmul); between two checkpoints S_j runs from one to the next (the straight part) with
+    a random-walk bridge around it (sixth of the block's sum of squared products)."""
+    wide = _WIDER.get(dtype, torch.float32)
+    a, b = a.detach().to(wide), b.detach().to(wide)
+    k = a.shape[-1]
+    step = max(1, -(-k // _CHECKPOINTS))
+    total = torch.zeros(a.shape[:-1] + b.shape[-1:], dtype=wide, device=a.device)
+    before = torch.zeros_like(total)
+    for start in range(0, k, step):
+        width = min(step, k - start)
+        after = before + a[..., start : start + width] @ b[..., start : start + width, :]
+        total += width * (before * before + before * after + after * after) / 3
+        before = after
+    total += step * ((a * a) @ (b * b)) / 6
+    return (_UNIT_ROUNDOFF[dtype] ** 2 * total / (8 * math.log(2))).sqrt()
