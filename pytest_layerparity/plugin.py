@@ -46,8 +46,10 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     quiet_secondary_rank(config)
     if not config.getoption("layerparity_plan", False):
         return None
+    from .reference.devices import resolve_golden_device
     from .reference.model import ModelError
-    from .reference.plan import RunOptions, plan_lines, resolve_golden_device
+    from .reference.plan import RunOptions
+    from .reference.plan_text import plan_lines
     from .session import LayerParitySession
 
     settings = resolve_paths(read_settings(config), config)

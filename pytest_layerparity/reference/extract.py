@@ -30,13 +30,13 @@ from ..store.callspec import (
 from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, GoldenError, GoldenStore, describe_differences
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit
+from .devices import resolve_golden_device
 from .envelope import PerturbedRunner
 from .floor import FloorEvaluator
 from .inputs import input_description, make_input_ids
 from .memory import give_back_memory
 from .model import ModelError, build_skeleton, find_layer_list, layer_count_from_config
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
-from .plan import resolve_golden_device
 from .source import ModelSource
 from .spill import SpilledCalls, SpilledKV, mapped_empty
 

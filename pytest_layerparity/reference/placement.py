@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..options import parse_max_memory
+from .devices import free_memory
 from .model import model_class_for, own_config
-from .plan import fits_whole, make_plan
+from .plan import Plan, make_plan
 from .source import ModelSource
 
 if TYPE_CHECKING:
@@ -24,6 +25,13 @@ def choose_device_map(settings: Settings, model: ModelSource, dtype_name: str, g
         return settings.device_map
     plan = make_plan(model, dtype_name, settings.batch_size, settings.seq_len)
     return golden_device if fits_whole(plan, golden_device) else "stream"
+
+
+def fits_whole(plan: Plan, golden_device: str, headroom: float = 1.2) -> bool:
+    """Would the whole model (and one forward) fit the golden device?"""
+    device = golden_device if ":" in golden_device or golden_device == "cpu" else "cuda:0"
+    free = free_memory().get(device, 0)
+    return (plan.weights + plan.activations + plan.kv_cache) * headroom < free
 
 
 def load_whole_model(

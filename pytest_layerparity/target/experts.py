@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..reference.model import hidden_size_from_config, read_config_json
-from ..reference.plan import gb, itemsize, mlp_sizes
+from ..reference.plan import itemsize, mlp_sizes
+from ..reference.plan_text import gb
 
 if TYPE_CHECKING:
     from ..options import Settings

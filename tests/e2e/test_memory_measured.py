@@ -259,7 +259,7 @@ CODE_PROBE = """
 import re, sys
 import torch, transformers
 from pytest_layerparity.reference.source import ModelSource
-from pytest_layerparity.reference.plan import plan_lines
+from pytest_layerparity.reference.plan_text import plan_lines
 lines = plan_lines(ModelSource(sys.argv[1]), "bfloat16", 1, 8, "cpu")
 print(re.search(r"code and accelerate.*: ([\\d.]+) MB", "\\n".join(lines)).group(1))
 """
