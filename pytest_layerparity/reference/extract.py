@@ -27,7 +27,8 @@ from ..store.callspec import (
     primary_output_name,
     returned_cache,
 )
-from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, GoldenError, GoldenStore, describe_differences
+from ..store.differences import describe_differences
+from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, GoldenError, GoldenStore
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit
 from .devices import resolve_golden_device

@@ -17,12 +17,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import math
 import os
 import re
 import stat
-import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +32,10 @@ if TYPE_CHECKING:
 from ..compare.envelope import Envelope
 from ..selection import golden_layer, parse_decode_key, parse_layer_key
 from . import tensorfile
+from .atomic import _fsync_dir, _write_temp, atomic_write_bytes
 from .callspec import tensor_names
 from .commands import extract_command
+from .differences import describe_differences
 
 #: The key of the whole model's golden (its compact next-token logits).
 MODEL_LOGITS_KEY = "model_logits"
@@ -82,57 +82,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _write_temp(path: Path, data: bytes | Callable[[int], Any]) -> Path:
-    """Write ``data`` (bytes, or a function writing to the file descriptor it is given) to
-    a new temporary file beside ``path`` and fsync it; return its path. On any failure the
-    temporary file is removed and the error raised."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        try:
-            os.fchmod(fd, 0o666 & ~_umask())
-            if callable(data):
-                data(fd)
-            else:
-                tensorfile.write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return Path(tmp)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
-    tmp = _write_temp(path, data)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
 
 
 def _reason(exc: OSError) -> str:
@@ -594,26 +543,3 @@ def _split_nonfinite(key: str, tensors: Mapping[str, torch.Tensor]) -> tuple[dic
 
 def _is_hidden_state(name: str) -> bool:
     return name.startswith(("output", "args.0", "ref_output")) or name in {"embeddings", "logits"}
-
-
-def describe_differences(manifest: Mapping[str, Any], expected: Mapping[str, Any], keys: tuple[str, ...]) -> list[str]:
-    """Human-readable differences between a manifest and what this run expects."""
-    out = []
-    for key in keys:
-        have, want = _dig(manifest, key), _dig(expected, key)
-        if have != want and not (_is_nan(have) and _is_nan(want)):
-            out.append(f"{key}: store has {have!r}, this run has {want!r}")
-    return out
-
-
-def _dig(mapping: Mapping[str, Any], dotted: str) -> Any:
-    value: Any = mapping
-    for part in dotted.split("."):
-        if not isinstance(value, Mapping):
-            return None
-        value = value.get(part)
-    return value
-
-
-def _is_nan(value: Any) -> bool:
-    return isinstance(value, float) and math.isnan(value)

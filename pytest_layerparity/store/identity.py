@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..options import DTYPES
-from .golden import GoldenError, describe_differences
+from .differences import describe_differences
+from .golden import GoldenError
 
 # Manifest fields that must agree for goldens to share one store.
 EXTRACTION_KEYS = (
