@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import _compare as C
+from ._format import format_failure_block
 from ._names import op_overload_name
 from ._tool import _CHECK, _UNCOMPARABLE, OpCheckError, OpFailure, _no_other_modes, _OpTool
 
@@ -185,7 +186,7 @@ class CompareWithCPU(_OpTool):
                 self._emit(logging.INFO, f"{label} succeeds to pass CompareWithCPU test")
             return out
 
-        block = C.format_failure_block(
+        block = format_failure_block(
             label, self.tool_name, args, kwargs, out, mismatches, () if self.verbose else notes
         )
         m0 = mismatches[0]

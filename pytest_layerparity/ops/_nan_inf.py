@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from . import _compare as C
+from ._format import describe_tensor, nan_inf_counts
 from ._names import op_overload_name
 from ._tool import _CHECK, OpCheckError, OpFailure, _OpTool
 
@@ -244,13 +245,13 @@ class NanInfTracker(_OpTool):
         if t is not None:
             with torch.no_grad():
                 tc = t.detach().to("cpu")
-                nan_n, inf_n = C.nan_inf_counts(tc)
+                nan_n, inf_n = nan_inf_counts(tc)
                 bad = ~torch.isfinite(tc).reshape(-1)
                 j = bad.nonzero().reshape(-1)[:1]
                 if len(j):
                     first = tuple(int(c[0]) for c in torch.unravel_index(j, tc.shape)) if tc.dim() else ()
                 numel = tc.numel()
-                desc = f", first at index {first}, {C.describe_tensor(t)}"
+                desc = f", first at index {first}, {describe_tensor(t)}"
             counts = f": nan_num={nan_n}, inf_num={inf_n}"
         else:
             counts = " (found by a deferred check; the tensor is gone, no counts)"

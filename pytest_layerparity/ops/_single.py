@@ -10,6 +10,7 @@ import torch
 from . import _compare as C
 from ._compare_with_cpu import compare_op_results
 from ._dump import load_op_dump
+from ._format import describe_tensor, format_failure_block, nan_inf_counts
 from ._names import op_display_name, resolve_op
 from ._tool import logger
 
@@ -91,7 +92,7 @@ def compare_for_single_op(
     dev_label = C.device_label(args, kwargs, out)
     mismatches = compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label, atol, rtol)
     if mismatches:
-        logger.error(C.format_failure_block(name, "CompareWithCPU", args, kwargs, out, mismatches, notes))
+        logger.error(format_failure_block(name, "CompareWithCPU", args, kwargs, out, mismatches, notes))
     else:
         if notes:
             logger.info("\n".join(notes))
@@ -110,13 +111,13 @@ def nan_inf_track_for_single_op(path: str, op: Any = None, *, device: str | None
     C.sync_xla_if_needed([t for _, t in leaves])
     correct = True
     for p, t in leaves:
-        n, i = C.nan_inf_counts(t.detach().to("cpu"))
+        n, i = nan_inf_counts(t.detach().to("cpu"))
         if n or i:
             correct = False
             where = "" if p == "" else f" (output {p})"
             logger.log(
                 logging.WARNING,
-                f"[WARNING] {name} has nan/inf{where}: nan_num={n}, inf_num={i}, {C.describe_tensor(t)}",
+                f"[WARNING] {name} has nan/inf{where}: nan_num={n}, inf_num={i}, {describe_tensor(t)}",
             )
     if correct:
         logger.info(f"{name} has no nan/inf")
