@@ -28,6 +28,8 @@ positions where both values are finite. A chunk is known to be all-finite when t
 sums of both of its tensors are finite (any NaN or Inf makes a float64 sum non-finite), so
 the NaN/Inf bookkeeping costs nothing on clean data: only the chunks whose sums are not
 finite are revisited with masks.
+
+Long because every metric here comes from the same chunked float64 passes (:class:`_Chunks`).
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ minutes each to 2; a model with K kinds of layer needs 2 x K.
 The compile cache (``--compile-cache DIR``) holds one entry per program,
 ``DIR/nxdi/<application>/<model tag>-<key>/``: the compiler workdir and the checkpoint the
 program was built with.
+
+Long because the program key, the builds and the weight swaps are one cache (:class:`CompiledPrograms`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ cache it was given, where the decode-step test reads them.
 Under ``--target neuron`` the same layer runs in a compiled program instead, one per layer kind
 and call shape (``ports/compiled.py``), and :class:`HFCallToProgram` makes the program's
 positional call of the HF call, a decode step's past in a static KV cache.
+
+Long because building, loading and calling an NxDI layer follow one application's conventions together.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The reference side: run the HuggingFace model once on the golden input, capture every
 selected layer's whole call and output, and write them (with the precision floor) as
-goldens; or re-run it and check that the stored goldens reproduce."""
+goldens; or re-run it and check that the stored goldens reproduce.
+
+Long because :class:`ReferenceSide` is one run's state, shared by the extraction and the verification.
+"""
 
 from __future__ import annotations
 

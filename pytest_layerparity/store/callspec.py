@@ -23,6 +23,8 @@ The cache argument's name is the callee's: transformers 5.24 renamed the layers'
 ``past_key_values`` to ``cache``. A call is stored under the name the reference used and
 replayed under the name the callee takes (:func:`cache_argument`), so goldens made under one
 transformers are tested under the other.
+
+Long because the spec's encoder, decoder and KV-cache nodes are one format, read and written together.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ Guarantees (see docs/how-it-works.md, "What the store guarantees"):
 * tensors are read with safetensors (no unpickling); file names from the manifest cannot
   escape the store's folder (no ``..``, no absolute paths, no symlinks out, no devices);
 * several processes may write different entries of one store at once.
+
+Long because :class:`GoldenStore` keeps the writes and the verified reads the guarantees rest on together.
 """
 
 from __future__ import annotations

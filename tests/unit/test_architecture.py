@@ -1,7 +1,9 @@
 """Structural promises of the package, checked on its source: no import loop (top level,
-inside functions and under TYPE_CHECKING), no class over 25 methods, and documentation that
-stays short at the top and whose relative links resolve (those checked in a process of their
-own: e2e/test_architecture_processes.py)."""
+inside functions and under TYPE_CHECKING), no class over 25 methods, no module over 400
+lines unless its docstring says why, on a line of its own that starts "Long because" (one
+job per module: a longer one is split, or its docstring gives the reason it is one job), and
+documentation that stays short at the top and whose relative links resolve. Other promises
+are checked in a process of their own: e2e/test_architecture_processes.py."""
 
 from __future__ import annotations
 
@@ -13,6 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pytest_layerparity"
 MAX_METHODS = 25
 MAX_README_LINES = 400
+MAX_LINES = 400
+#: How a module's docstring says why it is longer than MAX_LINES: a line that starts with it.
+LONG_BECAUSE = "Long because"
+#: Modules over MAX_LINES without a reason in their docstring, each with why it is let through.
+LONG_EXEMPT = {
+    # The command-line options and README's options table, being reduced on their own.
+    "pytest_layerparity.options": "being reduced with the options table",
+}
 
 
 def module_name(path: Path) -> str:
@@ -166,3 +176,18 @@ def test_every_relative_link_of_the_docs_resolves():
     assert len(pages) > 8
     broken = [link for page in pages for link in broken_links(page)]
     assert broken == []
+
+
+def test_no_module_over_400_lines_without_a_reason():
+    modules = package_modules()
+    assert set(LONG_EXEMPT) <= set(modules)
+    long = []
+    for name, path in modules.items():
+        source = path.read_text()
+        count = len(source.splitlines())
+        if count <= MAX_LINES or name in LONG_EXEMPT:
+            continue
+        docstring = ast.get_docstring(ast.parse(source)) or ""
+        if not any(line.startswith(LONG_BECAUSE) for line in docstring.splitlines()):
+            long.append(f"{name}: {count} lines, and no line of its docstring starts {LONG_BECAUSE!r}")
+    assert long == []
