@@ -1,8 +1,10 @@
 """Command-line options and ini keys: the one table of options, the settings they make, and
 the small pure functions that parse each value and raise with the fix.
 
-Everything that reads an option reads it here (:func:`read_settings`), the plugin and the
-distributed runs alike.
+The command line holds what a run chooses (mode, target, model, layers, input, verdict);
+limits and pass-throughs that a project sets once are ini keys only (``layerparity_<name>``,
+for one run ``-o layerparity_<name>=VALUE``). Everything that reads an option reads it here
+(:func:`read_settings`), the plugin and the distributed runs alike.
 """
 
 from __future__ import annotations
@@ -10,14 +12,16 @@ from __future__ import annotations
 import argparse
 import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, make_dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import pytest
 
 DTYPES = ("bfloat16", "float16", "float32")
+NEAR_TIES = ("leave-out", "exclude", "strict")
 GOLDEN_DEVICES_HELP = "auto, cpu, cuda or cuda:N"
 DEVICE_MAP_CHOICES = ("stream", "auto", "balanced", "balanced_low_0", "sequential", "cpu")
 MAX_MEMORY_FORMS = (
@@ -99,6 +103,15 @@ def correlation(text: str) -> float:
     return value
 
 
+def boolean(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "yes", "on", "1"):
+        return True
+    if value in ("false", "no", "off", "0"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+
+
 def dtype_name(text: str) -> str:
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     value = aliases.get(text.strip().lower(), text.strip().lower())
@@ -123,7 +136,7 @@ def size_bytes(text: str) -> int:
 
 
 def max_memory_spec(text: str) -> str:
-    """argparse type of --max-memory: checks the form, keeps the text."""
+    """Parser of layerparity_max_memory: checks the form, keeps the text."""
     try:
         parse_max_memory(text, gpus=1)
     except ValueError as exc:
@@ -170,7 +183,9 @@ def device_map_choice(text: str) -> str:
 
 @dataclass(frozen=True)
 class Option:
-    """One option: its flag, its ini key (if it persists between runs), parser and default."""
+    """One option, declared once: its setting (``dest``, a field of Settings), its command-line
+    flag, whether it is an ini key ``layerparity_<dest>`` too (``ini``) or only (``cli=False``:
+    ``flag`` is then the flag it had, refused with the key to write), its parser and default."""
 
     dest: str
     flag: str
@@ -181,10 +196,31 @@ class Option:
     action: str | None = None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    cli: bool = True
+
+    def __post_init__(self) -> None:
+        if not (self.cli or self.ini):
+            raise ValueError(f"{self.dest}: an option off the command line must be an ini key")
 
     @property
     def ini_name(self) -> str:
         return f"layerparity_{self.dest}"
+
+    @property
+    def option_name(self) -> str:
+        """Its name in pytest's option namespace (``config.getoption``)."""
+        return f"layerparity_{self.dest}"
+
+    @property
+    def value_type(self) -> Any:
+        """The type of its setting: bool, int, float or str (None where its default is None)."""
+        if self.action == "store_true":
+            kind: Any = bool
+        elif self.type is None:
+            kind = str
+        else:
+            kind = get_type_hints(self.type).get("return", str)
+        return kind | None if self.default is None else kind
 
 
 OPTIONS = (
@@ -254,6 +290,7 @@ OPTIONS = (
         "contributed model's NeuronMiniMaxM2ForCausalLM). Default: NxDI's class for the model_type.",
         default=None,
         ini=True,
+        cli=False,
         metavar="MODULE:CLASS",
     ),
     Option(
@@ -294,6 +331,7 @@ OPTIONS = (
         "automatically.",
         default=None,
         ini=True,
+        cli=False,
         metavar="PATH",
     ),
     Option(
@@ -324,6 +362,7 @@ OPTIONS = (
         type=non_negative_int,
         default=16,
         ini=True,
+        cli=False,
         metavar="K",
     ),
     Option(
@@ -342,6 +381,7 @@ OPTIONS = (
         type=non_negative_int,
         default=0,
         ini=True,
+        cli=False,
         metavar="N",
     ),
     Option(
@@ -368,6 +408,7 @@ OPTIONS = (
         type=tolerance,
         default=0.01,
         ini=True,
+        cli=False,
         metavar="X",
     ),
     Option(
@@ -377,6 +418,7 @@ OPTIONS = (
         type=tolerance,
         default=0.001,
         ini=True,
+        cli=False,
         metavar="X",
     ),
     Option(
@@ -387,6 +429,7 @@ OPTIONS = (
         type=percentage,
         default=95.0,
         ini=True,
+        cli=False,
         metavar="PCT",
     ),
     Option(
@@ -396,6 +439,7 @@ OPTIONS = (
         type=correlation,
         default=None,
         ini=True,
+        cli=False,
         metavar="X",
     ),
     Option(
@@ -405,6 +449,7 @@ OPTIONS = (
         type=correlation,
         default=0.99,
         ini=True,
+        cli=False,
         metavar="X",
     ),
     Option(
@@ -423,6 +468,7 @@ OPTIONS = (
         type=tolerance,
         default=None,
         ini=True,
+        cli=False,
         metavar="X",
     ),
     Option(
@@ -432,6 +478,7 @@ OPTIONS = (
         type=tolerance,
         default=None,
         ini=True,
+        cli=False,
         metavar="X",
     ),
     Option(
@@ -442,6 +489,7 @@ OPTIONS = (
         type=tolerance,
         default=None,
         ini=True,
+        cli=False,
         metavar="Z",
     ),
     Option(
@@ -452,6 +500,7 @@ OPTIONS = (
         type=probability,
         default=1e-3,
         ini=True,
+        cli=False,
         metavar="P",
     ),
     Option(
@@ -465,19 +514,14 @@ OPTIONS = (
         metavar="K",
     ),
     Option(
-        "exclude_near_ties",
-        "--exclude-near-ties",
-        "Leave tokens whose MoE routing flipped on a near tie out of the output metrics.",
-        action="store_true",
-        default=False,
-    ),
-    Option(
-        "strict_routing",
-        "--strict-routing",
-        "Count tokens whose MoE routing flipped on a near tie in the verdict too (by default the noise policy leaves "
-        "them out and reports them).",
-        action="store_true",
-        default=False,
+        "near_ties",
+        "--near-ties",
+        "Tokens whose MoE routing flipped on a near tie: leave-out (reported, and left out of the noise policy's "
+        "checks), exclude (left out of the output metrics too) or strict (counted in the verdict like any other "
+        "token). Default: leave-out.",
+        choices=NEAR_TIES,
+        default="leave-out",
+        ini=True,
     ),
     Option(
         "router_tie_tolerance",
@@ -487,6 +531,7 @@ OPTIONS = (
         type=tolerance,
         default=8.0,
         ini=True,
+        cli=False,
         metavar="N",
     ),
     Option(
@@ -524,6 +569,7 @@ OPTIONS = (
         type=max_memory_spec,
         default=None,
         ini=True,
+        cli=False,
         metavar="SPEC",
     ),
     Option(
@@ -532,6 +578,7 @@ OPTIONS = (
         "Folder for weights accelerate offloads to disk in whole-model placement. Default: none.",
         default=None,
         ini=True,
+        cli=False,
         metavar="DIR",
     ),
     Option(
@@ -588,6 +635,7 @@ OPTIONS = (
         "Where --op-compare writes the failing op's dump. Default: layerparity-opcompare/.",
         default=None,
         ini=True,
+        cli=False,
         metavar="DIR",
     ),
     Option(
@@ -598,6 +646,7 @@ OPTIONS = (
         type=tolerance,
         default=None,
         ini=True,
+        cli=False,
         metavar="X",
     ),
     Option(
@@ -608,6 +657,7 @@ OPTIONS = (
         type=tolerance,
         default=None,
         ini=True,
+        cli=False,
         metavar="X",
     ),
     Option(
@@ -631,6 +681,7 @@ OPTIONS = (
         type=positive_int,
         default=1,
         ini=True,
+        cli=False,
         metavar="N",
     ),
     Option(
@@ -641,6 +692,7 @@ OPTIONS = (
         type=positive_int,
         default=None,
         ini=True,
+        cli=False,
         metavar="N",
     ),
     Option(
@@ -650,6 +702,7 @@ OPTIONS = (
         "grouped_mm). Default: eager on torch-xla and Neuron (grouped_mm does not run there), the model's elsewhere.",
         default=None,
         ini=True,
+        cli=False,
         metavar="NAME",
     ),
     Option(
@@ -658,14 +711,18 @@ OPTIONS = (
         "Attention implementation of the reference model (eager, sdpa, ...). Default: the model's.",
         default=None,
         ini=True,
+        cli=False,
         metavar="NAME",
     ),
     Option(
         "trust_remote_code",
         "--trust-remote-code",
-        "Allow the model folder's own modeling code (transformers trust_remote_code).",
-        action="store_true",
+        "Allow the model folder's own modeling code (transformers trust_remote_code): true or false. Default: false.",
+        type=boolean,
         default=False,
+        ini=True,
+        cli=False,
+        metavar="true",
     ),
     Option(
         "cores_per_worker",
@@ -675,6 +732,7 @@ OPTIONS = (
         type=non_negative_int,
         default=1,
         ini=True,
+        cli=False,
         metavar="N",
     ),
     Option(
@@ -692,83 +750,82 @@ OPTIONS = (
 def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("layerparity", "per-layer parity of model ports (pytest-layerparity)")
     for opt in OPTIONS:
-        kwargs: dict[str, Any] = {"dest": f"layerparity_{opt.dest}", "help": opt.help}
-        if opt.action:
-            kwargs["action"] = opt.action
-            kwargs["default"] = opt.default
-        else:
-            kwargs["default"] = None  # None means "not given": the ini key or the default applies
-            if opt.type is not None:
-                kwargs["type"] = opt.type
-            if opt.choices:
-                kwargs["choices"] = opt.choices
-            if opt.metavar:
-                kwargs["metavar"] = opt.metavar
-        group.addoption(opt.flag, **kwargs)
+        if opt.cli:
+            kwargs: dict[str, Any] = {"dest": opt.option_name, "help": opt.help}
+            if opt.action:
+                kwargs["action"] = opt.action
+                kwargs["default"] = opt.default
+            else:
+                kwargs["default"] = None  # None means "not given": the ini key or the default applies
+                if opt.type is not None:
+                    kwargs["type"] = opt.type
+                if opt.choices:
+                    kwargs["choices"] = opt.choices
+                if opt.metavar:
+                    kwargs["metavar"] = opt.metavar
+            group.addoption(opt.flag, **kwargs)
         if opt.ini:
-            parser.addini(opt.ini_name, help=f"Default of {opt.flag}: {opt.help}", default=None)
+            help_text = (
+                f"Default of {opt.flag}: {opt.help}"
+                if opt.cli
+                else f"{opt.help} For one run: -o {opt.ini_name}={opt.metavar or 'VALUE'} (was {opt.flag})."
+            )
+            parser.addini(opt.ini_name, help=help_text, default=None)
 
 
-@dataclass(frozen=True)
-class Settings:
-    """Every option's effective value (command line over ini over default); plain values."""
+#: The flags that left the command line, and what to type instead.
+MOVED_FLAGS = {opt.flag: opt for opt in OPTIONS if not opt.cli}
+REPLACED_FLAGS = {"--exclude-near-ties": "--near-ties exclude", "--strict-routing": "--near-ties strict"}
 
-    gpu_golden: bool
-    extract: bool
-    golden_device: str
-    xla: bool
-    neuron: bool
-    target: str | None
-    port: str
-    nxdi_app: str | None
-    model: str | None
-    golden_dir: str | None
-    layers: str
-    layer_ranges: str | None
-    layer_module: str | None
-    seq_len: int
-    decode_steps: int
-    logits_topk: int
-    batch_size: int
-    seed: int
-    prompt: str | None
-    dtype: str | None
-    max_abs_diff: float
-    max_mean_abs_diff: float
-    min_similarity: float
-    min_cosine: float | None
-    min_pearson: float
-    verdict: str
-    max_noise_ratio: float | None
-    max_token_noise_ratio: float | None
-    max_contribution_z: float | None
-    false_alarm_rate: float
-    envelope_samples: int
-    exclude_near_ties: bool
-    strict_routing: bool
-    router_tie_tolerance: float
-    no_precision_floor: bool
-    force_regen: bool
-    device_map: str | None
-    max_memory: str | None
-    offload_folder: str | None
-    plan: bool
-    parity_report: str | None
-    save_outputs: str | None
-    op_compare: bool
-    op_compare_dir: str | None
-    op_atol: float | None
-    op_rtol: float | None
-    chain: bool
-    bisect: bool
-    tp_degree: int
-    ep_degree: int
-    logical_nc_config: int | None
-    experts_implementation: str | None
-    attn_implementation: str | None
-    trust_remote_code: bool
-    cores_per_worker: int
-    compile_cache: str | None
+
+def moved_flag_fixes(args: Sequence[str]) -> dict[str, str]:
+    """For each flag in ``args`` that is an ini key now (or part of another option): what to
+    type instead, with the value it was given."""
+    fixes: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        flag, equals, value = arg.partition("=")
+        if flag in REPLACED_FLAGS:
+            fixes[flag] = f"{flag} is now {REPLACED_FLAGS[flag]}"
+        opt = MOVED_FLAGS.get(flag)
+        if opt is None:
+            continue
+        if opt.type is boolean:
+            value = value or "true"
+        elif not equals:
+            following = args[i + 1] if i + 1 < len(args) else ""
+            given = following and (not following.startswith("-") or _is_number(following))
+            value = following if given else (opt.metavar or "VALUE")
+        setting = shlex.quote(f"{opt.ini_name}={value}")
+        fixes[flag] = (
+            f"{flag} is an ini key now: set {opt.ini_name} in the project's pytest ini, or for one run write "
+            f"-o {setting}"
+        )
+    return fixes
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def refuse_moved_flags(parser: pytest.Parser, args: Sequence[str]) -> None:
+    """Raise UsageError, naming the ini key and ``-o``, for a flag of this table that left the
+    command line (unless another plugin or a conftest declares a flag by that name)."""
+    fixes = moved_flag_fixes(args)
+    if not fixes:
+        return
+    _, unknown = parser.parse_known_and_unknown_args(args)
+    unknown_flags = {arg.partition("=")[0] for arg in unknown}
+    refused = [fix for flag, fix in fixes.items() if flag in unknown_flags]
+    if refused:
+        raise pytest.UsageError("; ".join(refused))
+
+
+class _SettingsMethods:
+    """What Settings works out from its values."""
 
     @property
     def target_name(self) -> str | None:
@@ -791,6 +848,17 @@ class Settings:
         if self.target_name:
             return "parity"
         return None
+
+
+#: Every option's effective value (command line over ini over default), one field per entry
+#: of OPTIONS; plain values (bool, int, float, str or None).
+Settings = make_dataclass(
+    "Settings",
+    [(opt.dest, opt.value_type) for opt in OPTIONS],
+    bases=(_SettingsMethods,),
+    frozen=True,
+    namespace={"__module__": __name__, "__doc__": "Every option's effective value, one field per option."},
+)
 
 
 def make_settings(**values: Any) -> Settings:
@@ -820,20 +888,26 @@ def conftest_builds_layer(config: pytest.Config) -> bool:
     return bool(hook is not None and hook.get_hookimpls())
 
 
+def overridden_ini_keys(config: pytest.Config) -> set[str]:
+    """The ini keys given on the command line with ``-o NAME=VALUE``."""
+    overrides = getattr(config.option, "override_ini", None) or ()
+    return {item.partition("=")[0].strip() for item in overrides}
+
+
 def read_settings(config: pytest.Config) -> Settings:
+    from_cli = overridden_ini_keys(config)
     values = {}
     for opt in OPTIONS:
-        value = config.getoption(f"layerparity_{opt.dest}")
+        value = config.getoption(opt.option_name) if opt.cli else None
         if value is None and opt.ini:
             raw = config.getini(opt.ini_name)
             if raw not in (None, "", []):
-                value = _parse_ini(opt, raw)
+                value = _parse_ini(opt, raw, opt.ini_name in from_cli)
         values[opt.dest] = opt.default if value is None else value
     if values["port"] is None:
         own = conftest_builds_layer(config)
         values["port"] = default_port(values["target"], values["xla"], values["neuron"], own)
-    names = {f.name for f in fields(Settings)}
-    return Settings(**{k: v for k, v in values.items() if k in names})
+    return Settings(**values)
 
 
 PATH_OPTIONS = (
@@ -860,18 +934,21 @@ def resolve_cache_location(value: str, base: Path) -> str:
 
 
 def resolve_paths(settings: Settings, config: pytest.Config) -> Settings:
-    """Make path options absolute: command-line values against the directory pytest was
-    started in, ini values against the ini file's directory (URLs stay as they are)."""
+    """Make path options absolute: command-line values (flags and ``-o``) against the directory
+    pytest was started in, ini values against the ini file's directory (URLs stay as they are)."""
     changes = {}
-    for dest in PATH_OPTIONS:
-        value = getattr(settings, dest)
+    overridden = overridden_ini_keys(config)
+    for opt in OPTIONS:
+        if opt.dest not in PATH_OPTIONS:
+            continue
+        value = getattr(settings, opt.dest)
         if not value:
             continue
-        from_cli = config.getoption(f"layerparity_{dest}") is not None
+        from_cli = (opt.cli and config.getoption(opt.option_name) is not None) or opt.ini_name in overridden
         base = config.invocation_params.dir if from_cli or config.inipath is None else config.inipath.parent
         resolved = resolve_cache_location(value, Path(base))
         if resolved != value:
-            changes[dest] = resolved
+            changes[opt.dest] = resolved
     return replace(settings, **changes)
 
 
@@ -887,7 +964,7 @@ def check_ini_not_lost(config: pytest.Config) -> None:
     """
     if config.inipath is not None:
         return
-    by_flag = {opt.flag: opt for opt in OPTIONS if opt.dest in PATH_OPTIONS}
+    by_flag = {opt.flag: opt for opt in OPTIONS if opt.dest in PATH_OPTIONS and opt.cli}
     args = list(config.invocation_params.args)
     split = [
         (flag, args[i + 1])
@@ -922,14 +999,19 @@ def current_settings(config: pytest.Config) -> Settings:
     return settings
 
 
-def _parse_ini(opt: Option, raw: Any) -> Any:
+def _parse_ini(opt: Option, raw: Any, from_cli: bool = False) -> Any:
+    """An ini value (or ``-o NAME=VALUE``) parsed as the flag's value would be; a malformed
+    one is a usage error that says what to write."""
     text = raw if isinstance(raw, str) else str(raw)
+    where = f"-o {opt.ini_name}={text}" if from_cli else f"ini option {opt.ini_name} = {text!r}"
+    if opt.choices and text.strip() not in opt.choices:
+        raise pytest.UsageError(f"{where}: {text!r} is not one of {', '.join(opt.choices)}")
     if opt.type is None:
-        return text
+        return text.strip() if opt.choices else text
     try:
         return opt.type(text)
     except argparse.ArgumentTypeError as exc:
-        raise pytest.UsageError(f"ini option {opt.ini_name} = {text!r}: {exc}") from None
+        raise pytest.UsageError(f"{where}: {exc}") from None
 
 
 def check_combinations(settings: Settings) -> None:
@@ -956,10 +1038,10 @@ def check_combinations(settings: Settings) -> None:
         check_ep_degree(settings)
     if settings.logical_nc_config is not None and not settings.compiled:
         raise pytest.UsageError(
-            "--logical-nc-config sets the programs NxDI compiles: use it with --port nxdi --target neuron"
+            "layerparity_logical_nc_config sets the programs NxDI compiles: use it with --port nxdi --target neuron"
         )
     if settings.nxdi_app and settings.port != "nxdi":
-        raise pytest.UsageError("--nxdi-app names the NxDI application class of --port nxdi: add --port nxdi")
+        raise pytest.UsageError("layerparity_nxdi_app names the NxDI application class of --port nxdi: add --port nxdi")
     if settings.envelope_samples == 1:
         raise pytest.UsageError(
             "--envelope-samples 1 cannot show a spread: give 2 or more perturbed runs (e.g. 12), or 0 for none"
@@ -989,16 +1071,18 @@ def check_ep_degree(settings: Settings) -> None:
     tensor parallelism under the option's name)."""
     ep, tp = settings.ep_degree, settings.tp_degree
     if settings.port != "nxdi":
-        raise pytest.UsageError(f"--ep-degree {ep} shards the experts of NxDI's MoE layers: use it with --port nxdi")
+        raise pytest.UsageError(
+            f"layerparity_ep_degree = {ep} shards the experts of NxDI's MoE layers: use it with --port nxdi"
+        )
     if not settings.compiled:
         raise pytest.UsageError(
-            f"--ep-degree {ep}: NxD's CPU mode has no expert parallelism (neuronx-distributed makes its MoE "
-            "expert-parallel process groups the XLA way only: 'ProcessGroup' object has no attribute '_mesh'; with "
+            f"layerparity_ep_degree = {ep}: NxD's CPU mode has no expert parallelism (neuronx-distributed makes its "
+            "MoE expert-parallel process groups the XLA way only: 'ProcessGroup' object has no attribute '_mesh'; with "
             "moe_ep_degree > 1 NxDI would run plain tensor parallelism instead); on the CPU the experts are sharded "
-            "by --tp-degree alone: drop --ep-degree, or test it compiled with --port nxdi --target neuron"
+            "by --tp-degree alone: drop layerparity_ep_degree, or test it compiled with --port nxdi --target neuron"
         )
     if tp % ep:
         raise pytest.UsageError(
-            f"--ep-degree {ep} must divide --tp-degree {tp}: NxDI shards the experts over moe_ep_degree x "
+            f"layerparity_ep_degree = {ep} must divide --tp-degree {tp}: NxDI shards the experts over moe_ep_degree x "
             "moe_tp_degree = tp_degree ranks"
         )

@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import hookspecs
-from .options import add_options, conftest_builds_layer, current_settings, read_settings, resolve_paths
+from .options import (
+    add_options,
+    conftest_builds_layer,
+    current_settings,
+    read_settings,
+    refuse_moved_flags,
+    resolve_paths,
+)
 from .state import REGEN_KEY, SESSION_KEY
 
 if TYPE_CHECKING:
@@ -32,6 +39,16 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]) -> Generator:
+    """A flag that left the command line for an ini key is refused with the key and ``-o`` to
+    write (pytest would only say "unrecognized arguments"); checked once the conftests have
+    declared their own options."""
+    result = yield
+    refuse_moved_flags(parser, args)
+    return result
 
 
 def pytest_cmdline_main(config: pytest.Config) -> int | None:

@@ -145,7 +145,7 @@ class LayerParitySession:
         s = self.settings
         port = ("--port", s.port) if s.port != "hf" else ()
         if s.nxdi_app:
-            port += (f"--nxdi-app={s.nxdi_app}",)
+            port += ("-o", f"layerparity_nxdi_app={s.nxdi_app}")
         return Commands(self.store.root, self.model.model_dir, s.target_name, port)
 
     def check_store_matches_model(self) -> None:

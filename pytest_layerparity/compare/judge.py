@@ -66,7 +66,7 @@ class LayerOutcome:
         rows = math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
         return (
             f"{what}: not judged: every one of its {rows} token(s) {why}, which the verdict leaves out as "
-            "legitimate; --strict-routing judges them"
+            "legitimate; --near-ties strict judges them"
         )
 
 
@@ -106,11 +106,12 @@ def judge(
     routing = list(routing)
     near_ties = sorted({t for r in routing for t in r.near_tie_tokens})
     rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
-    keep = None  # the verdict leaves near-tie routing flips out unless --strict-routing
-    tainted = sorted({t for t in tainted if 0 <= t < rows}) if not settings.strict_routing else []
-    if golden.dim() > 1 and not settings.strict_routing:
+    strict = settings.near_ties == "strict"
+    keep = None  # the verdict leaves near-tie routing flips out unless --near-ties strict
+    tainted = sorted({t for t in tainted if 0 <= t < rows}) if not strict else []
+    if golden.dim() > 1 and not strict:
         keep = token_mask(rows, [*near_ties, *tainted])
-    excluded = near_ties if settings.exclude_near_ties and keep is not None else []
+    excluded = near_ties if settings.near_ties == "exclude" and keep is not None else []
     g_cmp, t_cmp = golden, target_cpu
     compared = token_mask(rows, [*excluded, *tainted]) if keep is not None else None
     if compared is not None:  # tainted tokens leave the output metrics too

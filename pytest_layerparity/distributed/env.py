@@ -8,7 +8,7 @@ environment, tested on their own; :mod:`.runs` applies them in a pytest run.
   ``--junitxml``, ``--parity-report``), the other ranks run quietly and say one line on stderr
   when something failed there.
 - xdist (``pytest -n N``): each worker is a process of its own, a world of one. With
-  ``--neuron`` it gets ``--cores-per-worker`` NeuronCores of its own (``NEURON_RT_VISIBLE_CORES``),
+  ``--neuron`` it gets ``layerparity_cores_per_worker`` NeuronCores of its own (``NEURON_RT_VISIBLE_CORES``),
   taken in order from the cores the controller sees, and its own ``MASTER_PORT``; with
   ``--gpu-golden`` or ``--target cuda`` it gets one GPU (``CUDA_VISIBLE_DEVICES``), round robin.
   The controller decides and hands each worker its variables (``workerinput``), which the worker
@@ -122,9 +122,9 @@ def check_neuron_core_plan(workers: int, cores_per_worker: int, visible: list[in
     takes every core it can see, so the first worker's would hold them all."""
     if cores_per_worker == 0 and workers > 1:
         raise ValueError(
-            f"-n {workers} with --cores-per-worker 0 leaves the workers unpinned: the first worker's Neuron runtime "
-            "takes every visible NeuronCore and the other workers cannot start theirs; give each worker its own: "
-            "--cores-per-worker 1 (or more)"
+            f"-n {workers} with layerparity_cores_per_worker = 0 leaves the workers unpinned: the first worker's "
+            "Neuron runtime takes every visible NeuronCore and the other workers cannot start theirs; give each "
+            "worker its own: -o layerparity_cores_per_worker=1 (or more)"
         )
     if visible is None or cores_per_worker == 0:
         return
@@ -132,9 +132,9 @@ def check_neuron_core_plan(workers: int, cores_per_worker: int, visible: list[in
     if needed > len(visible):
         fits = len(visible) // cores_per_worker
         raise ValueError(
-            f"-n {workers} with --cores-per-worker {cores_per_worker} needs {needed} NeuronCores, and "
+            f"-n {workers} with layerparity_cores_per_worker = {cores_per_worker} needs {needed} NeuronCores, and "
             f"{NEURON_CORES}={format_core_list(visible)} has {len(visible)}; use -n {max(fits, 1)}"
-            + ("" if fits else f" --cores-per-worker {len(visible)}")
+            + ("" if fits else f" -o layerparity_cores_per_worker={len(visible)}")
             + f", or widen {NEURON_CORES}"
         )
 

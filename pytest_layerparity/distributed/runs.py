@@ -130,7 +130,7 @@ class DistributedRuns:
         if workers and 0 < cores < tp:
             raise pytest.UsageError(
                 f"--port nxdi --target neuron --tp-degree {tp} -n {workers}: each worker's programs run on {tp} "
-                f"NeuronCores, and --cores-per-worker is {cores}: add --cores-per-worker {tp}"
+                f"NeuronCores, and layerparity_cores_per_worker is {cores}: add -o layerparity_cores_per_worker={tp}"
             )
 
     def _check_torchrun(self, workers: int) -> None:

@@ -63,7 +63,7 @@ APPLICATIONS = {
 
 #: NxDI's release decoders that cannot run as a layer port on the CPU, and why
 #: (docs/nxdi-and-trainium.md, "NxDI's release decoders"): refused by model_type before any
-#: work, unless --nxdi-app names a class.
+#: work, unless layerparity_nxdi_app names a class.
 NOT_RUNNABLE = {
     "gpt_oss": "NxDI's GPT-OSS layer is built with a rotary cache manager its model owns and called with cos/sin "
     "caches, not a layer the plugin can build alone, and its converter reads the released MXFP4 expert tensors "
@@ -129,26 +129,29 @@ def import_application(model_type: str | None, spec: str | None = None) -> type:
         if spec is None and model_type in NOT_RUNNABLE:
             raise PortError(
                 f"--port nxdi: {NOT_RUNNABLE[model_type]}; a port of your own of it: "
-                "--nxdi-app=package.module:NeuronXForCausalLM"
+                "-o layerparity_nxdi_app=package.module:NeuronXForCausalLM"
             )
         if spec is None:
             raise PortError(
                 f"--port nxdi: no NxDI application class known for model_type {model_type!r} (known: "
-                f"{', '.join(sorted(APPLICATIONS))}); name one with --nxdi-app=package.module:NeuronXForCausalLM"
+                f"{', '.join(sorted(APPLICATIONS))}); name one with "
+                "-o layerparity_nxdi_app=package.module:NeuronXForCausalLM"
             )
     module_name, _, class_name = spec.partition(":")
     if not class_name:
-        raise PortError(f"--nxdi-app {spec!r}: write it as package.module:ClassName")
+        raise PortError(f"layerparity_nxdi_app = {spec!r}: write it as package.module:ClassName")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise PortError(f"--port nxdi: cannot import {module_name} ({exc})") from exc
     app = getattr(module, class_name, None)
     if app is None:
-        raise PortError(f"--nxdi-app {spec!r}: {module_name} has no {class_name}")
+        raise PortError(f"layerparity_nxdi_app = {spec!r}: {module_name} has no {class_name}")
     for needed in ("convert_hf_to_neuron_state_dict", "get_config_cls"):
         if not hasattr(app, needed):
-            raise PortError(f"--nxdi-app {spec!r}: {class_name} has no {needed} (not an NxDI application class?)")
+            raise PortError(
+                f"layerparity_nxdi_app = {spec!r}: {class_name} has no {needed} (not an NxDI application class?)"
+            )
     return app
 
 

@@ -4,7 +4,7 @@ it: :mod:`.source`.)
 
 Nothing here is specific to one architecture: the layer list is found by name among the
 common HF layouts, or by the model's own ``nn.ModuleList`` whose length is the configured
-layer count, or named by the user (``--layer-module``).
+layer count, or named by the user (ini key ``layerparity_layer_module``).
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def find_layer_list(
         found = get_submodule(model, layer_module)
         if not isinstance(found, (torch.nn.ModuleList, torch.nn.Sequential)):
             raise ModelError(
-                f"--layer-module {layer_module!r} is not a list of layers in {type(model).__name__}; "
+                f"layerparity_layer_module = {layer_module!r} is not a list of layers in {type(model).__name__}; "
                 f"module lists in this model: {', '.join(module_lists(model)) or 'none'}"
             )
         return layer_module, found
@@ -228,7 +228,8 @@ def find_layer_list(
         return matching[0]
     raise ModelError(
         f"cannot find the decoder-layer list of {type(model).__name__}; name it with "
-        f"--layer-module (module lists in this model: {', '.join(module_lists(model)) or 'none'})"
+        f"-o layerparity_layer_module=PATH or that ini key (module lists in this model: "
+        f"{', '.join(module_lists(model)) or 'none'})"
     )
 
 

@@ -1,6 +1,6 @@
 """Where the reference model runs: streamed one layer at a time, or the whole model placed
-by accelerate (``--device-map``, ``--max-memory``, ``--offload-folder``); and the report of
-where it went."""
+by accelerate (``--device-map``, ini keys ``layerparity_max_memory`` and
+``layerparity_offload_folder``); and the report of where it went."""
 
 from __future__ import annotations
 

@@ -128,7 +128,8 @@ class ModelSource:
                 f"config.json says {count} decoder layers, and {type(found).__name__} {path!r} of the model holds "
                 f"{len(found)}: its layer modules are not one per layer (a model that runs a module more than once, "
                 "or keeps its layers elsewhere), so a layer's calls cannot be told apart; name the list of layers "
-                f"with --layer-module (module lists in this model: {', '.join(module_lists(skeleton))})"
+                f"with -o layerparity_layer_module=PATH or that ini key (module lists in this model: "
+                f"{', '.join(module_lists(skeleton))})"
             )
         return count
 

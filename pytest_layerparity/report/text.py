@@ -60,21 +60,22 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
             )
             if routing.near_tie_flipped:
                 lines.append(
-                    f"  the verdict leaves the near-tie tokens {list(routing.near_tie_tokens)} out (--strict-routing "
+                    f"  the verdict leaves the near-tie tokens {list(routing.near_tie_tokens)} out (--near-ties strict "
                     "counts them)"
                 )
     if outcome.excluded_tokens:
         lines.append(
-            f"  left out of the metrics (near-tie routing flips, --exclude-near-ties): tokens {outcome.excluded_tokens}"
+            f"  left out of the metrics (near-tie routing flips, --near-ties exclude): tokens {outcome.excluded_tokens}"
         )
     tol = outcome.tolerance
     if tol:
         needed = [f"atol {tol['atol']:.3g} (with rtol 0)", f"rtol {tol['rtol']:.3g} (with atol 0)"]
         if noise is not None:
             needed.append(
-                f"--max-noise-ratio {noise.noise_ratio:.3g} --max-token-noise-ratio {noise.token_noise_ratio:.3g}"
+                f"-o layerparity_max_noise_ratio={noise.noise_ratio:.3g} "
+                f"-o layerparity_max_token_noise_ratio={noise.token_noise_ratio:.3g}"
                 + (
-                    f" --max-contribution-bias {abs(noise.contribution_z):.3g}"
+                    f" -o layerparity_max_contribution_z={abs(noise.contribution_z):.3g}"
                     if noise.contribution_z is not None
                     else ""
                 )

@@ -1,5 +1,6 @@
 """The whole-model test the plugin adds when the golden store holds the model's next-token
-logits (extracted with ``--logits-topk K``, 16 by default) and every layer is selected."""
+logits (the top K of ini key ``layerparity_logits_topk``, 16 by default, kept at extraction)
+and every layer is selected."""
 
 from __future__ import annotations
 

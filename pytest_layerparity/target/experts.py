@@ -46,7 +46,7 @@ def lazy_experts(cfg: dict[str, Any], tokens: int, item_bytes: int, free: int | 
     if free is None:
         return "eager", (
             "eager (this device's free memory is unknown, so batched_mm, one graph per layer kind, is not chosen "
-            f"for it: it gathers {gb(need)} per call; ask for it with --experts-implementation batched_mm)"
+            f"for it: it gathers {gb(need)} per call; ask for it with -o layerparity_experts_implementation=batched_mm)"
         )
     if need <= GATHER_SHARE * free:
         return "batched_mm", (

@@ -39,7 +39,7 @@ def replay_command(dump: str, op_name: str, atol: float, rtol: float) -> str:
 
 
 def op_compare_dir(settings: Settings, rootpath: Path) -> Path:
-    """Where --op-compare dumps failing ops: --op-compare-dir, else layerparity-opcompare/."""
+    """Where --op-compare dumps failing ops: layerparity_op_compare_dir, else layerparity-opcompare/."""
     return Path(settings.op_compare_dir) if settings.op_compare_dir else rootpath / "layerparity-opcompare"
 
 

@@ -337,6 +337,6 @@ class TargetSide:
             outcomes.append(outcome)
             tainted |= {
                 t for r in outcome.routing for t in r.near_tie_tokens
-            }  # the judge drops it under --strict-routing
+            }  # the judge drops it under --near-ties strict
         bar.close()
         return outcomes

@@ -35,7 +35,7 @@ TORCHRUN_VARIABLES = (
 def unsharded_command(session: LayerParitySession, layer: int, keyword: str) -> list[str]:
     """The test's own command, unsharded: the same target, port, model and goldens, one layer."""
     s = session.settings
-    port = ["--port", "nxdi", *([f"--nxdi-app={s.nxdi_app}"] if s.nxdi_app else [])]
+    port = ["--port", "nxdi", *(["-o", f"layerparity_nxdi_app={s.nxdi_app}"] if s.nxdi_app else [])]
     return [
         sys.executable,
         "-m",

@@ -11,7 +11,7 @@ DEFAULT_GOLDENS = ROOT / "fixtures" / "goldens" / "minimax_m2_tiny"
 
 def copy_goldens(dest: Path, decode: bool = True) -> Path:
     """A copy of the committed default goldens at ``dest``; ``decode=False``: as extracted with
-    ``--decode-steps 0 --logits-topk 0`` (the layers' prompt goldens only), for tests about
+    ``--decode-steps 0 -o layerparity_logits_topk=0`` (the layers' prompt goldens only), for tests about
     the per-layer prompt tests alone."""
     import json
     import shutil

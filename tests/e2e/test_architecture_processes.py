@@ -5,6 +5,7 @@ unit/test_architecture.py, which checks the source alone)."""
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 import sys
@@ -72,7 +73,8 @@ def test_the_plugin_module_loads_nothing_heavy():
     assert out.strip() == "[]"
 
 
-def help_options() -> list[str]:
+@functools.cache
+def help_text() -> str:
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--help", "-p", "no:cacheprovider"],
         cwd=ROOT,
@@ -82,24 +84,55 @@ def help_options() -> list[str]:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    section = done.stdout.split("per-layer parity of model ports (pytest-layerparity):", 1)[1]
+    return done.stdout
+
+
+def help_options() -> list[str]:
+    """The flags of the plugin's group of ``pytest --help``."""
+    section = help_text().split("per-layer parity of model ports (pytest-layerparity):", 1)[1]
     section = re.split(r"\n\S", section, maxsplit=1)[0]  # up to the next section heading
     return re.findall(r"^\s{2}(--[a-z0-9-]+)", section, flags=re.MULTILINE)
 
 
-def readme_options() -> set[str]:
+def help_ini_keys() -> list[str]:
+    """The plugin's ini keys in ``pytest --help``."""
+    return re.findall(r"^\s{2}(layerparity_[a-z0-9_]+) \(", help_text(), flags=re.MULTILINE)
+
+
+def readme_table() -> tuple[set[str], set[str]]:
+    """The flags and the ini keys of README.md's options table: a row's first cell names its
+    flags or (ini only) its keys; a flag's row marked in the ini column is its key too."""
     text = (ROOT / "README.md").read_text()
     table = text.split("## Options", 1)[1].split("\n## ", 1)[0]
-    flags = set()
+    flags: set[str] = set()
+    keys: set[str] = set()
     for line in table.splitlines():
-        if line.startswith("| `--"):
-            first_cell = line.split("|")[1]
-            flags.update(re.findall(r"`(--[a-z0-9-]+)", first_cell))
-    return flags
+        if not line.startswith("| `"):
+            continue
+        first, ini = re.split(r"(?<!\\)\|", line)[1:3]  # a cell's own | is written \|
+        row_flags = re.findall(r"`(--[a-z0-9-]+)", first)
+        flags.update(row_flags)
+        keys.update(re.findall(r"`(layerparity_[a-z0-9_]+)", first + ini))
+        if ini.strip():
+            keys.update(f"layerparity_{flag[2:].replace('-', '_')}" for flag in row_flags)
+    return flags, keys
 
 
 def test_every_option_of_pytest_help_is_in_the_readme_table():
     options = help_options()
-    assert len(options) > 40 and "--gpu-golden" in options
-    missing = [flag for flag in options if flag not in readme_options()]
+    assert "--gpu-golden" in options and "--near-ties" in options
+    flags, keys = readme_table()
+    missing = [flag for flag in options if flag not in flags]
     assert missing == [], f"options missing from README.md's options table: {missing}"
+    gone = sorted(flags - set(options))
+    assert gone == [], f"README.md's options table lists flags pytest --help does not: {gone}"
+    ini_keys = help_ini_keys()
+    assert "layerparity_max_abs_diff" in ini_keys
+    missing = [key for key in ini_keys if key not in keys]
+    assert missing == [], f"ini keys missing from README.md's options table: {missing}"
+
+
+def test_pytest_help_lists_at_most_30_options_of_the_plugin():
+    options = help_options()
+    assert len(options) == len(set(options))
+    assert len(options) <= 30, options

@@ -68,10 +68,10 @@ DIST_VARS = (
     ("args", "env", "message"),
     [
         (
-            ["--neuron", "-n", "2", "--cores-per-worker", "2"],
+            ["--neuron", "-n", "2", "-o", "layerparity_cores_per_worker=2"],
             {"NEURON_RT_VISIBLE_CORES": "0-2"},
-            "*--neuron: -n 2 with --cores-per-worker 2 needs 4 NeuronCores, and NEURON_RT_VISIBLE_CORES=0-2 has 3; "
-            "use -n 1, or widen NEURON_RT_VISIBLE_CORES*",
+            "*--neuron: -n 2 with layerparity_cores_per_worker = 2 needs 4 NeuronCores, and "
+            "NEURON_RT_VISIBLE_CORES=0-2 has 3; use -n 1, or widen NEURON_RT_VISIBLE_CORES*",
         ),
         (
             ["--target", "cpu", "-n", "2"],
@@ -119,7 +119,7 @@ def recorded(project, monkeypatch):
 
 
 def test_xdist_workers_get_their_own_neuroncores_and_rendezvous(recorded, monkeypatch):
-    """-n 2 --neuron --cores-per-worker 2 under NEURON_RT_VISIBLE_CORES=4-7 and an exported
+    """-n 2 --neuron -o layerparity_cores_per_worker=2 under NEURON_RT_VISIBLE_CORES=4-7 and an exported
     MASTER_PORT (the seeds' habit): each worker gets two cores of its own and a world of one of
     its own on its own port, so both set up their process group (real) and parallel_state
     (RecordingParallelState stand-in) side by side."""
@@ -127,8 +127,9 @@ def test_xdist_workers_get_their_own_neuroncores_and_rendezvous(recorded, monkey
     monkeypatch.setenv("MASTER_PORT", "12355")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
+    two_workers = ("-n", "2", "-o", "layerparity_cores_per_worker=2")
     result = recorded.runpytest_subprocess(
-        "--neuron", "--port", "hf", "-n", "2", "--cores-per-worker", "2", "--layers", "0-1", "-p", "no:cacheprovider"
+        "--neuron", "--port", "hf", *two_workers, "--layers", "0-1", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=2)
     env, calls = recorded.read_records()

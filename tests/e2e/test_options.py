@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -27,30 +28,57 @@ import pytest
         (["--layer-ranges", "0-1"], "*--layer-ranges runs layers on a target: add --xla, --neuron or --target NAME*"),
         (["--bisect"], "*--bisect runs layers on a target: add --xla, --neuron or --target NAME*"),
         (
-            ["--target", "cpu", "--max-memory", "lots"],
-            "*argument --max-memory: 'lots' is not a memory budget (lots); accepted forms: 40GB (every GPU), "
-            "0:60GB,1:60GB,2:40GB (per GPU), cpu:100GB (host)*",
+            ["--target", "cpu", "-o", "layerparity_max_memory=lots"],
+            "*-o layerparity_max_memory=lots: 'lots' is not a memory budget (lots); accepted forms: 40GB (every "
+            "GPU), 0:60GB,1:60GB,2:40GB (per GPU), cpu:100GB (host)*",
         ),
         (
-            ["--target", "cpu", "--max-memory", "0:60GB,x:1GB"],
+            ["--target", "cpu", "-o", "layerparity_max_memory=0:60GB,x:1GB"],
             "*'0:60GB,x:1GB' is not a memory budget ('x' is not a GPU index or cpu)*",
         ),
-        (["--target", "cpu", "--max-memory", "0:60"], "*'0:60' is not a memory budget (60)*"),
+        (["--target", "cpu", "-o", "layerparity_max_memory=0:60"], "*'0:60' is not a memory budget (60)*"),
         (
             ["--gpu-golden", "--device-map", "everywhere"],
             "*'everywhere' is not a device map; choose stream, auto, balanced, balanced_low_0, sequential, cpu or "
             "cuda:N*",
         ),
         (
-            ["--target", "cpu", "--max-abs-diff", "-1"],
-            "*argument --max-abs-diff: '-1' is negative; a tolerance is 0 or more (e.g. 0.01)*",
+            ["--target", "cpu", "-o", "layerparity_max_abs_diff=-1"],
+            "*-o layerparity_max_abs_diff=-1: '-1' is negative; a tolerance is 0 or more (e.g. 0.01)*",
         ),
-        (["--target", "cpu", "--max-abs-diff", "nan"], "*argument --max-abs-diff: 'nan' is not a finite number*"),
         (
-            ["--target", "cpu", "--min-cosine", "1.5"],
-            "*argument --min-cosine: '1.5' is not between -1 and 1 (e.g. 0.99)*",
+            ["--target", "cpu", "-o", "layerparity_max_abs_diff=nan"],
+            "*-o layerparity_max_abs_diff=nan: 'nan' is not a finite number*",
         ),
-        (["--target", "cpu", "--min-similarity", "101"], "*'101' is not a percentage between 0 and 100*"),
+        (
+            ["--target", "cpu", "-o", "layerparity_min_cosine=1.5"],
+            "*-o layerparity_min_cosine=1.5: '1.5' is not between -1 and 1 (e.g. 0.99)*",
+        ),
+        (
+            ["--target", "cpu", "-o", "layerparity_min_similarity=101"],
+            "*'101' is not a percentage between 0 and 100*",
+        ),
+        (
+            ["--target", "cpu", "-o", "layerparity_trust_remote_code=maybe"],
+            "*-o layerparity_trust_remote_code=maybe: 'maybe' is not true or false*",
+        ),
+        (["--target", "cpu", "--near-ties", "loose"], "*argument --near-ties: invalid choice: 'loose'*"),
+        (
+            ["--target", "cpu", "-o", "layerparity_near_ties=loose"],
+            "*-o layerparity_near_ties=loose: 'loose' is not one of leave-out, exclude, strict*",
+        ),
+        (
+            ["--target", "cpu", "--max-abs-diff", "0.02"],
+            "*--max-abs-diff is an ini key now: set layerparity_max_abs_diff in the project's pytest ini, or for one "
+            "run write -o layerparity_max_abs_diff=0.02*",
+        ),
+        (
+            ["--target", "cpu", "--cores-per-worker=4"],
+            "*--cores-per-worker is an ini key now: set layerparity_cores_per_worker in the project's pytest ini, or "
+            "for one run write -o layerparity_cores_per_worker=4*",
+        ),
+        (["--target", "cpu", "--strict-routing"], "*--strict-routing is now --near-ties strict*"),
+        (["--target", "cpu", "--exclude-near-ties"], "*--exclude-near-ties is now --near-ties exclude*"),
         (["--target", "cpu", "--seq-len", "0"], "*argument --seq-len: '0' must be a positive integer (1 or more)*"),
         (["--gpu-golden", "--batch-size", "two"], "*'two' is not a whole number; give a positive integer such as 32*"),
         (
@@ -69,23 +97,26 @@ import pytest
             "NeuronCores (--target neuron), not on --target xla*",
         ),
         (
-            ["--target", "cpu", "--logical-nc-config", "2"],
-            "*--logical-nc-config sets the programs NxDI compiles: use it with --port nxdi --target neuron*",
+            ["--target", "cpu", "-o", "layerparity_logical_nc_config=2"],
+            "*layerparity_logical_nc_config sets the programs NxDI compiles: use it with --port nxdi --target neuron*",
         ),
         (
             ["--port", "nxdi", "--target", "neuron", "--tp-degree", "4", "-n", "2"],
             "*--port nxdi --target neuron --tp-degree 4 -n 2: each worker's programs run on 4 NeuronCores, and "
-            "--cores-per-worker is 1: add --cores-per-worker 4*",
+            "layerparity_cores_per_worker is 1: add -o layerparity_cores_per_worker=4*",
         ),
         (
             ["--port", "nxdi", "--target", "neuron"],
             "*--neuron: torch_neuronx* not installed; install the AWS Neuron SDK from AWS's repository*",
         ),
-        (["--target", "cpu", "--nxdi-app", "a.b:C"], "*--nxdi-app names the NxDI application class of --port nxdi*"),
         (
-            ["--target", "cpu", "--layer-module", "model.nothing"],
-            "*--layer-module 'model.nothing' is not a list of layers in MiniMaxM2ForCausalLM; module lists in this "
-            "model: model.layers (6)*",
+            ["--target", "cpu", "-o", "layerparity_nxdi_app=a.b:C"],
+            "*layerparity_nxdi_app names the NxDI application class of --port nxdi*",
+        ),
+        (
+            ["--target", "cpu", "-o", "layerparity_layer_module=model.nothing"],
+            "*layerparity_layer_module = 'model.nothing' is not a list of layers in MiniMaxM2ForCausalLM; module "
+            "lists in this model: model.layers (6)*",
         ),
     ],
 )
@@ -163,7 +194,43 @@ def test_help_lists_every_option(pytester):
     result = pytester.runpytest("--help")
     text = result.stdout.str()
     for option in OPTIONS:
-        assert option.flag in text
+        on_cli = re.search(rf"^  {option.flag}\b", text, flags=re.MULTILINE) is not None
+        assert on_cli == option.cli, option.flag
+        if option.ini:
+            assert f"  {option.ini_name} (string):" in text, option.ini_name
+
+
+def test_ini_keys_take_a_value_for_one_run_with_dash_o(pytester):
+    from pytest_layerparity.options import read_settings
+
+    pytester.makeini("[pytest]\nlayerparity_near_ties = exclude\nlayerparity_max_abs_diff = 0.2\n")
+    settings = read_settings(pytester.parseconfig())
+    assert (settings.near_ties, settings.max_abs_diff, settings.trust_remote_code) == ("exclude", 0.2, False)
+    settings = read_settings(
+        pytester.parseconfig(
+            "--near-ties", "strict", "-o", "layerparity_max_abs_diff=0.5", "-o", "layerparity_trust_remote_code=true"
+        )
+    )
+    assert (settings.near_ties, settings.max_abs_diff, settings.trust_remote_code) == ("strict", 0.5, True)
+
+
+def test_a_one_run_path_is_relative_to_where_pytest_started(pytester):
+    from pytest_layerparity.options import read_settings, resolve_paths
+
+    pytester.makeini("[pytest]\nlayerparity_offload_folder = offload\n")
+    sub = pytester.mkdir("sub")
+    config = pytester.parseconfig()
+    assert resolve_paths(read_settings(config), config).offload_folder == str(pytester.path / "offload")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(sub)
+        config = pytester.parseconfig("-o", "layerparity_offload_folder=offload", "-c", str(pytester.path / "tox.ini"))
+        assert resolve_paths(read_settings(config), config).offload_folder == str(sub / "offload")
+
+
+def test_a_flag_of_a_conftest_by_a_name_that_left_is_the_conftests(pytester):
+    pytester.makeconftest("def pytest_addoption(parser):\n    parser.addoption('--seed', type=int)\n")
+    pytester.makepyfile("def test_seed(request):\n    assert request.config.getoption('seed') == 7\n")
+    pytester.runpytest("--seed", "7", "-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
 OWN_LAYER = """

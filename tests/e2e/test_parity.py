@@ -97,7 +97,7 @@ def test_planted_bug_fails_exactly_that_layer_on_xla(project):
             "  precision floor: ||golden - ref|| = *, ||target - ref|| = *; worst token * at *x its floor*",
             "  noise envelope from 12 perturbed runs of this layer: they reach noise_ratio *; limits at t=*",
             "  routing (mlp.gate): *",
-            "  minimum passing tolerance: atol * (with rtol 0); rtol * (with atol 0); --max-noise-ratio *",
+            "  minimum passing tolerance: atol * (with rtol 0); rtol * (with atol 0); -o layerparity_max_noise_ratio=*",
             "  drill in: pytest --xla --model=* --golden-dir=* --layers 3 -k layer_3 --op-compare -vv",
             "FAILED layerparity::test_layer_parity[[]layer_3[]] - *",
         ]
@@ -239,7 +239,9 @@ with warnings.catch_warnings():
 
 def test_op_compare_names_the_first_wrong_op_and_how_to_replay_it(project):
     project.makeconftest(WRONG_XLA_RSQRT)
-    result = project.runpytest_subprocess("--xla", "--layers", "1", "--op-compare", "--op-compare-dir=ops")
+    result = project.runpytest_subprocess(
+        "--xla", "--layers", "1", "--op-compare", "-o", "layerparity_op_compare_dir=ops"
+    )
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
@@ -278,5 +280,5 @@ def test_own_tests_can_use_the_op_fixtures(pytester):
 
 
 def test_batched_experts_on_xla_pass_every_layer(project):
-    result = project.runpytest("--xla", "--experts-implementation", "batched_mm")
+    result = project.runpytest("--xla", "-o", "layerparity_experts_implementation=batched_mm")
     result.assert_outcomes(passed=6)

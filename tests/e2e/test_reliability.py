@@ -764,18 +764,23 @@ def test_model_option_that_is_a_file_or_missing_folder(project):
 @pytest.mark.parametrize(
     ("args", "line"),
     [
-        (["--min-pearson", "nan"], "error: argument --min-pearson: 'nan' is not a finite number"),
+        (["-o", "layerparity_min_pearson=nan"], "-o layerparity_min_pearson=nan: 'nan' is not a finite number"),
         (
-            ["--max-mean-abs-diff", "-0.5"],
-            "error: argument --max-mean-abs-diff: '-0.5' is negative; a tolerance is 0 or more (e.g. 0.01)",
+            ["-o", "layerparity_max_mean_abs_diff=-0.5"],
+            "-o layerparity_max_mean_abs_diff=-0.5: '-0.5' is negative; a tolerance is 0 or more (e.g. 0.01)",
         ),
-        (["--min-similarity", "inf"], "error: argument --min-similarity: 'inf' is not a finite number"),
+        (
+            ["-o", "layerparity_min_similarity=inf"],
+            "-o layerparity_min_similarity=inf: 'inf' is not a finite number",
+        ),
+        (["--seq-len", "0"], "error: argument --seq-len: '0' must be a positive integer (1 or more)"),
     ],
 )
 def test_bad_thresholds_are_usage_errors(project, args, line):
     result = project.runpytest("--target", "cpu", *args)
     assert result.ret == USAGE_ERROR
-    # argparse's line: "<prog>: error: ...", prog being "pytest" or, in process, "pytest.main()"
+    # pytest's line "ERROR: ..." or argparse's "<prog>: error: ...", prog being "pytest" or, in process,
+    # "pytest.main()"
     assert any(text.split(": ", 1)[-1] == line for text in result.stderr.lines), result.stderr.lines
 
 

@@ -180,7 +180,8 @@ def test_two_layer_kinds_make_one_program_per_kind_and_call(pytester):
     """NxDI's per-layer configs (``get_updated_configs``) make two kinds of layer, windowed and
     global attention: one program per kind and model tag, each shared by its three layers."""
     pytester.makepyfile(two_kinds=TWO_KINDS)
-    result = run(pytester, "llama6", "float32", "--nxdi-app=two_kinds:TwoKindsForCausalLM", "--compile-cache=cc")
+    app = ("-o", "layerparity_nxdi_app=two_kinds:TwoKindsForCausalLM")
+    result = run(pytester, "llama6", "float32", *app, "--compile-cache=cc")
     result.assert_outcomes(passed=13)
     made = builds(pytester)
     assert sorted((len(b["example"]), b["index"]) for b in made) == [(3, 0), (3, 1), (5, 0), (5, 1)]
@@ -285,14 +286,16 @@ def pytest_layerparity_nxdi_build_module(settings):
 
 
 def test_logical_nc_config_reaches_the_neuron_config_and_the_compiler(pytester):
-    result = run(pytester, "llama", "float32", "-k", "layer_parity and layer_1", "--logical-nc-config", "2")
+    result = run(
+        pytester, "llama", "float32", "-k", "layer_parity and layer_1", "-o", "layerparity_logical_nc_config=2"
+    )
     result.assert_outcomes(passed=1)
     (made,) = builds(pytester)
     assert made["logical_nc_config"] == 2 and "--lnc=2" in made["compiler_args"]
 
 
 def test_expert_parallelism_reaches_the_neuron_config_and_is_refused_on_the_cpu(pytester):
-    """--ep-degree is NxDI's moe_ep_degree of the compiled programs (the experts' tensor
+    """layerparity_ep_degree is NxDI's moe_ep_degree of the compiled programs (the experts' tensor
     parallelism the rest of --tp-degree, the builder's world the tp ranks); NxD's CPU mode has
     no expert parallelism, so there it is refused rather than run as plain tensor parallelism."""
     from types import SimpleNamespace
@@ -307,12 +310,13 @@ def test_expert_parallelism_reaches_the_neuron_config_and_is_refused_on_the_cpu(
     assert (neuron.tp_degree, neuron.moe_ep_degree, neuron.moe_tp_degree) == (4, 2, 2)
     assert "moe_ep_degree 2" in port.compiled.describe()
 
-    cpu = run(pytester, "mixtral", "float32", "--ep-degree", "2", flags=("--port", "nxdi", "--target", "cpu"))
+    ep2 = ("-o", "layerparity_ep_degree=2")
+    cpu = run(pytester, "mixtral", "float32", *ep2, flags=("--port", "nxdi", "--target", "cpu"))
     assert cpu.ret == pytest.ExitCode.USAGE_ERROR
-    cpu.stderr.fnmatch_lines(["*--ep-degree 2: NxD's CPU mode has no expert parallelism*'_mesh'*"])
-    odd = run(pytester, "mixtral", "float32", "--tp-degree", "4", "--ep-degree", "3")
+    cpu.stderr.fnmatch_lines(["*layerparity_ep_degree = 2: NxD's CPU mode has no expert parallelism*'_mesh'*"])
+    odd = run(pytester, "mixtral", "float32", "--tp-degree", "4", "-o", "layerparity_ep_degree=3")
     assert odd.ret == pytest.ExitCode.USAGE_ERROR
-    odd.stderr.fnmatch_lines(["*--ep-degree 3 must divide --tp-degree 4*"])
+    odd.stderr.fnmatch_lines(["*layerparity_ep_degree = 3 must divide --tp-degree 4*"])
 
     compiled = run(pytester, "mixtral", "float32", "-k", "layer_parity and layer_0")
     compiled.assert_outcomes(passed=1)

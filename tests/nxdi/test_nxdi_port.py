@@ -71,12 +71,15 @@ def test_op_compare_narrows_the_qwen3_moe_failure_to_the_expert_combination(pyte
     )
 
 
-def test_application_class_named_on_the_command_line(pytester):
+def test_application_class_named_for_one_run(pytester):
     spec = "neuronx_distributed_inference.models.llama.modeling_llama:NeuronLlamaForCausalLM"
-    result = run(pytester, "llama", "float32", f"--nxdi-app={spec}", "-k", "layer_parity and layer_1")
+    result = run(pytester, "llama", "float32", "-o", f"layerparity_nxdi_app={spec}", "-k", "layer_parity and layer_1")
     result.assert_outcomes(passed=1)
-    bad = run(pytester, "llama", "float32", "--nxdi-app=neuronx_distributed_inference.models.llama.modeling_llama:Nope")
-    bad.stderr.fnmatch_lines(["*--nxdi-app *: neuronx_distributed_inference.models.llama.modeling_llama has no Nope*"])
+    nope = "neuronx_distributed_inference.models.llama.modeling_llama:Nope"
+    bad = run(pytester, "llama", "float32", "-o", f"layerparity_nxdi_app={nope}")
+    bad.stderr.fnmatch_lines(
+        ["*layerparity_nxdi_app = *: neuronx_distributed_inference.models.llama.modeling_llama has no Nope*"]
+    )
     assert bad.ret != 0
 
 
@@ -84,7 +87,7 @@ def test_an_application_without_one_decoder_layer_class_is_a_usage_error(pyteste
     """DBRX's layer is a ``*Block``, Llama 4's model picks between two ``*DecoderLayer``
     classes: refused before the session, naming what was found."""
     spec = "neuronx_distributed_inference.models.dbrx.modeling_dbrx:NeuronDbrxForCausalLM"
-    result = run(pytester, "llama", "float32", f"--nxdi-app={spec}")
+    result = run(pytester, "llama", "float32", "-o", f"layerparity_nxdi_app={spec}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["*NeuronDbrxForCausalLM: expected one *DecoderLayer class in *modeling_dbrx, found none*"]
@@ -150,4 +153,4 @@ def test_release_decoders_that_cannot_run_on_the_cpu_are_refused_by_model_type_n
 
     with pytest.raises(PortError) as info:
         import_application(model_type)
-    assert NOT_RUNNABLE[model_type] in str(info.value) and "--nxdi-app=" in str(info.value)
+    assert NOT_RUNNABLE[model_type] in str(info.value) and "-o layerparity_nxdi_app=" in str(info.value)

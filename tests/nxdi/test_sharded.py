@@ -108,7 +108,7 @@ BUGS = {
 def test_a_sharding_bug_passes_unsharded_and_fails_sharded_in_its_layer(pytester, monkeypatch, bug):
     name, app = BUGS[bug]
     monkeypatch.setenv("PYTHONPATH", str(HERE))
-    options = (f"--nxdi-app=sharding_bugs.{app}", "-k", "test_layer_parity")
+    options = ("-o", f"layerparity_nxdi_app=sharding_bugs.{app}", "-k", "test_layer_parity")
     unsharded = run(pytester, name, "float32", 0, *options)
     unsharded.assert_outcomes(passed=2)
     sharded = run(pytester, name, "float32", 2, *options)

@@ -67,14 +67,17 @@ def test_too_few_cores_says_what_fits():
     check_neuron_core_plan(16, 2, None)  # unknown pool: the runtime will say
     with pytest.raises(
         ValueError,
-        match=r"-n 4 with --cores-per-worker 2 needs 8 NeuronCores, and NEURON_RT_VISIBLE_CORES=0-3 has 4; use -n 2, "
-        r"or widen NEURON_RT_VISIBLE_CORES",
+        match=r"-n 4 with layerparity_cores_per_worker = 2 needs 8 NeuronCores, and NEURON_RT_VISIBLE_CORES=0-3 "
+        r"has 4; use -n 2, or widen NEURON_RT_VISIBLE_CORES",
     ):
         check_neuron_core_plan(4, 2, [0, 1, 2, 3])
-    with pytest.raises(ValueError, match=r"use -n 1 --cores-per-worker 3"):
+    with pytest.raises(ValueError, match=r"use -n 1 -o layerparity_cores_per_worker=3"):
         check_neuron_core_plan(2, 4, [0, 1, 2])
     check_neuron_core_plan(1, 0, None)  # one worker, unpinned: its runtime may take every core
-    with pytest.raises(ValueError, match=r"-n 2 with --cores-per-worker 0 leaves the workers unpinned.*--cores-per"):
+    with pytest.raises(
+        ValueError,
+        match=r"-n 2 with layerparity_cores_per_worker = 0 leaves the workers unpinned.*-o layerparity_cores_per",
+    ):
         check_neuron_core_plan(2, 0, None)
 
 

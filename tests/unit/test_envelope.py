@@ -241,7 +241,7 @@ def test_tainted_tokens_leave_the_statistics_unless_routing_is_strict():
     loose = judge(0, golden, target, make_settings(), "float32", reference=ref, hidden_in=x, tainted=[5, 99])
     assert loose.passed and loose.tainted_tokens == [5]
     strict = judge(
-        0, golden, target, make_settings(strict_routing=True), "float32", reference=ref, hidden_in=x, tainted=[5]
+        0, golden, target, make_settings(near_ties="strict"), "float32", reference=ref, hidden_in=x, tainted=[5]
     )
     assert not strict.passed and strict.tainted_tokens == []
 

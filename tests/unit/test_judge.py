@@ -279,8 +279,8 @@ def routed(*rows) -> dict[str, torch.Tensor]:
     ("settings", "excluded", "counted"),
     [
         (make_settings(), [], False),  # near-tie token left out of the floor statistics only
-        (make_settings(exclude_near_ties=True), [1], False),  # and out of the metrics
-        (make_settings(strict_routing=True), [], True),  # counted
+        (make_settings(near_ties="exclude"), [1], False),  # and out of the metrics
+        (make_settings(near_ties="strict"), [], True),  # counted
     ],
 )
 def test_near_tie_flips_are_told_apart(settings, excluded, counted):
@@ -463,13 +463,13 @@ def test_a_call_whose_every_token_routed_apart_on_a_near_tie_is_judged_nothing_a
     assert outcome.judged_nothing and outcome.judged_tokens == 0
     assert outcome.unjudged_reason("layer 3, decode step 0") == (
         "layer 3, decode step 0: not judged: every one of its 1 token(s) routed to other experts than the golden's "
-        "on a near tie (mlp.gate), which the verdict leaves out as legitimate; --strict-routing judges them"
+        "on a near tie (mlp.gate), which the verdict leaves out as legitimate; --near-ties strict judges them"
     )
     strict = judge(
         3,
         golden,
         golden + 0.3,
-        make_settings(strict_routing=True),
+        make_settings(near_ties="strict"),
         "float32",
         reference=ref,
         hidden_in=x,

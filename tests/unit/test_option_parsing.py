@@ -10,6 +10,7 @@ import pytest
 from pytest_layerparity.options import (
     OPTIONS,
     Settings,
+    boolean,
     check_combinations,
     correlation,
     device_map_choice,
@@ -17,6 +18,7 @@ from pytest_layerparity.options import (
     golden_device,
     make_settings,
     max_memory_spec,
+    moved_flag_fixes,
     non_negative_int,
     parse_max_memory,
     percentage,
@@ -53,6 +55,11 @@ from pytest_layerparity.options import (
         (device_map_choice, " balanced_low_0 ", "balanced_low_0"),
         (device_map_choice, "cuda:1", "cuda:1"),
         (max_memory_spec, "0:60GB,cpu:100GB", "0:60GB,cpu:100GB"),
+        (boolean, "true", True),
+        (boolean, " Yes ", True),
+        (boolean, "1", True),
+        (boolean, "False", False),
+        (boolean, "off", False),
     ],
 )
 def test_good_values(parse, text, value):
@@ -75,6 +82,7 @@ def test_good_values(parse, text, value):
         (correlation, "1.5", "'1.5' is not between -1 and 1 (e.g. 0.99)"),
         (dtype_name, "int8", "'int8' is not a supported dtype; choose one of bfloat16, float16, float32"),
         (golden_device, "tpu", "'tpu' is not a golden device; choose auto, cpu, cuda or cuda:N"),
+        (boolean, "maybe", "'maybe' is not true or false"),
         (golden_device, "cuda:x", "'cuda:x' is not a golden device; choose auto, cpu, cuda or cuda:N"),
         (
             device_map_choice,
@@ -199,7 +207,7 @@ def test_mode_and_target(values, target, mode):
         ),
         (
             {"xla": True, "ep_degree": 2},
-            "--ep-degree 2 shards the experts of NxDI's MoE layers: use it with --port nxdi",
+            "layerparity_ep_degree = 2 shards the experts of NxDI's MoE layers: use it with --port nxdi",
         ),
     ],
 )
@@ -230,3 +238,72 @@ def test_every_option_is_a_setting_and_every_setting_an_option():
         assert (opt.help[0].isupper() or opt.help.startswith("--")) and (
             opt.help.endswith(".") or opt.help.endswith(")")
         ), opt.flag
+
+
+def test_settings_are_the_option_table_with_plain_values():
+    settings = make_settings(xla=True, near_ties="strict", max_contribution_z=320.0, trust_remote_code=True)
+    assert list(Settings.__dataclass_fields__) == [opt.dest for opt in OPTIONS]
+    for opt in OPTIONS:
+        assert isinstance(getattr(settings, opt.dest), (bool, int, float, str, type(None))), opt.dest
+
+
+def test_at_most_30_options_on_the_command_line_and_the_rest_in_the_ini():
+    on_cli = [opt.flag for opt in OPTIONS if opt.cli]
+    assert len(on_cli) <= 30, on_cli
+    assert all(opt.ini for opt in OPTIONS if not opt.cli)
+    assert not [opt.flag for opt in OPTIONS if not opt.cli and opt.action]  # an ini key has a value to parse
+
+
+@pytest.mark.parametrize(
+    ("args", "fixes"),
+    [
+        (["--target", "cpu", "--layers", "0"], {}),
+        (
+            ["--target", "cpu", "--max-abs-diff", "0.02"],
+            {
+                "--max-abs-diff": "--max-abs-diff is an ini key now: set layerparity_max_abs_diff in the project's "
+                "pytest ini, or for one run write -o layerparity_max_abs_diff=0.02"
+            },
+        ),
+        (
+            ["--max-contribution-bias=320", "--max-noise-ratio", "-n", "2"],
+            {
+                "--max-contribution-bias": "--max-contribution-bias is an ini key now: set "
+                "layerparity_max_contribution_z in the project's pytest ini, or for one run write "
+                "-o layerparity_max_contribution_z=320",
+                "--max-noise-ratio": "--max-noise-ratio is an ini key now: set layerparity_max_noise_ratio in the "
+                "project's pytest ini, or for one run write -o layerparity_max_noise_ratio=X",
+            },
+        ),
+        (
+            ["--target", "cpu", "--min-pearson", "-0.5"],
+            {
+                "--min-pearson": "--min-pearson is an ini key now: set layerparity_min_pearson in the project's pytest "
+                "ini, or for one run write -o layerparity_min_pearson=-0.5"
+            },
+        ),
+        (
+            ["--trust-remote-code", "--target", "cpu"],
+            {
+                "--trust-remote-code": "--trust-remote-code is an ini key now: set layerparity_trust_remote_code in "
+                "the project's pytest ini, or for one run write -o layerparity_trust_remote_code=true"
+            },
+        ),
+        (
+            ["--strict-routing", "--exclude-near-ties"],
+            {
+                "--strict-routing": "--strict-routing is now --near-ties strict",
+                "--exclude-near-ties": "--exclude-near-ties is now --near-ties exclude",
+            },
+        ),
+        (
+            ["--nxdi-app", "my port:Cls"],
+            {
+                "--nxdi-app": "--nxdi-app is an ini key now: set layerparity_nxdi_app in the project's pytest ini, or "
+                "for one run write -o 'layerparity_nxdi_app=my port:Cls'"
+            },
+        ),
+    ],
+)
+def test_a_flag_that_left_the_command_line_says_what_to_write(args, fixes):
+    assert moved_flag_fixes(args) == fixes

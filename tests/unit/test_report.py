@@ -105,7 +105,10 @@ def test_failure_text_says_everything_a_failing_layer_should():
     assert [row.split()[-1] for row in rows] == ["ok" if c.ok else "FAIL" for c in outcome.checks]
     assert lines[3 + len(outcome.checks)].startswith("  worst element: index (0, ")
     assert any(line.startswith("  precision floor: ||golden - ref|| = ") for line in lines)
-    assert any(line.startswith("  minimum passing tolerance: atol ") and "--max-noise-ratio" in line for line in lines)
+    assert any(
+        line.startswith("  minimum passing tolerance: atol ") and "-o layerparity_max_noise_ratio=" in line
+        for line in lines
+    )
     assert lines[-1] == "  drill in: pytest --xla -k layer_2 --op-compare"
 
 
@@ -238,9 +241,10 @@ def test_rerun_command(target, flags):
 
 
 def test_rerun_command_keeps_the_port():
-    assert rerun_command("cpu", "/m", "/g", "1", "layer_1", ("--port", "nxdi", "--nxdi-app=p.m:C")) == (
-        "pytest --target cpu --port nxdi --nxdi-app=p.m:C --model=/m --golden-dir=/g --layers 1 -k layer_1 "
-        "--op-compare -vv"
+    port = ("--port", "nxdi", "-o", "layerparity_nxdi_app=p.m:C")
+    assert rerun_command("cpu", "/m", "/g", "1", "layer_1", port) == (
+        "pytest --target cpu --port nxdi -o layerparity_nxdi_app=p.m:C --model=/m --golden-dir=/g --layers 1 "
+        "-k layer_1 --op-compare -vv"
     )
 
 

@@ -1,5 +1,5 @@
 """Ports of the tests' own that shard wrong: each a subclass of NxDI's decoder layer (and
-application class, named with ``--nxdi-app``) with one planted sharding bug in layer 1. Each
+application class, named with ``-o layerparity_nxdi_app=...``) with one planted sharding bug in layer 1. Each
 computes what NxDI's layer computes in one process (tensor parallelism 1) and goes wrong only
 sharded over ranks, as a sharding bug does."""
 
