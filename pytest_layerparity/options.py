@@ -5,6 +5,9 @@ The command line holds what a run chooses (mode, target, model, layers, input, v
 limits and pass-throughs that a project sets once are ini keys only (``layerparity_<name>``,
 for one run ``-o layerparity_<name>=VALUE``). Everything that reads an option reads it here
 (:func:`read_settings`), the plugin and the distributed runs alike.
+
+Long because it is the table of every option and ini key (its help text, parser and
+default, one entry each) and their parsers: one job, read entry by entry.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from .options import (
     refuse_moved_flags,
     resolve_paths,
 )
-from .state import REGEN_KEY, SESSION_KEY
+from .state import NODEID, REGEN_KEY, SESSION_KEY
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = ["SESSION_KEY"]
 REPORTER_NAME = "layerparity-reporter"
-NODEID = "layerparity"
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -123,6 +122,8 @@ def pytest_configure(config: pytest.Config) -> None:
         except PortError as exc:
             raise pytest.UsageError(str(exc)) from None
     if not hasattr(config, "workerinput"):
+        from .report.reporter import LayerParityReporter
+
         config.pluginmanager.register(LayerParityReporter(settings, session.header_lines()), REPORTER_NAME)
 
 
@@ -198,13 +199,6 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
     except GoldenError as exc:
         raise pytest.UsageError(f"refusing the golden store: {exc}") from None
     return session
-
-
-def skip_reason(report: pytest.TestReport) -> str:
-    """What a skipped test's skip said (a test that judged nothing says why), else ''."""
-    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
-        return str(report.longrepr[2]).removeprefix("Skipped: ")
-    return ""
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -360,57 +354,3 @@ def nan_inf_tracker(tmp_path: Path) -> Callable[..., Any]:
         return NanInfTracker(**kwargs)
 
     return make
-
-
-class LayerParityReporter:
-    """Collects each layerparity test's properties (also from xdist workers, through the
-    reports) for the terminal summary and ``--parity-report``."""
-
-    def __init__(self, settings: Settings, header: list[str] | None = None) -> None:
-        self.settings = settings
-        self.header = header or []
-        self.entries: list[dict[str, Any]] = []
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if not report.nodeid.startswith(f"{NODEID}::"):
-            return
-        if report.when == "call" or (report.when == "setup" and report.failed):
-            from .report.properties import reported_metrics
-
-            props = dict(report.user_properties)
-            verdict = props.get("verdict") or (
-                "error" if report.when == "setup" else ("pass" if report.passed else "fail")
-            )
-            if report.failed and verdict == "pass":
-                verdict = "fail"
-            self.entries.append(
-                {
-                    "nodeid": report.nodeid,
-                    "layers": props.get("layers", report.nodeid.rsplit("[", 1)[-1].rstrip("]").split("_", 1)[-1]),
-                    "verdict": verdict,
-                    "metrics": reported_metrics(props),
-                    "message": report.longreprtext if report.failed else skip_reason(report),
-                    "properties": {k: v for k, v in props.items() if "." in k},
-                    "placement": props.get("placement"),
-                }
-            )
-
-    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
-        from .distributed.env import rank_info
-        from .report.text import summary_lines
-        from .selection import case_order
-
-        ordered = sorted(self.entries, key=lambda e: case_order(e["nodeid"]))
-        lines = summary_lines(ordered)
-        placements = sorted({e["placement"] for e in self.entries if e.get("placement")})
-        if lines:
-            terminalreporter.write_sep("=", "layerparity summary")
-            for placement in placements:
-                terminalreporter.write_line(f"reference placement: {placement}")
-            for line in lines:
-                terminalreporter.write_line(line)
-        if self.settings.parity_report and rank_info().reports:
-            from .report.files import write_reports
-
-            paths = write_reports(self.settings.parity_report, ordered, header=self.header)
-            terminalreporter.write_line(f"layerparity: reports written to {', '.join(str(p) for p in paths)}")

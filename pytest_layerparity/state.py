@@ -13,3 +13,5 @@ if TYPE_CHECKING:
 SESSION_KEY = pytest.StashKey["LayerParitySession"]()
 #: A --force-regen in progress (the controller's).
 REGEN_KEY = pytest.StashKey["Regeneration"]()
+#: The node id of the module that holds the tests the plugin adds (``layerparity::test_...``).
+NODEID = "layerparity"

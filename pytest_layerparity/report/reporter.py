@@ -1,0 +1,74 @@
+"""The plugin's reporter: collects each layerparity test's properties (also from xdist
+workers, through the reports) and writes the terminal summary and ``--parity-report``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from ..state import NODEID
+
+if TYPE_CHECKING:
+    from ..options import Settings
+
+
+def skip_reason(report: pytest.TestReport) -> str:
+    """What a skipped test's skip said (a test that judged nothing says why), else ''."""
+    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    return ""
+
+
+class LayerParityReporter:
+    """Collects each layerparity test's properties (also from xdist workers, through the
+    reports) for the terminal summary and ``--parity-report``."""
+
+    def __init__(self, settings: Settings, header: list[str] | None = None) -> None:
+        self.settings = settings
+        self.header = header or []
+        self.entries: list[dict[str, Any]] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.nodeid.startswith(f"{NODEID}::"):
+            return
+        if report.when == "call" or (report.when == "setup" and report.failed):
+            from .properties import reported_metrics
+
+            props = dict(report.user_properties)
+            verdict = props.get("verdict") or (
+                "error" if report.when == "setup" else ("pass" if report.passed else "fail")
+            )
+            if report.failed and verdict == "pass":
+                verdict = "fail"
+            self.entries.append(
+                {
+                    "nodeid": report.nodeid,
+                    "layers": props.get("layers", report.nodeid.rsplit("[", 1)[-1].rstrip("]").split("_", 1)[-1]),
+                    "verdict": verdict,
+                    "metrics": reported_metrics(props),
+                    "message": report.longreprtext if report.failed else skip_reason(report),
+                    "properties": {k: v for k, v in props.items() if "." in k},
+                    "placement": props.get("placement"),
+                }
+            )
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        from ..distributed.env import rank_info
+        from ..selection import case_order
+        from .text import summary_lines
+
+        ordered = sorted(self.entries, key=lambda e: case_order(e["nodeid"]))
+        lines = summary_lines(ordered)
+        placements = sorted({e["placement"] for e in self.entries if e.get("placement")})
+        if lines:
+            terminalreporter.write_sep("=", "layerparity summary")
+            for placement in placements:
+                terminalreporter.write_line(f"reference placement: {placement}")
+            for line in lines:
+                terminalreporter.write_line(line)
+        if self.settings.parity_report and rank_info().reports:
+            from .files import write_reports
+
+            paths = write_reports(self.settings.parity_report, ordered, header=self.header)
+            terminalreporter.write_line(f"layerparity: reports written to {', '.join(str(p) for p in paths)}")
