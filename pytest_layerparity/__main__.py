@@ -44,13 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary_lines(entries):
         print(line)
     for entry in entries:
-        if entry["message"]:
-            print(entry["message"])
+        if entry.message:
+            print(entry.message)
     if args.report:
         Path(args.report).mkdir(parents=True, exist_ok=True)
         for path in write_reports(args.report, entries):
             print(f"wrote {path}")
-    return 1 if any(e["verdict"] != "pass" for e in entries) else 0
+    return 1 if any(e.verdict != "pass" for e in entries) else 0
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@ the plugin's, on tensors read from the two stores."""
 from __future__ import annotations
 
 import fnmatch
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .compare.judge import LayerOutcome, judge_golden
 from .options import DTYPES
+from .report.entry import ReportEntry
 from .report.properties import properties
 from .report.text import failure_text
 from .selection import layer_key, parse_layer_key
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from .options import Settings
 
 
-def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Settings) -> list[dict[str, Any]]:
+def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Settings) -> list[ReportEntry]:
     """One report entry per layer that both stores hold and ``pattern`` matches."""
     golden, target = GoldenStore(golden_dir), GoldenStore(target_dir)
     manifest = golden.read_manifest()
@@ -54,16 +55,20 @@ def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Set
             hidden_in=g.tensors.get(hidden_input_name(spec)),
             envelope=g.envelope,
         )
-        entries.append(
-            {
-                "nodeid": f"compare::{key}",
-                "layers": str(index),
-                "verdict": "pass" if outcome.passed else "fail",
-                "metrics": dict(properties(outcome)),
-                "message": "" if outcome.passed else _failure(outcome),
-            }
-        )
+        entries.append(_entry(key, index, outcome))
     return entries
+
+
+def _entry(key: str, index: int, outcome: LayerOutcome) -> ReportEntry:
+    """A compared layer's report entry (no properties or placement: it ran in no pytest
+    session)."""
+    return ReportEntry(
+        nodeid=f"compare::{key}",
+        layers=str(index),
+        verdict="pass" if outcome.passed else "fail",
+        metrics=dict(properties(outcome)),
+        message="" if outcome.passed else _failure(outcome),
+    )
 
 
 def _failure(outcome: LayerOutcome) -> str:

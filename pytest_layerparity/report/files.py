@@ -9,18 +9,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .entry import ReportEntry
 from .fields import CSV_COLUMNS, PLOTTED
 
 
-def write_report_json(folder: str | Path, entries: list[dict[str, Any]]) -> Path:
+def write_report_json(folder: str | Path, entries: list[ReportEntry]) -> Path:
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
     target = path / "report.json"
-    target.write_text(json.dumps({"tests": entries}, indent=2, default=str) + "\n", encoding="utf-8")
+    tests = [entry.to_json() for entry in entries]
+    target.write_text(json.dumps({"tests": tests}, indent=2, default=str) + "\n", encoding="utf-8")
     return target
 
 
-def write_report_csv(folder: str | Path, entries: list[dict[str, Any]]) -> Path:
+def write_report_csv(folder: str | Path, entries: list[ReportEntry]) -> Path:
     import csv
 
     path = Path(folder) / "report.csv"
@@ -28,19 +30,16 @@ def write_report_csv(folder: str | Path, entries: list[dict[str, Any]]) -> Path:
         writer = csv.writer(handle)
         writer.writerow(CSV_COLUMNS)
         for entry in entries:
-            metrics = entry.get("metrics") or {}
+            metrics = entry.metrics or {}
             writer.writerow(
-                [
-                    entry.get(c, metrics.get(c, "")) if c in ("nodeid", "layers", "verdict") else metrics.get(c, "")
-                    for c in CSV_COLUMNS
-                ]
+                [getattr(entry, c) if c in ("nodeid", "layers", "verdict") else metrics.get(c, "") for c in CSV_COLUMNS]
             )
     return path
 
 
-def isolated_layer(entry: dict[str, Any]) -> int | None:
+def isolated_layer(entry: ReportEntry) -> int | None:
     """The layer of an entry that covers one layer (its ``layers`` is ``"3"``), else None."""
-    layers = str(entry.get("layers", ""))
+    layers = str(entry.layers)
     return int(layers) if layers.isdigit() else None
 
 
@@ -56,11 +55,11 @@ BANDS = {
 }
 
 
-def _test_name(entry: dict[str, Any]) -> str:
-    return str(entry.get("nodeid", "")).split("::")[-1].split("[")[0]
+def _test_name(entry: ReportEntry) -> str:
+    return entry.test_name.split("[")[0]
 
 
-def _per_layer_series(entries: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+def _per_layer_series(entries: list[ReportEntry], names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
     """field -> [(layer, value)] from the isolated layer tests (the prompt's; decode steps
     and ranges are other series)."""
     series: dict[str, list[tuple[int, float]]] = {}
@@ -69,13 +68,13 @@ def _per_layer_series(entries: list[dict[str, Any]], names: tuple[str, ...]) -> 
         if layer is None or _test_name(entry) not in ("", "test_layer_parity"):
             continue
         for metric in names:
-            value = (entry.get("metrics") or {}).get(metric)
+            value = (entry.metrics or {}).get(metric)
             if isinstance(value, (int, float)):
                 series.setdefault(metric, []).append((layer, float(value)))
     return {k: sorted(v) for k, v in series.items()}
 
 
-def _chained_series(entries: list[dict[str, Any]], names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+def _chained_series(entries: list[ReportEntry], names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
     """field -> [(layer, value)] along the chained runs (each layer of a chain fed the
     previous layer's target output: the drift that accumulates), from their per-layer
     properties ``layer_N.<field>``."""
@@ -83,7 +82,7 @@ def _chained_series(entries: list[dict[str, Any]], names: tuple[str, ...]) -> di
     for entry in entries:
         if _test_name(entry) != "test_chain_parity":
             continue
-        for key, value in (entry.get("properties") or {}).items():
+        for key, value in (entry.properties or {}).items():
             prefix, _, metric = key.partition(".")
             numeric = isinstance(value, (int, float))
             if numeric and metric in names and prefix.startswith("layer_") and prefix[6:].isdigit():
@@ -103,7 +102,7 @@ class Panel:
     chained: list[tuple[int, float]] = field(default_factory=list)  # the same field along chained runs
 
 
-def panels(entries: list[dict[str, Any]]) -> list[Panel]:
+def panels(entries: list[ReportEntry]) -> list[Panel]:
     """The panels of the plot: one per plotted metric the entries carry."""
     band_fields = tuple(f for pair in BANDS.values() for f in pair if f)
     series = _per_layer_series(entries, (*PLOTTED, *band_fields))
@@ -111,7 +110,7 @@ def panels(entries: list[dict[str, Any]]) -> list[Panel]:
     failed = {
         isolated_layer(e)
         for e in entries
-        if e["verdict"] in ("fail", "error") and _test_name(e) in ("", "test_layer_parity")
+        if e.verdict in ("fail", "error") and _test_name(e) in ("", "test_layer_parity")
     } - {None}
     out = []
     for name in (m for m in PLOTTED if m in series or m in chained):
@@ -138,7 +137,7 @@ def panels(entries: list[dict[str, Any]]) -> list[Panel]:
     return out
 
 
-def plot_png(entries: list[dict[str, Any]]) -> bytes | None:
+def plot_png(entries: list[ReportEntry]) -> bytes | None:
     """A PNG of :func:`panels` (failing layers marked, the envelope as a band, chained drift
     beside the isolated values, 1 - cosine on a log axis), or None without matplotlib or data."""
     drawn = panels(entries)
@@ -179,7 +178,7 @@ def plot_png(entries: list[dict[str, Any]]) -> bytes | None:
 
 def write_report_html(
     folder: str | Path,
-    entries: list[dict[str, Any]],
+    entries: list[ReportEntry],
     title: str = "layerparity report",
     header: list[str] | None = None,
 ) -> Path:
@@ -189,24 +188,23 @@ def write_report_html(
 
     rows = []
     for entry in entries:
-        metrics = entry.get("metrics") or {}
+        metrics = entry.metrics or {}
         cells = "".join(f"<td>{html.escape(_cell(metrics.get(c)))}</td>" for c in CSV_COLUMNS[3:])
-        cls = {"pass": "pass", "written": "pass", "skipped": "skip"}.get(entry["verdict"], "fail")
-        message = html.escape(entry.get("message") or "")
+        cls = {"pass": "pass", "written": "pass", "skipped": "skip"}.get(entry.verdict, "fail")
+        message = html.escape(entry.message or "")
         detail = (
             f"<tr class='detail'><td colspan='{len(CSV_COLUMNS)}'><pre>{message}</pre></td></tr>" if message else ""
         )
         rows.append(
             "<tr "
-            f"class='{cls}'><td>{html.escape(entry['nodeid'].split('::')[-1])}</td><td>{html.escape(str(entry['layers']))}</td>"
-            f"<td>{html.escape(entry['verdict'])}</td>{cells}</tr>{detail}"
+            f"class='{cls}'><td>{html.escape(entry.test_name)}</td><td>{html.escape(str(entry.layers))}</td>"
+            f"<td>{html.escape(entry.verdict)}</td>{cells}</tr>{detail}"
         )
     from .text import first_failing
 
     first = first_failing(entries)
     summary = (
-        f"<p class='bad'>First failing: {html.escape(first['nodeid'].split('::')[-1])} (layers "
-        f"{html.escape(str(first['layers']))})</p>"
+        f"<p class='bad'>First failing: {html.escape(first.test_name)} (layers {html.escape(str(first.layers))})</p>"
         if first
         else f"<p class='good'>All {len(entries)} tests pass.</p>"
     )
@@ -248,7 +246,7 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def write_reports(folder: str | Path, entries: list[dict[str, Any]], header: list[str] | None = None) -> list[Path]:
+def write_reports(folder: str | Path, entries: list[ReportEntry], header: list[str] | None = None) -> list[Path]:
     return [
         write_report_json(folder, entries),
         write_report_csv(folder, entries),

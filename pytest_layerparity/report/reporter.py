@@ -3,21 +3,15 @@ workers, through the reports) and writes the terminal summary and ``--parity-rep
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
 from ..state import NODEID
+from .entry import ReportEntry
 
 if TYPE_CHECKING:
     from ..options import Settings
-
-
-def skip_reason(report: pytest.TestReport) -> str:
-    """What a skipped test's skip said (a test that judged nothing says why), else ''."""
-    if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
-        return str(report.longrepr[2]).removeprefix("Skipped: ")
-    return ""
 
 
 class LayerParityReporter:
@@ -27,40 +21,22 @@ class LayerParityReporter:
     def __init__(self, settings: Settings, header: list[str] | None = None) -> None:
         self.settings = settings
         self.header = header or []
-        self.entries: list[dict[str, Any]] = []
+        self.entries: list[ReportEntry] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if not report.nodeid.startswith(f"{NODEID}::"):
             return
         if report.when == "call" or (report.when == "setup" and report.failed):
-            from .properties import reported_metrics
-
-            props = dict(report.user_properties)
-            verdict = props.get("verdict") or (
-                "error" if report.when == "setup" else ("pass" if report.passed else "fail")
-            )
-            if report.failed and verdict == "pass":
-                verdict = "fail"
-            self.entries.append(
-                {
-                    "nodeid": report.nodeid,
-                    "layers": props.get("layers", report.nodeid.rsplit("[", 1)[-1].rstrip("]").split("_", 1)[-1]),
-                    "verdict": verdict,
-                    "metrics": reported_metrics(props),
-                    "message": report.longreprtext if report.failed else skip_reason(report),
-                    "properties": {k: v for k, v in props.items() if "." in k},
-                    "placement": props.get("placement"),
-                }
-            )
+            self.entries.append(ReportEntry.of_test(report))
 
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         from ..distributed.env import rank_info
         from ..selection import case_order
         from .text import summary_lines
 
-        ordered = sorted(self.entries, key=lambda e: case_order(e["nodeid"]))
+        ordered = sorted(self.entries, key=lambda e: case_order(e.nodeid))
         lines = summary_lines(ordered)
-        placements = sorted({e["placement"] for e in self.entries if e.get("placement")})
+        placements = sorted({e.placement for e in self.entries if e.placement})
         if lines:
             terminalreporter.write_sep("=", "layerparity summary")
             for placement in placements:

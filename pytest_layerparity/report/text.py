@@ -11,6 +11,7 @@ from .fields import SUMMARY_COLUMNS
 
 if TYPE_CHECKING:
     from ..compare.judge import LayerOutcome
+    from .entry import ReportEntry
 
 
 def _value(value: float) -> str:
@@ -95,18 +96,18 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
 _FIRST_FAILING_GROUPS = (("test_layer_parity", "test_layer_decode_parity"), ("test_chain_parity",))
 
 
-def first_failing(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+def first_failing(entries: list[ReportEntry]) -> ReportEntry | None:
     """The failing (or erroring) test of the lowest layer, isolated tests before chains and
     the prompt before the decode steps; tests of no layer (the whole model) last."""
 
-    def order(entry: dict[str, Any]) -> tuple[int, int, int]:
-        name = entry["nodeid"].split("::")[-1].split("[")[0]
+    def order(entry: ReportEntry) -> tuple[int, int, int]:
+        name = entry.test_name.split("[")[0]
         group = next((g for g, names in enumerate(_FIRST_FAILING_GROUPS) if name in names), len(_FIRST_FAILING_GROUPS))
         rank = _FIRST_FAILING_GROUPS[group].index(name) if group < len(_FIRST_FAILING_GROUPS) else 0
-        numbers = re.findall(r"\d+", str(entry["layers"]))
+        numbers = re.findall(r"\d+", str(entry.layers))
         return (group, int(numbers[0]) if numbers else 0, rank)
 
-    failing = [e for e in entries if e["verdict"] in ("fail", "error")]
+    failing = [e for e in entries if e.verdict in ("fail", "error")]
     return min(failing, key=order) if failing else None
 
 
@@ -126,26 +127,26 @@ def model_summary(metrics: Mapping[str, Any]) -> str | None:
     return text
 
 
-def summary_lines(entries: list[dict[str, Any]]) -> list[str]:
+def summary_lines(entries: list[ReportEntry]) -> list[str]:
     """One row per test: the layers, the verdict and the main metrics; the first failing layer."""
     if not entries:
         return []
     columns = SUMMARY_COLUMNS
     lines = [f"{'test':<38} {'verdict':<8} " + " ".join(f"{title:>{width}}" for title, _, width in columns)]
     for entry in entries:
-        metrics = entry.get("metrics") or {}
-        name = entry["nodeid"].split("::")[-1]
+        metrics = entry.metrics or {}
+        name = entry.test_name
         cells = []
         for _, key, width in columns:
             value = metrics.get(key)
             cells.append(f"{value:>{width}.4g}" if isinstance(value, (int, float)) else f"{'-':>{width}}")
-        lines.append(f"{name:<38} {entry['verdict']:<8} " + " ".join(cells))
+        lines.append(f"{name:<38} {entry.verdict:<8} " + " ".join(cells))
         model = model_summary(metrics)
         if model is not None:
             lines.append(f"  {model}")
-        if entry["verdict"] == "skipped" and entry.get("message"):
-            lines.append(f"  {entry['message']}")
+        if entry.verdict == "skipped" and entry.message:
+            lines.append(f"  {entry.message}")
     first_fail = first_failing(entries)
     if first_fail is not None:
-        lines.append(f"first failing: {first_fail['nodeid'].split('::')[-1]} (layers {first_fail['layers']})")
+        lines.append(f"first failing: {first_fail.test_name} (layers {first_fail.layers})")
     return lines

@@ -4,6 +4,7 @@ text, the summary table and the report files; and the next-step commands."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from pytest_layerparity.compare.judge import judge, judge_golden
 from pytest_layerparity.compare.metrics import METRIC_NAMES
 from pytest_layerparity.options import make_settings
+from pytest_layerparity.report.entry import ReportEntry
 from pytest_layerparity.report.fields import CSV_COLUMNS, FIELD_NAMES, FIELDS, PLOTTED, SUMMARY_COLUMNS
 from pytest_layerparity.report.files import isolated_layer, write_reports
 from pytest_layerparity.report.properties import properties, reported_metrics
@@ -117,19 +119,19 @@ def test_failure_text_says_everything_a_failing_layer_should():
 
 def entries():
     def entry(layers: str, verdict: str, **metrics):
-        return {
-            "nodeid": f"layerparity::test_layer_parity[layer_{layers}]",
-            "layers": layers,
-            "verdict": verdict,
-            "metrics": metrics,
-            "message": "" if verdict == "pass" else "layer failed\n  details",
-        }
+        return ReportEntry(
+            nodeid=f"layerparity::test_layer_parity[layer_{layers}]",
+            layers=layers,
+            verdict=verdict,
+            metrics=metrics,
+            message="" if verdict == "pass" else "layer failed\n  details",
+        )
 
     return [
         entry("0", "pass", max_abs_diff=1e-6, cosine_similarity=1.0, noise_ratio=1.01),
         entry("1", "fail", max_abs_diff=0.5, cosine_similarity=0.9, noise_ratio=300.0),
-        {**entry("2", "error"), "nodeid": "layerparity::test_layer_parity[layer_2]"},
-        {**entry("0-2", "fail", noise_ratio=5.0), "nodeid": "layerparity::test_chain_parity[layers_0-2]"},
+        dataclasses.replace(entry("2", "error"), nodeid="layerparity::test_layer_parity[layer_2]"),
+        dataclasses.replace(entry("0-2", "fail", noise_ratio=5.0), nodeid="layerparity::test_chain_parity[layers_0-2]"),
     ]
 
 
@@ -143,13 +145,13 @@ def test_summary_lines():
 
 
 def test_a_test_that_judged_nothing_is_counted_as_skipped_with_its_reason():
-    skipped = {
-        "nodeid": "layerparity::test_layer_decode_parity[layer_3]",
-        "layers": "3",
-        "verdict": "skipped",
-        "metrics": {},
-        "message": "layer 3, decode step 0: not judged: every one of its 1 token(s) routed ...",
-    }
+    skipped = ReportEntry(
+        nodeid="layerparity::test_layer_decode_parity[layer_3]",
+        layers="3",
+        verdict="skipped",
+        metrics={},
+        message="layer 3, decode step 0: not judged: every one of its 1 token(s) routed ...",
+    )
     lines = summary_lines([skipped])
     assert lines[1].split()[:2] == ["test_layer_decode_parity[layer_3]", "skipped"]
     assert lines[2] == "  layer 3, decode step 0: not judged: every one of its 1 token(s) routed ..."
@@ -157,11 +159,11 @@ def test_a_test_that_judged_nothing_is_counted_as_skipped_with_its_reason():
 
 
 def test_the_whole_model_row_is_followed_by_its_own_metrics():
-    model = {
-        "nodeid": "layerparity::test_model_parity",
-        "layers": "model",
-        "verdict": "pass",
-        "metrics": {
+    model = ReportEntry(
+        nodeid="layerparity::test_model_parity",
+        layers="model",
+        verdict="pass",
+        metrics={
             "top1_agreement": 0.875,
             "near_tie_flips": 2,
             "greedy_flips_outside_ties": 0,
@@ -170,7 +172,7 @@ def test_the_whole_model_row_is_followed_by_its_own_metrics():
             "generated": 3,
             "generated_matched": 1,
         },
-    }
+    )
     lines = summary_lines([model])
     assert lines[1].split()[:2] == ["test_model_parity", "pass"]
     assert lines[2] == (
@@ -181,7 +183,7 @@ def test_the_whole_model_row_is_followed_by_its_own_metrics():
 
 def test_first_failing_is_the_lowest_isolated_layer_then_chains_then_the_model():
     def named(name, layers, verdict="fail"):
-        return {"nodeid": f"layerparity::{name}", "layers": layers, "verdict": verdict, "metrics": {}}
+        return ReportEntry(nodeid=f"layerparity::{name}", layers=layers, verdict=verdict, metrics={})
 
     decode3 = named("test_layer_decode_parity[layer_3]", "3")
     prompt3 = named("test_layer_parity[layer_3]", "3")
@@ -196,7 +198,7 @@ def test_first_failing_is_the_lowest_isolated_layer_then_chains_then_the_model()
 
 @pytest.mark.parametrize(("layers", "expected"), [("3", 3), ("0-2", None), ("", None), ("12", 12)])
 def test_isolated_layer(layers, expected):
-    assert isolated_layer({"layers": layers}) == expected
+    assert isolated_layer(ReportEntry(nodeid="", layers=layers, verdict="pass")) == expected
 
 
 def test_report_files(tmp_path):
@@ -258,10 +260,10 @@ def test_plot_panels_show_the_envelope_failures_and_one_minus_cosine_on_a_log_ax
     from pytest_layerparity.report.files import panels, plot_png
 
     rows = entries()
-    rows[0]["metrics"].update(
+    rows[0].metrics.update(
         noise_ratio_limit=1.6, contribution_bias=-1.0, contribution_bias_low=-9.0, contribution_bias_high=8.0
     )
-    rows[1]["metrics"].update(noise_ratio_limit=1.7)
+    rows[1].metrics.update(noise_ratio_limit=1.7)
     drawn = {p.label: p for p in panels(rows)}
     assert set(drawn) == {"max_abs_diff", "1 - cosine_similarity", "noise_ratio", "contribution_bias"}
     cosine = drawn["1 - cosine_similarity"]
@@ -278,19 +280,19 @@ def test_plot_panels_draw_chained_drift_beside_isolated_and_leave_decode_steps_o
     from pytest_layerparity.report.files import panels, plot_png
 
     rows = entries()[:2]
-    chain = {
-        "nodeid": "layerparity::test_chain_parity[layers_0-1]",
-        "layers": "0-1",
-        "verdict": "pass",
-        "metrics": {"noise_ratio": 1.4},
-        "properties": {"layer_0.noise_ratio": 1.0, "layer_1.noise_ratio": 1.4, "layer_1.cosine_similarity": 0.99},
-    }
-    decode = {
-        "nodeid": "layerparity::test_layer_decode_parity[layer_0]",
-        "layers": "0",
-        "verdict": "fail",
-        "metrics": {"noise_ratio": 50.0},
-    }
+    chain = ReportEntry(
+        nodeid="layerparity::test_chain_parity[layers_0-1]",
+        layers="0-1",
+        verdict="pass",
+        metrics={"noise_ratio": 1.4},
+        properties={"layer_0.noise_ratio": 1.0, "layer_1.noise_ratio": 1.4, "layer_1.cosine_similarity": 0.99},
+    )
+    decode = ReportEntry(
+        nodeid="layerparity::test_layer_decode_parity[layer_0]",
+        layers="0",
+        verdict="fail",
+        metrics={"noise_ratio": 50.0},
+    )
     drawn = {p.label: p for p in panels([*rows, chain, decode])}
     assert drawn["noise_ratio"].points == [(0, 1.01), (1, 300.0)]  # the decode test's 50 is not layer 0's prompt
     assert drawn["noise_ratio"].chained == [(0, 1.0), (1, 1.4)]
