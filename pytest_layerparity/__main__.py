@@ -31,14 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--verdict", choices=("noise", "table"), default="noise")
     cmp_.add_argument("--max-noise-ratio", type=float, default=None)
     args = parser.parse_args(argv)
-    from .offline import compare_stores
+    from .offline import NothingToCompare, compare_stores
     from .report.files import write_reports
     from .report.text import summary_lines
     from .store.golden import GoldenError
 
     try:
         entries = compare_stores(args.golden_dir, args.target_dir, args.layer_pattern, _settings(args))
-    except GoldenError as exc:
+    except NothingToCompare as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except GoldenError as exc:  # a store that cannot be read
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for line in summary_lines(entries):

@@ -20,15 +20,22 @@ if TYPE_CHECKING:
     from .options import Settings
 
 
+class NothingToCompare(Exception):
+    """The two stores give nothing to compare: one of them is no store (it has no manifest),
+    or no layer that the pattern matches is in both. The message says which."""
+
+
 def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Settings) -> list[ReportEntry]:
-    """One report entry per layer that both stores hold and ``pattern`` matches."""
+    """One report entry per layer that both stores hold and ``pattern`` matches. Raises
+    :class:`NothingToCompare` when there is none, and :class:`~.store.golden.GoldenError`
+    when a store cannot be read."""
     golden, target = GoldenStore(golden_dir), GoldenStore(target_dir)
     manifest = golden.read_manifest()
     if manifest is None:
-        raise SystemExit(f"error: {golden_dir} is not a golden store (no manifest.json)")
+        raise NothingToCompare(f"{golden_dir} is not a golden store (no manifest.json)")
     if target.read_manifest() is None:
-        raise SystemExit(
-            f"error: {target_dir} is not a store of outputs (no manifest.json); write one with --save-outputs"
+        raise NothingToCompare(
+            f"{target_dir} is not a store of outputs (no manifest.json); write one with --save-outputs"
         )
     layers = sorted(
         index
@@ -36,7 +43,7 @@ def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Set
         if fnmatch.fnmatch(key, pattern) and (index := parse_layer_key(key)) is not None
     )
     if not layers:
-        raise SystemExit(f"error: no layer matches {pattern!r} in both {golden_dir} and {target_dir}")
+        raise NothingToCompare(f"no layer matches {pattern!r} in both {golden_dir} and {target_dir}")
     dtype = manifest.get("dtype") if manifest.get("dtype") in DTYPES else "float32"
     entries = []
     for index in layers:

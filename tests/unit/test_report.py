@@ -216,6 +216,32 @@ def test_report_files(tmp_path):
     assert "layerparity: target xla, dtype float32" in page
 
 
+def test_the_compare_command_says_why_there_is_nothing_to_compare(tmp_path, capsys):
+    from pytest_layerparity.__main__ import main
+    from pytest_layerparity.offline import NothingToCompare, compare_stores
+    from pytest_layerparity.store.golden import GoldenStore
+
+    golden, target, missing = tmp_path / "golden", tmp_path / "target", tmp_path / "missing"
+    for store in (golden, target):
+        GoldenStore(store).begin({"dtype": "float32"}, compare_keys=("dtype",))
+    cases = [
+        (missing, target, "layer_*", f"{missing} is not a golden store (no manifest.json)"),
+        (
+            golden,
+            missing,
+            "layer_*",
+            f"{missing} is not a store of outputs (no manifest.json); write one with --save-outputs",
+        ),
+        (golden, target, "layer_9", f"no layer matches 'layer_9' in both {golden} and {target}"),
+    ]
+    for golden_dir, target_dir, pattern, why in cases:
+        with pytest.raises(NothingToCompare) as raised:
+            compare_stores(str(golden_dir), str(target_dir), pattern, make_settings())
+        assert str(raised.value) == why
+        assert main(["compare", str(golden_dir), str(target_dir), "--layer-pattern", pattern]) == 1
+        assert capsys.readouterr() == ("", f"error: {why}\n")
+
+
 # -- commands ---------------------------------------------------------------------------------------
 
 
