@@ -38,7 +38,7 @@ import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -220,12 +220,24 @@ class _Chunks:
         return [b[:m] for b in self.scratch]
 
 
-# Order of the per-chunk statistics returned by _chunk_stats.
-_SG, _ST, _SGG, _STT, _SGT, _SAD, _MAD, _MREL, _NFAIL = range(9)
+class _ChunkStats(NamedTuple):
+    """One chunk's float64 sums and maxima over its all-finite pairs, on the host: what
+    :func:`_chunk_stats` computes, in this order."""
+
+    sum_g: float
+    sum_t: float
+    sum_gg: float
+    sum_tt: float
+    sum_gt: float
+    sum_abs_diff: float
+    max_abs_diff: float
+    max_rel_diff: float
+    outside: float  # pairs outside the similarity tolerance
 
 
 def _chunk_stats(pair, d, a, b, atol: float, rtol: float) -> list[torch.Tensor]:
-    """float64 sums and maxima over one chunk of all-finite pairs (0-d tensors, no sync).
+    """float64 sums and maxima over one chunk of all-finite pairs (0-d tensors, no sync), in
+    the order of :class:`_ChunkStats`.
 
     ``pair``: (2, m) float64, golden in row 0, target in row 1; d, a, b: scratch of m.
     """
@@ -246,8 +258,25 @@ def _chunk_stats(pair, d, a, b, atol: float, rtol: float) -> list[torch.Tensor]:
     return out
 
 
+class _CentredStats(NamedTuple):
+    """One chunk's sums of the second Pearson pass, with golden ``a = g - mean(g)`` and
+    target ``b = t - mean(t)``, and the extremes of g and t, on the host: what
+    :func:`_centred_stats` computes, in this order."""
+
+    sum_a: float
+    sum_b: float
+    sum_ab: float
+    sum_aa: float
+    sum_bb: float
+    min_g: float
+    max_g: float
+    min_t: float
+    max_t: float
+
+
 def _centred_stats(g, t, a, b, mg: float, mt: float) -> list[torch.Tensor]:
-    """Second Pearson pass over one chunk of all-finite pairs."""
+    """Second Pearson pass over one chunk of all-finite pairs, in the order of
+    :class:`_CentredStats`."""
     torch.sub(g, mg, out=a)
     torch.sub(t, mt, out=b)
     return [
@@ -407,87 +436,75 @@ def _first_pass_shared(ch: _Chunks, inputs: list[torch.Tensor], chunk_elements, 
     return [r for part in parts for r in part[0]], [r for part in parts for r in part[1]]
 
 
+class _Totals(NamedTuple):
+    """The statistics of the chunks that hold finite pairs, added up: sums exactly
+    (:func:`math.fsum` of the per-chunk float64 sums), maxima over the chunks."""
+
+    n: int  # the pairs where both values are finite
+    sum_g: float
+    sum_t: float
+    sum_gg: float
+    sum_tt: float
+    sum_gt: float
+    sum_abs_diff: float
+    max_abs_diff: float
+    max_rel_diff: float
+    outside: float
+
+    @classmethod
+    def of(cls, chunks: list[_ChunkStats], n: int) -> _Totals:
+        def total(name: str) -> float:
+            return math.fsum(getattr(c, name) for c in chunks)
+
+        return cls(
+            n=n,
+            sum_g=total("sum_g"),
+            sum_t=total("sum_t"),
+            sum_gg=total("sum_gg"),
+            sum_tt=total("sum_tt"),
+            sum_gt=total("sum_gt"),
+            sum_abs_diff=total("sum_abs_diff"),
+            max_abs_diff=max(c.max_abs_diff for c in chunks),
+            max_rel_diff=max(c.max_rel_diff for c in chunks),
+            outside=total("outside"),
+        )
+
+
+@dataclass
+class _NonFinite:
+    """What the revisit of the chunks holding NaN or Inf found."""
+
+    chunks: set[int]  # the chunks revisited (their statistics are over their finite pairs)
+    counts: tuple[int, int, int, int] = (0, 0, 0, 0)  # golden NaN, golden Inf, target NaN, target Inf
+    first_mismatch: int | None = None  # the first position finite in one tensor only
+
+
 def _compare_chunks(ch: _Chunks, inputs, chunk_elements, with_reference: bool, atol, rtol, shape, numel) -> Metrics:
-
-    # ---- pass 1: all statistics, assuming every chunk is finite (checked afterwards).
+    """The metrics from the chunks: pass 1 assumes every chunk finite, the chunks that are
+    not are revisited with masks, then the sums are added up and the Pearson correlation and
+    the worst element are found (each reading the chunks again only when it must)."""
     rows, noise_rows = _first_pass_shared(ch, inputs, chunk_elements, atol, rtol)
-    stats: list[list[float] | None] = list(_to_host(rows))  # the fast path's only sync
+    stats: list[_ChunkStats | None] = [_ChunkStats._make(r) for r in _to_host(rows)]  # the fast path's only sync
     npairs = [ch.bounds(i)[1] - ch.bounds(i)[0] for i in range(ch.nchunks)]
-
-    # ---- revisit the chunks holding NaN/Inf (their float64 sums are not finite), masked.
-    counts = [0, 0, 0, 0]  # golden nan, golden inf, target nan, target inf
-    first_mismatch: int | None = None
-    slow = [i for i, s in enumerate(stats) if not (math.isfinite(s[_SG]) and math.isfinite(s[_ST]))]
-    for i in slow:
-        pair, _ = ch.load(i)
-        g, t = pair[0], pair[1]
-        c = torch.stack(
-            [torch.isnan(g).sum(), torch.isinf(g).sum(), torch.isnan(t).sum(), torch.isinf(t).sum()]
-        ).tolist()
-        counts = [x + y for x, y in zip(counts, c, strict=False)]
-        fg, ft = torch.isfinite(g), torch.isfinite(t)
-        if first_mismatch is None:
-            mism = torch.nonzero(fg ^ ft)
-            if mism.numel():
-                first_mismatch = ch.bounds(i)[0] + int(mism[0, 0])
-        both = fg & ft
-        sub = pair[:, both]
-        m = sub.shape[1]
-        npairs[i] = m
-        if m:
-            scratch = [torch.empty(m, dtype=torch.float64, device=ch.device) for _ in range(3)]
-            stats[i] = torch.stack(_chunk_stats(sub, *scratch, atol, rtol)).tolist()
-        else:
-            stats[i] = None
-    slow_set = set(slow)
+    found = _revisit_non_finite(ch, stats, npairs, atol, rtol)
 
     n = sum(npairs)
     live = [i for i in range(ch.nchunks) if stats[i] is not None]
-
-    def total(k: int) -> float:
-        return math.fsum(stats[i][k] for i in live)
-
     if n == 0:
         nan = float("nan")
         max_abs = mean_abs = sim = cos = pear = max_rel = nan
-        worst = first_mismatch if first_mismatch is not None else 0
+        worst = found.first_mismatch if found.first_mismatch is not None else 0
     else:
-        max_abs = max(stats[i][_MAD] for i in live)
-        max_rel = max(stats[i][_MREL] for i in live)
-        mean_abs = total(_SAD) / n
-        sim = 100.0 * (n - total(_NFAIL)) / n
-        sg, st, sgg, stt, sgt = (total(k) for k in (_SG, _ST, _SGG, _STT, _SGT))
-
-        if sgg == 0.0 and stt == 0.0:
-            cos = 1.0
-        elif sgg == 0.0 or stt == 0.0:
-            cos = 0.0
+        totals = _Totals.of([stats[i] for i in live], n)
+        max_abs, max_rel = totals.max_abs_diff, totals.max_rel_diff
+        mean_abs = totals.sum_abs_diff / n
+        sim = 100.0 * (n - totals.outside) / n
+        cos = _cosine(totals)
+        pear = _pearson(ch, live, found.chunks, totals)
+        if found.first_mismatch is not None:
+            worst = found.first_mismatch
         else:
-            cos = _clamp_unit(sgt / (math.sqrt(sgg) * math.sqrt(stt)))
-
-        if _pearson_needs_two_pass(sg, st, sgg, stt, sgt, n):
-            pear = _pearson_two_pass(ch, live, slow_set, sg / n, st / n, n, max_abs)
-        else:
-            mg, mt = sg / n, st / n
-            cov = sgt / n - mg * mt
-            pear = _clamp_unit(cov / (math.sqrt(sgg / n - mg * mg) * math.sqrt(stt / n - mt * mt)))
-
-        if first_mismatch is not None:
-            worst = first_mismatch
-        else:
-            # first chunk holding the maximum, then the first maximum within it
-            wi = next(i for i in live if stats[i][_MAD] == max_abs)
-            pair, _ = ch.load(wi)
-            d = ch.scratch_for(pair.shape[1])[0]
-            torch.sub(pair[1], pair[0], out=d).abs_()
-            if wi in slow_set:
-                d = torch.where(torch.isfinite(d), d, torch.full_like(d, -1.0))
-            worst = ch.bounds(wi)[0] + int(torch.argmax(d))
-
-    nr = None
-    if with_reference:
-        host = _to_host(noise_rows)
-        nr = _ratio(math.fsum(r[0] for r in host), math.fsum(r[1] for r in host), 1e-12)
+            worst = _first_maximum(ch, stats, live, found.chunks, max_abs)
 
     return Metrics(
         max_abs_diff=float(max_abs),
@@ -496,16 +513,83 @@ def _compare_chunks(ch: _Chunks, inputs, chunk_elements, with_reference: bool, a
         cosine_similarity=float(cos),
         pearson_correlation=float(pear),
         numel=int(numel),
-        golden_nan=int(counts[0]),
-        golden_inf=int(counts[1]),
-        target_nan=int(counts[2]),
-        target_inf=int(counts[3]),
+        golden_nan=int(found.counts[0]),
+        golden_inf=int(found.counts[1]),
+        target_nan=int(found.counts[2]),
+        target_inf=int(found.counts[3]),
         worst_index=_unravel(int(worst), shape),
         worst_golden=float(ch.flat[0][worst].item()),
         worst_target=float(ch.flat[1][worst].item()),
         max_rel_diff=float(max_rel),
-        noise_ratio=nr,
+        noise_ratio=_noise_ratio_of(noise_rows, 1e-12) if with_reference else None,
     )
+
+
+def _revisit_non_finite(
+    ch: _Chunks, stats: list[_ChunkStats | None], npairs: list[int], atol: float, rtol: float
+) -> _NonFinite:
+    """Revisit the chunks holding NaN or Inf (their float64 sums are not finite): count them,
+    find the first position finite in one tensor only, and put the chunk's statistics over
+    its finite pairs (None where it has none) and their number into ``stats`` and ``npairs``."""
+    slow = [i for i, s in enumerate(stats) if not (math.isfinite(s.sum_g) and math.isfinite(s.sum_t))]
+    found = _NonFinite(chunks=set(slow))
+    for i in slow:
+        pair, _ = ch.load(i)
+        g, t = pair[0], pair[1]
+        c = torch.stack(
+            [torch.isnan(g).sum(), torch.isinf(g).sum(), torch.isnan(t).sum(), torch.isinf(t).sum()]
+        ).tolist()
+        found.counts = tuple(x + y for x, y in zip(found.counts, c, strict=False))
+        fg, ft = torch.isfinite(g), torch.isfinite(t)
+        if found.first_mismatch is None:
+            mism = torch.nonzero(fg ^ ft)
+            if mism.numel():
+                found.first_mismatch = ch.bounds(i)[0] + int(mism[0, 0])
+        both = fg & ft
+        sub = pair[:, both]
+        m = sub.shape[1]
+        npairs[i] = m
+        if m:
+            scratch = [torch.empty(m, dtype=torch.float64, device=ch.device) for _ in range(3)]
+            stats[i] = _ChunkStats._make(torch.stack(_chunk_stats(sub, *scratch, atol, rtol)).tolist())
+        else:
+            stats[i] = None
+    return found
+
+
+def _cosine(totals: _Totals) -> float:
+    """1.0 for two zero tensors, 0.0 when one is zero."""
+    sgg, stt = totals.sum_gg, totals.sum_tt
+    if sgg == 0.0 and stt == 0.0:
+        return 1.0
+    if sgg == 0.0 or stt == 0.0:
+        return 0.0
+    return _clamp_unit(totals.sum_gt / (math.sqrt(sgg) * math.sqrt(stt)))
+
+
+def _pearson(ch: _Chunks, live: list[int], slow: set[int], totals: _Totals) -> float:
+    """From the one-pass sums when they are well conditioned, else by a second, centred pass
+    over the ``live`` chunks (see :func:`_pearson_needs_two_pass`)."""
+    sg, st, sgg, stt, sgt, n = totals.sum_g, totals.sum_t, totals.sum_gg, totals.sum_tt, totals.sum_gt, totals.n
+    if _pearson_needs_two_pass(sg, st, sgg, stt, sgt, n):
+        return _pearson_two_pass(ch, live, slow, sg / n, st / n, n, totals.max_abs_diff)
+    mg, mt = sg / n, st / n
+    cov = sgt / n - mg * mt
+    return _clamp_unit(cov / (math.sqrt(sgg / n - mg * mg) * math.sqrt(stt / n - mt * mt)))
+
+
+def _first_maximum(
+    ch: _Chunks, stats: list[_ChunkStats | None], live: list[int], slow: set[int], max_abs: float
+) -> int:
+    """The flat position of the first largest |t - g|: the first chunk holding the maximum,
+    then the first maximum within it (non-finite differences left out)."""
+    wi = next(i for i in live if stats[i].max_abs_diff == max_abs)
+    pair, _ = ch.load(wi)
+    d = ch.scratch_for(pair.shape[1])[0]
+    torch.sub(pair[1], pair[0], out=d).abs_()
+    if wi in slow:
+        d = torch.where(torch.isfinite(d), d, torch.full_like(d, -1.0))
+    return ch.bounds(wi)[0] + int(torch.argmax(d))
 
 
 def _pearson_two_pass(ch: _Chunks, live, slow_set, mg: float, mt: float, n: int, max_abs: float) -> float:
@@ -520,11 +604,13 @@ def _pearson_two_pass(ch: _Chunks, live, slow_set, mg: float, mt: float, n: int,
         else:
             a, b = ch.scratch_for(g.numel())[:2]
         rows.append(_centred_stats(g, t, a, b, mg, mt))
-    host = _to_host(rows)
-    sa, sb, sab, saa, sbb = (math.fsum(r[k] for r in host) for k in range(5))
+    host = [_CentredStats._make(r) for r in _to_host(rows)]
+    sa, sb, sab, saa, sbb = (
+        math.fsum(getattr(r, k) for r in host) for k in ("sum_a", "sum_b", "sum_ab", "sum_aa", "sum_bb")
+    )
     # zero variance is decided exactly (min == max), not from a rounded variance
-    g_const = min(r[5] for r in host) == max(r[6] for r in host)
-    t_const = min(r[7] for r in host) == max(r[8] for r in host)
+    g_const = min(r.min_g for r in host) == max(r.max_g for r in host)
+    t_const = min(r.min_t for r in host) == max(r.max_t for r in host)
     if g_const and t_const:
         return 1.0 if max_abs == 0.0 else 0.0
     if g_const or t_const:
@@ -542,6 +628,12 @@ def _noise_sums(g, t, r, a, b) -> list[torch.Tensor]:
     torch.sub(t, r, out=a)
     torch.sub(g, r, out=b)
     return [torch.dot(a, a), torch.dot(b, b)]
+
+
+def _noise_ratio_of(rows: list[list[torch.Tensor]], eps: float) -> float:
+    """The noise ratio from the chunks' :func:`_noise_sums`."""
+    host = _to_host(rows)
+    return _ratio(math.fsum(r[0] for r in host), math.fsum(r[1] for r in host), eps)
 
 
 def _ratio(num_sq: float, den_sq: float, eps: float) -> float:
@@ -571,8 +663,7 @@ def noise_ratio(golden, target, reference, eps: float = 1e-12) -> float:
             pair, (r,) = ch.load(i)
             a, b = ch.scratch_for(r.numel())
             rows.append(_noise_sums(pair[0], pair[1], r, a, b))
-        host = _to_host(rows)
-    return _ratio(math.fsum(x[0] for x in host), math.fsum(x[1] for x in host), float(eps))
+        return _noise_ratio_of(rows, float(eps))
 
 
 def min_passing_tolerance(golden, target) -> dict:
