@@ -357,10 +357,7 @@ def compare_tensors(
         raise ValueError(f"sim_atol and sim_rtol must be >= 0, got {sim_atol!r}, {sim_rtol!r}")
     if chunk_elements is not None and int(chunk_elements) <= 0:
         raise ValueError(f"chunk_elements must be positive, got {chunk_elements!r}")
-    shape = tuple(golden.shape)
-    numel = golden.numel()
-
-    if numel == 0:
+    if golden.numel() == 0:
         return Metrics(
             max_abs_diff=0.0,
             mean_abs_diff=0.0,
@@ -380,13 +377,13 @@ def compare_tensors(
         )
 
     with torch.no_grad():
-        return _compare(golden, target, reference, atol, rtol, chunk_elements, shape, numel)
+        return _compare(golden, target, reference, atol, rtol, chunk_elements)
 
 
-def _compare(golden, target, reference, atol, rtol, chunk_elements, shape, numel) -> Metrics:
+def _compare(golden, target, reference, atol, rtol, chunk_elements) -> Metrics:
     inputs = [golden, target] + ([reference] if reference is not None else [])
     with _Chunks(inputs, chunk_elements, nscratch=3) as ch:
-        return _compare_chunks(ch, inputs, chunk_elements, reference is not None, atol, rtol, shape, numel)
+        return _compare_chunks(ch, inputs, chunk_elements, atol, rtol)
 
 
 def _first_pass(ch: _Chunks, chunks: range, atol: float, rtol: float) -> tuple[list, list]:
@@ -479,10 +476,11 @@ class _NonFinite:
     first_mismatch: int | None = None  # the first position finite in one tensor only
 
 
-def _compare_chunks(ch: _Chunks, inputs, chunk_elements, with_reference: bool, atol, rtol, shape, numel) -> Metrics:
-    """The metrics from the chunks: pass 1 assumes every chunk finite, the chunks that are
-    not are revisited with masks, then the sums are added up and the Pearson correlation and
-    the worst element are found (each reading the chunks again only when it must)."""
+def _compare_chunks(ch: _Chunks, inputs: list[torch.Tensor], chunk_elements, atol: float, rtol: float) -> Metrics:
+    """The metrics of ``inputs`` (golden, target and maybe a reference) from their chunks
+    ``ch``: pass 1 assumes every chunk finite, the chunks that are not are revisited with
+    masks, then the sums are added up and the Pearson correlation and the worst element are
+    found (each reading the chunks again only when it must)."""
     rows, noise_rows = _first_pass_shared(ch, inputs, chunk_elements, atol, rtol)
     stats: list[_ChunkStats | None] = [_ChunkStats._make(r) for r in _to_host(rows)]  # the fast path's only sync
     npairs = [ch.bounds(i)[1] - ch.bounds(i)[0] for i in range(ch.nchunks)]
@@ -512,16 +510,16 @@ def _compare_chunks(ch: _Chunks, inputs, chunk_elements, with_reference: bool, a
         similarity_percentage=float(sim),
         cosine_similarity=float(cos),
         pearson_correlation=float(pear),
-        numel=int(numel),
+        numel=int(ch.numel),
         golden_nan=int(found.counts[0]),
         golden_inf=int(found.counts[1]),
         target_nan=int(found.counts[2]),
         target_inf=int(found.counts[3]),
-        worst_index=_unravel(int(worst), shape),
+        worst_index=_unravel(int(worst), tuple(inputs[0].shape)),
         worst_golden=float(ch.flat[0][worst].item()),
         worst_target=float(ch.flat[1][worst].item()),
         max_rel_diff=float(max_rel),
-        noise_ratio=_noise_ratio_of(noise_rows, 1e-12) if with_reference else None,
+        noise_ratio=_noise_ratio_of(noise_rows, 1e-12) if len(inputs) > 2 else None,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -17,6 +17,26 @@ from ._tool import _CHECK, _UNCOMPARABLE, OpCheckError, OpFailure, _no_other_mod
 
 class CompareError(OpCheckError):
     """An op's device result differs from its CPU result (dump_error_data=True)."""
+
+
+class OpRun(NamedTuple):
+    """One run of an op: what it returned and the arguments it ran with (on the CPU, the
+    ones it was finally given: float32 copies where it was upcast)."""
+
+    out: Any
+    args: Any
+    kwargs: Any
+
+
+class _CpuInputs(NamedTuple):
+    """The CPU copies of an op's inputs, taken before the device op ran: ``devices`` maps
+    each copy (by id) to its tensor's device; ``pristine``, for a dump, clones of the copies
+    where the op writes its inputs (else None)."""
+
+    args: Any
+    kwargs: Any
+    devices: dict
+    pristine: Any
 
 
 class CompareWithCPU(_OpTool):
@@ -107,7 +127,8 @@ class CompareWithCPU(_OpTool):
 
     def _compare_op(self, func, args, kwargs, written):
         op_name = self._op_name(func)
-        path, qualname, phase = self._where()
+        place = self._where()
+        path, _, phase = place
         label = self._label(op_name, path, phase)
         if self.verbose:
             self._emit(logging.INFO, f"{label} starts to run ...")
@@ -125,45 +146,23 @@ class CompareWithCPU(_OpTool):
             return func(*args, **kwargs)
 
         out = func(*args, **kwargs)  # the device op; its errors are the caller's
+        device = OpRun(out, args, kwargs)
         with _no_other_modes():
-            return self._check_results(
-                func,
-                args,
-                kwargs,
-                written,
-                out,
-                args_cpu,
-                kwargs_cpu,
-                devices,
-                pristine,
-                op_name,
-                path,
-                qualname,
-                phase,
-                label,
-            )
+            inputs = _CpuInputs(args_cpu, kwargs_cpu, devices, pristine)
+            return self._check_results(func, written, device, inputs, op_name, place, label)
 
     def _check_results(
-        self,
-        func,
-        args,
-        kwargs,
-        written,
-        out,
-        args_cpu,
-        kwargs_cpu,
-        devices,
-        pristine,
-        op_name,
-        path,
-        qualname,
-        phase,
-        label,
+        self, func, written, device: OpRun, inputs: _CpuInputs, op_name: str, place: tuple[str, str, str], label: str
     ):
+        """Run the op on the CPU copies of its inputs and compare; log, record and (with
+        dump_error_data) dump and raise on a mismatch. ``place``: the op's module path,
+        qualname and phase. Returns the device op's output."""
+        out, args, kwargs = device
+        path, qualname, phase = place
         self.stats["checked"] += 1
         notes: list[str] = []
         try:
-            out_cpu, used_args, used_kwargs, upcast_err = C.run_on_cpu(func, args_cpu, kwargs_cpu)
+            out_cpu, used_args, used_kwargs, upcast_err = C.run_on_cpu(func, inputs.args, inputs.kwargs)
         except Exception as e:
             msg = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             self._emit(logging.WARNING, f"{label} cannot run on cpu, skip comparing: {msg}")
@@ -175,7 +174,8 @@ class CompareWithCPU(_OpTool):
                 self._emit(logging.INFO, "\n".join(notes))
         try:
             dev_label = C.device_label(args, kwargs, out)
-            mismatches = self._compare_outputs(out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label)
+            cpu = OpRun(out_cpu, used_args, used_kwargs)
+            mismatches = compare_op_results(device, cpu, written, dev_label, self.atol, self.rtol)
         except Exception as e:
             self._emit(logging.WARNING, f"{label} comparison failed, skipped: {e!r}")
             self._skip(label, f"compare: {e!r}")
@@ -212,19 +212,19 @@ class CompareWithCPU(_OpTool):
         self._record(rec)
         self._emit(logging.ERROR, block)
         if self.dump_error_data:
-            ins = pristine if pristine is not None else (args_cpu, kwargs_cpu)
-            self._dump(func, rec, {"args": list(ins[0]), "kwargs": ins[1]}, devices, {"out": out, "cpu_out": out_cpu})
+            ins = inputs.pristine if inputs.pristine is not None else (inputs.args, inputs.kwargs)
+            self._dump(
+                func, rec, {"args": list(ins[0]), "kwargs": ins[1]}, inputs.devices, {"out": out, "cpu_out": out_cpu}
+            )
             raise CompareError(f"{label} fails to pass CompareWithCPU test (inputs saved to {rec.dump_path})", rec)
         return out
 
-    def _compare_outputs(self, out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label):
-        return compare_op_results(
-            out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label, self.atol, self.rtol
-        )
 
-
-def compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label, atol, rtol) -> list:
-    """Compare an op's device outputs (and the inputs it mutated) with the CPU run's."""
+def compare_op_results(device: OpRun, cpu: OpRun, written, dev_label: str, atol: float, rtol: float) -> list:
+    """Compare an op's device outputs (and the inputs it mutated, ``written``) with the CPU
+    run's."""
+    out, args, kwargs = device
+    out_cpu, used_args, used_kwargs = cpu
     dev_leaves = [("output" if p == "" else f"output {p}", v) for p, v in C.tree_leaves_with_path(out)]
     cpu_leaves = [("output" if p == "" else f"output {p}", v) for p, v in C.tree_leaves_with_path(out_cpu)]
     out_ids = {id(t) for t in C.tree_tensors(out)}

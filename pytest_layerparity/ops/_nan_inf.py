@@ -6,7 +6,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -19,6 +19,17 @@ from ._tool import _CHECK, OpCheckError, OpFailure, _OpTool
 
 class NanInfError(OpCheckError):
     """An op produced NaN/Inf (dump_error_data=True)."""
+
+
+class _Call(NamedTuple):
+    """An op's call as a dump saves it: its arguments and output, and ``pre``, the copies
+    (positional by index, keyword by name) of the inputs it writes, taken before it ran
+    (None without dump_error_data)."""
+
+    args: Any
+    kwargs: Any
+    out: Any
+    pre: tuple[dict, dict] | None
 
 
 _FLOATING = frozenset(
@@ -129,39 +140,41 @@ class NanInfTracker(_OpTool):
             )
         out = func(*args, **kwargs)
         self.stats["checked"] += 1
+        call = _Call(args, kwargs, out, pre)
         if torch._C._len_torch_dispatch_stack():
             with _disable_current_modes():
-                self._check_out(func, args, kwargs, out, written, pre)
+                self._check_out(func, written, call)
         else:
-            self._check_out(func, args, kwargs, out, written, pre)
+            self._check_out(func, written, call)
         return out
 
-    def _check_out(self, func, args, kwargs, out, written, pre) -> None:
+    def _check_out(self, func, written, call: _Call) -> None:
+        args, kwargs, out = call.args, call.kwargs, call.out
         if type(out) is torch.Tensor:
-            found = self._probe(func, out, "output", args, kwargs, out, pre)
+            found = self._probe(func, out, "output", call)
         else:
             found = False
             for p, v in C.tree_leaves_with_path(out):
                 if isinstance(v, torch.Tensor):
-                    found |= self._probe(func, v, "output" if p == "" else f"output {p}", args, kwargs, out, pre)
+                    found |= self._probe(func, v, "output" if p == "" else f"output {p}", call)
         if written[0] or written[1]:
             out_ids = {id(t) for t in C.tree_tensors(out)}
             for i in written[0]:
                 if i < len(args):
                     for t in C.tree_tensors(args[i]):
                         if id(t) not in out_ids:
-                            found |= self._probe(func, t, f"mutated input {i}", args, kwargs, out, pre)
+                            found |= self._probe(func, t, f"mutated input {i}", call)
             for n in written[1]:
                 if n in kwargs:
                     for t in C.tree_tensors(kwargs[n]):
                         if id(t) not in out_ids:
-                            found |= self._probe(func, t, f"mutated input {n}", args, kwargs, out, pre)
+                            found |= self._probe(func, t, f"mutated input {n}", call)
         if not found and self.verbose:
             path, _, phase = self._where()
             self._emit(logging.INFO, f"{self._label(self._op_name(func), path, phase)} has no nan/inf")
 
     # ----------------------------------------------------------- checks ----
-    def _probe(self, func, t: torch.Tensor, where: str, args, kwargs, out, pre) -> bool:
+    def _probe(self, func, t: torch.Tensor, where: str, call: _Call) -> bool:
         dt = t.dtype
         if dt not in _FLOATING:
             return False
@@ -189,7 +202,7 @@ class NanInfTracker(_OpTool):
             if bool(torch.isfinite(t).all()):  # the sum overflowed
                 return False
             self._flush()  # earlier deferred ops come first
-            self._report(func, t, where, self._where(), self.step_cnt, self._op_index, args, kwargs, out, pre)
+            self._report(func, t, where, self._where(), self.step_cnt, self._op_index, call=call)
             return True
         # deferred: an exact float64 probe, kept on the device
         dev_type = t.device.type
@@ -231,9 +244,11 @@ class NanInfTracker(_OpTool):
             t = ref()
             if t is not None and t._version != version:
                 t = None
-            self._report(func, t, where, place, step, op_index, None, None, None, None, device)
+            self._report(func, t, where, place, step, op_index, device)
 
-    def _report(self, func, t, where, place, step, op_index, args, kwargs, out, pre, device=None) -> None:
+    def _report(self, func, t, where, place, step, op_index, device=None, call: _Call | None = None) -> None:
+        """Log and record op ``func``'s NaN/Inf in ``t`` (its ``where``: output, mutated
+        input); with ``call`` (a check at once) and dump_error_data, dump it and raise."""
         path, qualname, phase = place
         op_name = self._op_name(func)
         label = self._label(op_name, path, phase)
@@ -277,9 +292,9 @@ class NanInfTracker(_OpTool):
         )
         self._record(rec)
         self._emit(logging.WARNING, msg)
-        if self.dump_error_data and args is not None:
-            pre_pos, pre_kw = pre if pre is not None else ({}, {})
-            ins_args = [pre_pos.get(i, a) for i, a in enumerate(args)]
-            ins_kwargs = {n: pre_kw.get(n, v) for n, v in kwargs.items()}
-            self._dump(func, rec, {"args": ins_args, "kwargs": ins_kwargs}, {}, {"out": out})
+        if self.dump_error_data and call is not None:
+            pre_pos, pre_kw = call.pre if call.pre is not None else ({}, {})
+            ins_args = [pre_pos.get(i, a) for i, a in enumerate(call.args)]
+            ins_kwargs = {n: pre_kw.get(n, v) for n, v in call.kwargs.items()}
+            self._dump(func, rec, {"args": ins_args, "kwargs": ins_kwargs}, {}, {"out": call.out})
             raise NanInfError(f"{label} has nan/inf (inputs saved to {rec.dump_path})", rec)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from . import _compare as C
-from ._compare_with_cpu import compare_op_results
+from ._compare_with_cpu import OpRun, compare_op_results
 from ._dump import load_op_dump
 from ._format import describe_tensor, format_failure_block, nan_inf_counts
 from ._names import op_display_name, resolve_op
@@ -90,7 +90,9 @@ def compare_for_single_op(
     out_cpu, used_args, used_kwargs, upcast_err = C.run_on_cpu(func, args_cpu, kwargs_cpu)
     notes = [upcast_err, "Convert to float32 ..."] if upcast_err else []
     dev_label = C.device_label(args, kwargs, out)
-    mismatches = compare_op_results(out, out_cpu, args, kwargs, used_args, used_kwargs, written, dev_label, atol, rtol)
+    mismatches = compare_op_results(
+        OpRun(out, args, kwargs), OpRun(out_cpu, used_args, used_kwargs), written, dev_label, atol, rtol
+    )
     if mismatches:
         logger.error(format_failure_block(name, "CompareWithCPU", args, kwargs, out, mismatches, notes))
     else:
