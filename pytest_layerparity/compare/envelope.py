@@ -25,11 +25,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 #: The statistics an envelope holds samples of, in order.
 STATISTICS = ("noise_ratio", "token_noise_ratio", "contribution_bias")
+#: A decode step's envelope also holds these: the noise ratio of the keys and of the values each
+#: run appended to the layer's KV cache.
+KV_STATISTICS = ("new_keys_noise_ratio", "new_values_noise_ratio")
 #: The smallest spread of the bias a limit assumes, in noise units: the golden's own rounding
 #: error along one direction is one unit, so no legitimate spread is narrower.
 MIN_BIAS_SD = 1.0
@@ -86,17 +89,23 @@ class Envelope:
     contribution_bias: tuple[float, ...]
     golden_bias: float  # the golden's own bias along the contribution, in noise units
     method: str = "mca"  # how the runs were perturbed
+    #: A decode step's runs: each run's noise ratio of the keys and of the values it appended
+    #: to the cache (empty for a prompt's envelope, or one extracted before they were kept).
+    new_keys_noise_ratio: tuple[float, ...] = ()
+    new_values_noise_ratio: tuple[float, ...] = ()
 
     @property
     def samples(self) -> int:
         return len(self.noise_ratio)
 
     def as_metadata(self) -> dict[str, Any]:
+        kv = {name: [float(v) for v in getattr(self, name)] for name in KV_STATISTICS if getattr(self, name)}
         return {
             "method": self.method,
             "samples": self.samples,
             "golden_bias": self.golden_bias,
             **{name: [float(v) for v in getattr(self, name)] for name in STATISTICS},
+            **kv,
         }
 
     @classmethod
@@ -114,7 +123,13 @@ class Envelope:
             raise ValueError("malformed noise envelope: needs at least 2 samples of each statistic")
         if any(not math.isfinite(v) for vs in values.values() for v in vs):
             raise ValueError("malformed noise envelope: non-finite samples")
-        return cls(golden_bias=golden_bias, method=str(data.get("method", "mca")), **values)
+        try:
+            kv = {name: tuple(float(v) for v in data[name]) for name in KV_STATISTICS if name in data}
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed noise envelope ({exc!r})") from exc
+        if any(len(v) != len(values["noise_ratio"]) or not all(map(math.isfinite, v)) for v in kv.values()):
+            raise ValueError("malformed noise envelope: the appended keys' or values' samples do not match the runs")
+        return cls(golden_bias=golden_bias, method=str(data.get("method", "mca")), **values, **kv)
 
     def limits(self, false_alarm_rate: float) -> EnvelopeLimits:
         """The prediction limits at ``false_alarm_rate`` per test."""
@@ -139,6 +154,11 @@ class Envelope:
             reached={name: max(abs(v) for v in getattr(self, name)) for name in STATISTICS},
             samples=k,
             quantile=q_bias,
+            max_appended_noise_ratio={
+                name.removeprefix("new_").removesuffix("_noise_ratio"): ratio_limit(getattr(self, name))
+                for name in KV_STATISTICS
+                if getattr(self, name)
+            },
         )
 
 
@@ -153,6 +173,9 @@ class EnvelopeLimits:
     reached: dict[str, float]  # the largest (absolute) value each statistic took in the legitimate runs
     samples: int
     quantile: float
+    #: A decode step's: the noise-ratio limit of the keys and of the values it appends (by
+    #: "keys"/"values"), from the runs' own; empty where the envelope holds none.
+    max_appended_noise_ratio: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
         return (

@@ -8,8 +8,9 @@ so the envelope keeps extraction's memory bound."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from ..compare.floor import FloorStats, floor_stats, token_mask
 from ..compare.routing import agreement, router_names
 from ..report.progress import SILENT, Progress
 from ..store.callspec import (
+    appended_kv,
     cache_argument,
     call_cache_node,
     decode_call,
@@ -44,10 +46,12 @@ BASE_SEED = 1000
 
 @dataclass
 class PerturbedRun:
-    """One perturbed run of a layer: its output (CPU) and its routers' decisions."""
+    """One perturbed run of a layer: its output (CPU), its routers' decisions, and in a
+    decode step the keys and values it appended to the cache."""
 
     output: torch.Tensor
     routing: dict[str, torch.Tensor]
+    appended: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def flipped_tokens(golden: Mapping[str, torch.Tensor], routing: Mapping[str, torch.Tensor]) -> set[int]:
@@ -115,6 +119,28 @@ def envelope_from_runs(
         hidden_in,
         (run_stats(golden, out, reference, hidden_in, left_out[k] if left_out else ()) for k, out in enumerate(runs)),
     )
+
+
+def appended_ratios(
+    tensors: Mapping[str, torch.Tensor], appended: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[float, float] | None:
+    """A decode-step run's noise ratio of the keys and of the values it appended, against the
+    golden's (``cache.new_*``) and their floor (``ref_cache.new_*``); None where the golden
+    holds none of them or the run appended something else."""
+    from ..compare.metrics import noise_ratio
+
+    if appended is None or "ref_cache.new_keys" not in tensors or "cache.new_keys" not in tensors:
+        return None
+    ratios = []
+    for part, run in zip(("keys", "values"), appended, strict=True):
+        golden = tensors[f"cache.new_{part}"]
+        if tuple(run.shape) != tuple(golden.shape):
+            return None
+        ratio = noise_ratio(golden, run, tensors[f"ref_cache.new_{part}"])
+        if not math.isfinite(ratio):
+            return None
+        ratios.append(ratio)
+    return ratios[0], ratios[1]
 
 
 def call_tokens(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> int:
@@ -236,7 +262,7 @@ class PerturbedRunner:
             PerturbedArithmetic(seed),
         ):
             out = first_tensor(layer(*args, **kwargs))
-        return PerturbedRun(out.detach().to("cpu", copy=True), routing)
+        return PerturbedRun(out.detach().to("cpu", copy=True), routing, appended_kv(args, kwargs, spec, call))
 
     def run_together(
         self,
@@ -265,11 +291,22 @@ class PerturbedRunner:
             PerturbedArithmetic(seed, samples=n),
         ):
             out = first_tensor(layer(*args, **kwargs)).detach().to("cpu")
+        appended = appended_kv(args, kwargs, spec, call)
         if out.shape[0] != call[name].shape[0] or any(t.shape[0] % n for t in routing.values()):
+            return None
+        if appended is not None and any(t.shape[0] != out.shape[0] for t in appended):
             return None
         outs = out.chunk(n)
         parts = {key: t.chunk(n) for key, t in routing.items()}
-        return [PerturbedRun(outs[j].clone(), {key: p[j] for key, p in parts.items()}) for j in range(n)]
+        kv = [t.chunk(n) for t in appended] if appended is not None else None
+        return [
+            PerturbedRun(
+                outs[j].clone(),
+                {key: p[j] for key, p in parts.items()},
+                (kv[0][j].clone(), kv[1][j].clone()) if kv is not None else None,
+            )
+            for j in range(n)
+        ]
 
     def runs(
         self,
@@ -323,8 +360,13 @@ class PerturbedRunner:
         """The envelope of layer ``index`` on its golden call (what extraction stores; None
         when fewer than two runs kept a token). Each run's output is dropped once its
         statistics are taken: the memory does not grow with K."""
-        stats = (
-            run_stats(golden, run.output, reference, hidden_in, flipped_tokens(tensors, run.routing))
-            for run in self.runs(index, spec, tensors, layer=layer)
-        )
-        return envelope_from_stats(golden, reference, hidden_in, stats)
+        stats, appended = [], []
+        for run in self.runs(index, spec, tensors, layer=layer):
+            stats.append(run_stats(golden, run.output, reference, hidden_in, flipped_tokens(tensors, run.routing)))
+            appended.append(appended_ratios(tensors, run.appended))
+        envelope = envelope_from_stats(golden, reference, hidden_in, stats)
+        kept = [ratios for ratios, s in zip(appended, stats, strict=True) if s is not None]
+        if envelope is None or not kept or None in kept:
+            return envelope
+        keys, values = zip(*kept, strict=True)
+        return replace(envelope, new_keys_noise_ratio=keys, new_values_noise_ratio=values)

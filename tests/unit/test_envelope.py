@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 
@@ -307,3 +308,51 @@ def test_each_stacked_run_draws_its_own_variance_algorithm():
         assert one_pass(torch.var(x, dim=-1)) == {True, False}
     with PerturbedArithmetic(5, samples=1):  # one run: one draw for the op
         assert len(one_pass(torch.var(x, dim=-1))) == 1
+
+
+class _CachedBlock(torch.nn.Module):
+    """A decoder-like block that appends its keys and values to a transformers cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.k, self.v, self.o = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x, past_key_values=None):
+        k, v = self.k(x).unsqueeze(1), self.v(x).unsqueeze(1)
+        k, v = past_key_values.update(k, v, 0)
+        scores = torch.softmax(x.unsqueeze(1) @ k.transpose(-1, -2) / 4.0, dim=-1)
+        return x + self.o((scores @ v).squeeze(1))
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_a_decode_steps_envelope_holds_each_runs_appended_keys_and_values(monkeypatch, together):
+    from transformers.cache_utils import DynamicCache
+
+    from pytest_layerparity.capture.calls import capture_calls
+
+    if not together:
+        monkeypatch.setattr(reference_envelope, "samples_per_forward", lambda samples, tokens: 1)
+    layer = _CachedBlock().bfloat16()
+    cache = DynamicCache()
+    past = torch.randn(1, 1, 5, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    cache.update(past, past * 0.5, 0)
+    records = {}
+    x = torch.randn(1, 1, 16, generator=torch.Generator().manual_seed(4)).bfloat16()
+    with torch.no_grad(), capture_calls({0: layer}, records.__setitem__):
+        layer(x, past_key_values=cache)
+    record = records[0]
+    tensors = dict(record.tensors)
+    # the floor: the same call one precision wider
+    wide = copy.deepcopy(layer).double()
+    args, kwargs = reference_envelope.decode_call(record.spec, {k: v.double() for k, v in tensors.items()})
+    with torch.no_grad():
+        floor = wide(*args, **kwargs)
+    new = kwargs["past_key_values"].layers[0]
+    tensors["ref_cache.new_keys"], tensors["ref_cache.new_values"] = new.keys[..., -1:, :], new.values[..., -1:, :]
+    golden = tensors["output"]
+    env = _runner(6).envelope(0, record.spec, tensors, golden, floor, tensors["args.0"], layer=layer)
+    assert env is not None and env.samples == 6
+    assert len(env.new_keys_noise_ratio) == 6 and len(env.new_values_noise_ratio) == 6
+    assert all(0 < r < 20 for r in (*env.new_keys_noise_ratio, *env.new_values_noise_ratio))
+    assert len(set(env.new_keys_noise_ratio)) > 1  # each run's own

@@ -402,6 +402,27 @@ def test_appended_kv_noise_ratio_limit_widens_to_the_steps_envelope_never_narrow
     wide = ratio_check(limits(table.value * 2))
     assert wide.limit == table.value * 2 and wide.ok
     assert ratio_check(limits(0.5)).limit == 1.5  # a narrower envelope leaves the table's limit
+    # the appended values' own limit from the runs (a few numbers spread more than the output)
+    own = EnvelopeLimits(0.5, 0.5, -5.0, 5.0, {}, 12, 5.0, max_appended_noise_ratio={"values": table.value * 3})
+    assert ratio_check(own).limit == table.value * 3 and ratio_check(own).ok
+    narrow = EnvelopeLimits(0.5, 0.5, -5.0, 5.0, {}, 12, 5.0, max_appended_noise_ratio={"values": 0.1})
+    assert ratio_check(narrow).limit == 1.5  # never narrower than the table's
+
+
+def test_a_decode_steps_envelope_keeps_the_appended_keys_and_values_ratios():
+    from pytest_layerparity.compare.envelope import Envelope
+
+    env = Envelope((1.0, 1.1, 0.9), (1.0, 1.2, 0.8), (0.0, 1.0, -1.0), 0.5, "mca", (1.0, 2.0, 3.0), (1.5, 1.0, 2.5))
+    data = env.as_metadata()
+    assert data["new_keys_noise_ratio"] == [1.0, 2.0, 3.0]
+    assert Envelope.from_metadata(data) == env
+    limits = env.limits(1e-3)
+    assert set(limits.max_appended_noise_ratio) == {"keys", "values"}
+    assert limits.max_appended_noise_ratio["keys"] > 3.0
+    prompt = Envelope((1.0, 1.1), (1.0, 1.2), (0.0, 1.0), 0.5)  # a prompt's (or an older golden's): none
+    assert "new_keys_noise_ratio" not in prompt.as_metadata() and prompt.limits(1e-3).max_appended_noise_ratio == {}
+    with pytest.raises(ValueError, match="do not match the runs"):
+        Envelope.from_metadata({**data, "new_values_noise_ratio": [1.0]})
 
 
 @pytest.mark.parametrize("drop", [[], [3, 150, 299]])
