@@ -127,6 +127,6 @@ def capture_routing(layer: torch.nn.Module, top_k: int | None, sink: dict[str, t
             handle.remove()
 
 
-def ref_routing(sink: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The logits and choice scores of a higher-precision run, renamed ``ref_routing.<router>.*``."""
-    return {f"ref_{k}": v for k, v in sink.items() if k.endswith((".logits", ".scores"))}
+def floor_routing(sink: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The logits and choice scores of a higher-precision run, renamed ``floor.routing.<router>.*``."""
+    return {f"floor.{k}": v for k, v in sink.items() if k.endswith((".logits", ".scores"))}

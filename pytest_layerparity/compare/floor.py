@@ -1,5 +1,5 @@
 """Statistics against the precision floor: how far the target is from a higher-precision
-evaluation of the same layer (the floor, stored in the golden as ``ref_output``), measured
+evaluation of the same layer (the floor, stored in the golden as ``floor.output``), measured
 in units of the golden's own rounding error (its noise).
 
 ``noise_ratio = ||target - ref|| / ||golden - ref||`` where ``ref`` is the layer evaluated in
@@ -18,8 +18,12 @@ from typing import Any
 
 import torch
 
-#: The name of the precision floor (the layer evaluated in higher precision) in a golden.
-FLOOR_KEY = "ref_output"
+#: A golden stores the precision floor of its tensor ``X`` (the layer evaluated in higher
+#: precision) as ``floor.X``: the output, the routers' scores, a decode step's appended keys
+#: and values. Stores of schema 1 named them ``ref_X`` (read as ``floor.X``).
+FLOOR_PREFIX = "floor."
+#: The floor of the layer's output.
+FLOOR_KEY = FLOOR_PREFIX + "output"
 
 
 @dataclass(frozen=True)

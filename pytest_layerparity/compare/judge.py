@@ -87,13 +87,13 @@ def judge(
     settings: Settings,
     dtype: str,
     *,
-    reference: torch.Tensor | None = None,
+    floor: torch.Tensor | None = None,
     hidden_in: torch.Tensor | None = None,
     routing: Sequence[RoutingAgreement] = (),
     envelope: Envelope | None = None,
     tainted: Sequence[int] = (),
 ) -> LayerOutcome:
-    """Hold ``target`` against ``golden`` (and against the precision floor ``reference``,
+    """Hold ``target`` against ``golden`` (and against the precision floor ``floor``,
     the layer's input ``hidden_in``, the routers' agreement and the layer's noise envelope,
     when given). ``tainted``: tokens a chain already let diverge on a near-tie routing flip
     in an earlier layer, left out of the statistics against the floor."""
@@ -122,18 +122,18 @@ def judge(
     if keep is not None and compared is None:
         rows_g, rows_t = golden.reshape(-1, golden.shape[-1]), target_cpu.reshape(-1, golden.shape[-1])
         verdict_cosine = compare_tensors(rows_g[keep], rows_t[keep]).cosine_similarity
-    floor = None
-    if reference is not None and tuple(reference.shape) == tuple(golden.shape):
-        floor = floor_stats(golden, target_cpu, reference, hidden_in, keep)
-    limits = envelope.limits(settings.false_alarm_rate) if envelope is not None and floor is not None else None
+    stats = None
+    if floor is not None and tuple(floor.shape) == tuple(golden.shape):
+        stats = floor_stats(golden, target_cpu, floor, hidden_in, keep)
+    limits = envelope.limits(settings.false_alarm_rate) if envelope is not None and stats is not None else None
     return LayerOutcome(
         layer=layer,
         metrics=metrics,
-        checks=evaluate(metrics, settings, floor=floor, dtype=dtype, envelope=limits, cosine=verdict_cosine),
+        checks=evaluate(metrics, settings, floor=stats, dtype=dtype, envelope=limits, cosine=verdict_cosine),
         shape=tuple(golden.shape),
         golden_dtype=dtype_name(golden),
         target_dtype=dtype_name(target_cpu),
-        floor=floor,
+        floor=stats,
         routing=routing,
         excluded_tokens=excluded,
         tolerance=min_passing_tolerance(g_cmp, t_cmp),
@@ -191,7 +191,7 @@ def judge_golden(
         target,
         settings,
         dtype,
-        reference=golden_tensors.get(FLOOR_KEY),
+        floor=golden_tensors.get(FLOOR_KEY),
         hidden_in=hidden_in,
         routing=routing_agreements(golden_tensors, target_routing, settings, dtype),
         envelope=envelope,
@@ -208,7 +208,7 @@ def judge_appended_kv(
 ) -> list[Check]:
     """The checks of the keys and values a decode step appended to the layer's KV cache,
     against the golden's (``cache.new_keys``/``new_values``): cosine similarity and, where the
-    golden holds their precision floor (``ref_cache.*``), the noise ratio, with the limits of
+    golden holds their precision floor (``floor.cache.*``), the noise ratio, with the limits of
     the dtype's fixed policy, widened to the step's own noise-ratio limit where its envelope
     (``envelope``, the output's) allows more, and to the limit of the appended keys' (values')
     own noise ratios in the perturbed runs where the envelope holds them: one token's keys are
@@ -232,13 +232,13 @@ def judge_appended_kv(
         if tuple(target.shape) != tuple(golden.shape):
             checks.append(Check(f"new_{part}_positions", target.shape[-2], "==", golden.shape[-2], False))
             continue
-        reference = golden_tensors.get(f"ref_cache.new_{part}")
-        m = compare_tensors(golden, target, reference=reference)
+        floor = golden_tensors.get(f"floor.cache.new_{part}")
+        m = compare_tensors(golden, target, floor=floor)
         cosine = m.cosine_similarity
         checks.append(
             Check(f"new_{part}_cosine", cosine, ">=", min_cosine, not math.isnan(cosine) and cosine >= min_cosine)
         )
-        if reference is not None and m.noise_ratio is not None:
+        if floor is not None and m.noise_ratio is not None:
             ratio = m.noise_ratio
             checks.append(
                 Check(f"new_{part}_noise_ratio", ratio, "<=", max_ratio, not math.isnan(ratio) and ratio <= max_ratio)

@@ -167,7 +167,7 @@ class _Chunks:
     """Flat views of the inputs and float64 chunk buffers on golden's device.
 
     golden and target of a chunk are widened into the two rows of one (2, chunk) buffer,
-    so that both sums are one reduction; a reference goes to a buffer of its own.
+    so that both sums are one reduction; a floor goes to a buffer of its own.
     """
 
     def __init__(self, tensors: list[torch.Tensor], chunk_elements: int | None, nscratch: int):
@@ -333,14 +333,14 @@ def compare_tensors(
     golden,
     target,
     *,
-    reference=None,
+    floor=None,
     sim_atol: float = 1e-2,
     sim_rtol: float = 1e-2,
     chunk_elements: int | None = None,
 ) -> Metrics:
     """Compare ``target`` with ``golden`` element-wise; see the module docstring.
 
-    ``reference`` (optional, same shape): typically the float32 evaluation of the same layer;
+    ``floor`` (optional, same shape): typically the float32 evaluation of the same layer;
     when given, ``noise_ratio`` is filled in (see :func:`noise_ratio`).
     ``sim_atol``/``sim_rtol``: an element counts as similar when
     ``|t - g| <= sim_atol + sim_rtol * |g|``.
@@ -349,9 +349,9 @@ def compare_tensors(
     golden = _as_tensor(golden, "golden")
     target = _as_tensor(target, "target")
     _check_shapes(golden, target, "target")
-    if reference is not None:
-        reference = _as_tensor(reference, "reference")
-        _check_shapes(golden, reference, "reference")
+    if floor is not None:
+        floor = _as_tensor(floor, "floor")
+        _check_shapes(golden, floor, "floor")
     atol, rtol = float(sim_atol), float(sim_rtol)
     if not (atol >= 0.0 and rtol >= 0.0):
         raise ValueError(f"sim_atol and sim_rtol must be >= 0, got {sim_atol!r}, {sim_rtol!r}")
@@ -373,22 +373,22 @@ def compare_tensors(
             worst_golden=0.0,
             worst_target=0.0,
             max_rel_diff=0.0,
-            noise_ratio=None if reference is None else 0.0,
+            noise_ratio=None if floor is None else 0.0,
         )
 
     with torch.no_grad():
-        return _compare(golden, target, reference, atol, rtol, chunk_elements)
+        return _compare(golden, target, floor, atol, rtol, chunk_elements)
 
 
-def _compare(golden, target, reference, atol, rtol, chunk_elements) -> Metrics:
-    inputs = [golden, target] + ([reference] if reference is not None else [])
+def _compare(golden, target, floor, atol, rtol, chunk_elements) -> Metrics:
+    inputs = [golden, target] + ([floor] if floor is not None else [])
     with _Chunks(inputs, chunk_elements, nscratch=3) as ch:
         return _compare_chunks(ch, inputs, chunk_elements, atol, rtol)
 
 
 def _first_pass(ch: _Chunks, chunks: range, atol: float, rtol: float) -> tuple[list, list]:
     """Pass 1 over ``chunks``: each chunk's statistics, assuming it is finite (checked
-    afterwards), and its noise sums where there is a reference."""
+    afterwards), and its noise sums where there is a floor."""
     rows: list[list[torch.Tensor]] = []
     noise_rows: list[list[torch.Tensor]] = []
     for i in chunks:
@@ -477,7 +477,7 @@ class _NonFinite:
 
 
 def _compare_chunks(ch: _Chunks, inputs: list[torch.Tensor], chunk_elements, atol: float, rtol: float) -> Metrics:
-    """The metrics of ``inputs`` (golden, target and maybe a reference) from their chunks
+    """The metrics of ``inputs`` (golden, target and maybe a floor) from their chunks
     ``ch``: pass 1 assumes every chunk finite, the chunks that are not are revisited with
     masks, then the sums are added up and the Pearson correlation and the worst element are
     found (each reading the chunks again only when it must)."""
@@ -640,22 +640,22 @@ def _ratio(num_sq: float, den_sq: float, eps: float) -> float:
     return math.sqrt(num_sq) / (math.sqrt(den_sq) + eps)
 
 
-def noise_ratio(golden, target, reference, eps: float = 1e-12) -> float:
-    """``||target - reference||_2 / (||golden - reference||_2 + eps)``, all in float64.
+def noise_ratio(golden, target, floor, eps: float = 1e-12) -> float:
+    """``||target - floor||_2 / (||golden - floor||_2 + eps)``, all in float64.
 
-    ``reference`` is typically the float32 evaluation of the same layer: a ratio near 1 says
+    ``floor`` is typically the float32 evaluation of the same layer: a ratio near 1 says
     the target is no further from it than the golden is (the target is as accurate as the
     golden's own low-precision run). 0.0 when both norms are 0. Taken over all elements, so
     a NaN or Inf anywhere makes the result NaN or Inf.
     """
     golden = _as_tensor(golden, "golden")
     target = _as_tensor(target, "target")
-    reference = _as_tensor(reference, "reference")
+    floor = _as_tensor(floor, "floor")
     _check_shapes(golden, target, "target")
-    _check_shapes(golden, reference, "reference")
+    _check_shapes(golden, floor, "floor")
     if golden.numel() == 0:
         return 0.0
-    with torch.no_grad(), _Chunks([golden, target, reference], None, nscratch=2) as ch:
+    with torch.no_grad(), _Chunks([golden, target, floor], None, nscratch=2) as ch:
         rows = []
         for i in range(ch.nchunks):
             pair, (r,) = ch.load(i)

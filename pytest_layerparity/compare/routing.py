@@ -93,14 +93,14 @@ def agreement(
     g_idx, t_idx = golden[f"{key}.indices"], target[f"{key}.indices"]
     if g_idx.shape != t_idx.shape:
         return None
-    kind = "scores" if f"{key}.scores" in golden and f"ref_routing.{router}.scores" in golden else "logits"
+    kind = "scores" if f"{key}.scores" in golden and f"floor.routing.{router}.scores" in golden else "logits"
     g_logits = golden[f"{key}.{kind}"].double()
     if g_logits.shape[0] == g_idx.shape[0]:
         g_idx, t_idx = _masked_out(g_logits, g_idx), _masked_out(g_logits, t_idx)
     g_idx, t_idx = g_idx.sort(dim=-1).values, t_idx.sort(dim=-1).values
     same = (g_idx == t_idx).all(dim=-1)
     flipped = [int(i) for i in (~same).nonzero().flatten()]
-    ref_logits = golden.get(f"ref_routing.{router}.{kind}")
+    ref_logits = golden.get(f"floor.routing.{router}.{kind}")
     near = []
     if ref_logits is not None and ref_logits.shape == g_logits.shape:
         ref_logits = ref_logits.double()

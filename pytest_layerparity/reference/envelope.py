@@ -125,18 +125,18 @@ def appended_ratios(
     tensors: Mapping[str, torch.Tensor], appended: tuple[torch.Tensor, torch.Tensor] | None
 ) -> tuple[float, float] | None:
     """A decode-step run's noise ratio of the keys and of the values it appended, against the
-    golden's (``cache.new_*``) and their floor (``ref_cache.new_*``); None where the golden
+    golden's (``cache.new_*``) and their floor (``floor.cache.new_*``); None where the golden
     holds none of them or the run appended something else."""
     from ..compare.metrics import noise_ratio
 
-    if appended is None or "ref_cache.new_keys" not in tensors or "cache.new_keys" not in tensors:
+    if appended is None or "floor.cache.new_keys" not in tensors or "cache.new_keys" not in tensors:
         return None
     ratios = []
     for part, run in zip(("keys", "values"), appended, strict=True):
         golden = tensors[f"cache.new_{part}"]
         if tuple(run.shape) != tuple(golden.shape):
             return None
-        ratio = noise_ratio(golden, run, tensors[f"ref_cache.new_{part}"])
+        ratio = noise_ratio(golden, run, tensors[f"floor.cache.new_{part}"])
         if not math.isfinite(ratio):
             return None
         ratios.append(ratio)

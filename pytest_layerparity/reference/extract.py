@@ -421,7 +421,7 @@ class ReferenceSide:
             "kind": "layer" if step is None else "decode",
             "layer": index,
             "call": record.spec,
-            "ref_dtype": str(floor_dtype).removeprefix("torch.") if floor_dtype is not None else None,
+            "floor_dtype": str(floor_dtype).removeprefix("torch.") if floor_dtype is not None else None,
         }
         if step is not None:
             metadata["step"] = step
@@ -452,7 +452,7 @@ class ReferenceSide:
         record = run.calls[index]
         golden = golden_tensors[primary_output_name(spec)]
         new = record.tensors[primary_output_name(record.spec)]
-        return judge(index, golden, new, self.settings, self.dtype_name, reference=golden_tensors.get(FLOOR_KEY))
+        return judge(index, golden, new, self.settings, self.dtype_name, floor=golden_tensors.get(FLOOR_KEY))
 
 
 def whole_model_envelope(

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from ..capture.routing import capture_routing, ref_routing
+from ..capture.routing import capture_routing, floor_routing
 from ..store.callspec import appended_kv, cache_argument, decode_call, first_tensor, replace_hidden_input
 from .checkpoint import load_layer
 from .memory import give_back_memory
@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
-REF_NEW_KEYS = "ref_cache.new_keys"
-REF_NEW_VALUES = "ref_cache.new_values"
+FLOOR_NEW_KEYS = "floor.cache.new_keys"
+FLOOR_NEW_VALUES = "floor.cache.new_values"
 
 
 def floor_dtype(golden_dtype: torch.dtype) -> torch.dtype:
@@ -66,8 +66,8 @@ class FloorEvaluator:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Layer ``index`` on the call ``spec``/``tensors`` (hidden states replaced by
         ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
-        routers' exact logits and scores (``ref_routing.*``), and for a decode step the keys
-        and values the layer appended to its KV cache (``ref_cache.new_keys``/``new_values``).
+        routers' exact logits and scores (``floor.routing.*``), and for a decode step the keys
+        and values the layer appended to its KV cache (``floor.cache.new_keys``/``new_values``).
         ``layer``: the layer already loaded (by :meth:`load`), else it is loaded and given back."""
         import torch
 
@@ -89,10 +89,10 @@ class FloorEvaluator:
             WiderArithmetic(self.dtype),
         ):
             out = first_tensor(layer(*args, **kwargs))
-        extras = ref_routing(routing)
+        extras = floor_routing(routing)
         appended = appended_kv(args, kwargs, spec, upcast)
         if appended is not None:
-            extras[REF_NEW_KEYS], extras[REF_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)
+            extras[FLOOR_NEW_KEYS], extras[FLOOR_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)
         del args, kwargs, upcast
         if owned:
             del layer

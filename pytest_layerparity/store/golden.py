@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 from ..compare.envelope import Envelope
+from ..compare.floor import FLOOR_KEY, FLOOR_PREFIX
 from ..selection import golden_layer, parse_decode_key, parse_layer_key
 from . import tensorfile
 from .atomic import _fsync_dir, _write_temp, atomic_write_bytes
@@ -44,7 +45,10 @@ MODEL_LOGITS_KEY = "model_logits"
 #: The key of the model's input ids (and decode tokens) the goldens were made from.
 MODEL_IO_KEY = "model_io"
 
-SCHEMA_VERSION = 1
+#: 2: the precision floor of tensor ``X`` is ``floor.X``; 1 named it ``ref_X`` (read too).
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
+_LEGACY_FLOOR_PREFIX = "ref_"
 MANIFEST_NAME = "manifest.json"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
 
@@ -155,10 +159,10 @@ class GoldenStore:
                 f"{path}: the manifest is not a JSON object (it is a {_json_kind(manifest)}); {self.rebuild_hint()}"
             )
         version = manifest.get("schema_version")
-        if type(version) is not int or version != SCHEMA_VERSION:
+        if type(version) is not int or version not in READABLE_SCHEMAS:
             raise GoldenError(
                 f"{path}: schema version {version!r} is not one this pytest-layerparity reads "
-                f"(it reads {SCHEMA_VERSION}); {self.rebuild_hint()}"
+                f"(it reads {', '.join(map(str, READABLE_SCHEMAS))}); {self.rebuild_hint()}"
             )
         files = manifest.get("files")
         if files is None:
@@ -210,6 +214,7 @@ class GoldenStore:
                             "and extract again"
                         )
                 manifest.update({key: value for key, value in header.items() if key != "files"})
+                manifest["schema_version"] = SCHEMA_VERSION  # this run's entries name floors floor.*
                 self._write_manifest(manifest)
         except OSError as exc:
             raise GoldenError(
@@ -414,7 +419,7 @@ class GoldenStore:
         path, resolved = self._entry_path(key, record)
         payload = self._read_verified(key, path, resolved, record)
         try:
-            tensors = load(payload)
+            tensors = _current_names(load(payload))
             metadata = _read_metadata(payload)
         except (SafetensorError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise GoldenError(f"{path}: not a readable safetensors file ({exc}); {self.regen_hint(key)}") from exc
@@ -424,6 +429,17 @@ class GoldenStore:
         except ValueError as exc:
             raise GoldenError(f"{path}: {exc}; {self.regen_hint(key)}") from exc
         return GoldenEntry(key=key, path=path, tensors=tensors, metadata=metadata)
+
+
+def _current_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An entry's tensors under this schema's names: a floor written as ``ref_X`` (schema 1,
+    and entries of schema 1 in a store extracted into again) is ``floor.X``."""
+    if not any(name.startswith(_LEGACY_FLOOR_PREFIX) for name in tensors):
+        return tensors
+    return {
+        FLOOR_PREFIX + name.removeprefix(_LEGACY_FLOOR_PREFIX) if name.startswith(_LEGACY_FLOOR_PREFIX) else name: t
+        for name, t in tensors.items()
+    }
 
 
 def _read_metadata(payload: bytes) -> dict[str, Any]:
@@ -544,4 +560,4 @@ def _split_nonfinite(key: str, tensors: Mapping[str, torch.Tensor]) -> tuple[dic
 
 
 def _is_hidden_state(name: str) -> bool:
-    return name.startswith(("output", "args.0", "ref_output")) or name in {"embeddings", "logits"}
+    return name.startswith(("output", "args.0", FLOOR_KEY)) or name in {"embeddings", "logits"}

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing
-from ..compare.floor import FLOOR_KEY
+from ..compare.floor import FLOOR_KEY, FLOOR_PREFIX
 from ..compare.judge import LayerOutcome, judge_golden
 from ..report.progress import SILENT, Progress
 from ..selection import LayerRange, decode_key, layer_key
@@ -245,14 +245,14 @@ class TargetSide:
 
         spec = entry.metadata["call"]
         given = target_in.detach().to("cpu")
-        floor, ref_routing = self.floor.evaluate(index, spec, entry.tensors, given, layer=reference)
+        floor, floor_routing = self.floor.evaluate(index, spec, entry.tensors, given, layer=reference)
         call = replace_hidden_input(spec, dict(entry.tensors), given.to(self.floor.golden_dtype))
         args, kwargs = decode_call(spec, call, cache_name=cache_argument(reference))
         routing: dict[str, torch.Tensor] = {}
         with torch.no_grad(), capture_routing(reference, self.model.top_k, routing):
             golden = first_tensor(reference(*args, **kwargs)).detach().to("cpu", copy=True)
         output = primary_output_name(spec)
-        local = {**entry.tensors, output: golden, FLOOR_KEY: floor, **routing, **ref_routing}
+        local = {**entry.tensors, output: golden, FLOOR_KEY: floor, **routing, **floor_routing}
         return judge_golden(
             index,
             local,
@@ -268,7 +268,7 @@ class TargetSide:
 
     def save_output(self, index: int, entry: GoldenEntry, run: TargetRun) -> None:
         spec = entry.metadata["call"]
-        tensors = {k: v for k, v in entry.tensors.items() if not k.startswith(("routing.", "ref_"))}
+        tensors = {k: v for k, v in entry.tensors.items() if not k.startswith(("routing.", FLOOR_PREFIX))}
         tensors[primary_output_name(spec)] = run.output.detach().to("cpu")
         tensors.update(run.routing)
         self.output_store.write(layer_key(index), tensors, {**entry.metadata, "target": self.settings.target_name})

@@ -30,7 +30,7 @@ def test_the_judge_needs_no_session():
         from pytest_layerparity.compare.judge import judge
         from pytest_layerparity.options import make_settings
         g = torch.randn(2, 4, 8)
-        outcome = judge(0, g, g.clone(), make_settings(), "float32", reference=g.double())
+        outcome = judge(0, g, g.clone(), make_settings(), "float32", floor=g.double())
         heavy = [m for m in ("transformers", "pytest_layerparity.session", "pytest_layerparity.reference.extract")
                  if m in sys.modules]
         print(outcome.passed, heavy)

@@ -39,7 +39,7 @@ def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
         "model_logits.safetensors",
     ]
     manifest = json.loads((store / "manifest.json").read_text())
-    assert manifest["schema_version"] == 1
+    assert manifest["schema_version"] == 2
     assert manifest["dtype"] == "bfloat16" and manifest["reference_device"] == "cpu"  # the checkpoint's own
     assert manifest["inputs"] == {
         "source": "random",

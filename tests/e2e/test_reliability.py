@@ -267,14 +267,14 @@ def test_stale_store_is_refused_at_configure_saying_what_differs(project, mode, 
 @pytest.mark.parametrize("mode", [["--target", "cpu"], ["--gpu-golden"]], ids=["parity", "verify"])
 def test_unknown_schema_version_is_a_usage_error_before_any_layer_runs(project, mode):
     goldens = project.path / "goldens"
-    edit_manifest(goldens, lambda m: m.update(schema_version=2))
+    edit_manifest(goldens, lambda m: m.update(schema_version=3))
     built = project.path / "built.txt"
     project.makeconftest(RECORD_BUILDS.format(path=str(built)))
     result = project.runpytest(*mode)
     assert result.ret == USAGE_ERROR
     assert (
-        f"ERROR: refusing the golden store: {goldens / 'manifest.json'}: schema version 2 is not one this "
-        f"pytest-layerparity reads (it reads 1); move {goldens} away (or delete it) and extract again: "
+        f"ERROR: refusing the golden store: {goldens / 'manifest.json'}: schema version 3 is not one this "
+        f"pytest-layerparity reads (it reads 1, 2); move {goldens} away (or delete it) and extract again: "
         f"{extract_cmd(goldens, model=DEFAULT_MODEL)}"
     ) in result.stderr.lines
     assert not built.exists()
@@ -297,13 +297,13 @@ def test_a_store_of_an_unknown_dtype_is_a_usage_error_before_any_layer_runs(proj
 
 def test_extraction_never_overwrites_a_store_of_an_unknown_schema(project):
     goldens = project.path / "goldens"
-    edit_manifest(goldens, lambda m: m.update(schema_version=2))
+    edit_manifest(goldens, lambda m: m.update(schema_version=3))
     before = {p.name: p.read_bytes() for p in goldens.iterdir()}
     result = project.runpytest("--gpu-golden", "--extract", "--layers", "0")
     assert result.ret == pytest.ExitCode.USAGE_ERROR  # refused once, before any test
     assert (
-        f"ERROR: refusing the golden store: {goldens / 'manifest.json'}: schema version 2 is not one this "
-        f"pytest-layerparity reads (it reads 1); move {goldens} away (or delete it) and extract again: "
+        f"ERROR: refusing the golden store: {goldens / 'manifest.json'}: schema version 3 is not one this "
+        f"pytest-layerparity reads (it reads 1, 2); move {goldens} away (or delete it) and extract again: "
         f"{extract_cmd(goldens, model=DEFAULT_MODEL)}"
     ) in result.stderr.lines
     assert {p.name: p.read_bytes() for p in goldens.iterdir()} == before
@@ -691,7 +691,7 @@ def test_a_fifo_or_folder_named_like_a_golden_is_refused_without_hanging(store_c
         ),
         (
             lambda m: m.update(schema_version=True),
-            "{manifest}: schema version True is not one this pytest-layerparity reads (it reads 1); "
+            "{manifest}: schema version True is not one this pytest-layerparity reads (it reads 1, 2); "
             "move {root} away (or delete it) and extract again: pytest --gpu-golden --extract --golden-dir={root}",
         ),
     ],

@@ -190,11 +190,11 @@ def test_routing_agreement_tells_near_ties_from_flips():
         "routing.gate.logits": torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.0, 2.0, 1.0], [2.0, 0.0, 0.0, 1.0]]),
         "routing.gate.scores": torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 0.0, 2.0, 1.0], [2.0, 0.0, 0.0, 1.0]]),
         # exact scores: token 1's experts 3 and 1 are 1e-3 apart, token 2's experts 3 and 1 are 1.0 apart
-        "ref_routing.gate.scores": torch.tensor(
+        "floor.routing.gate.scores": torch.tensor(
             [[3.0, 2.0, 0.0, 0.0], [0.0, 0.999, 2.0, 1.0], [2.0, 0.0, 0.0, 1.0]]
         ).double(),
     }
-    golden["ref_routing.gate.scores"][1, 3] = 1.0 + 1e-4
+    golden["floor.routing.gate.scores"][1, 3] = 1.0 + 1e-4
     target = {"routing.gate.indices": torch.tensor([[1, 0], [2, 1], [0, 1]])}
     result = agreement("gate", golden, target, tie_tolerance=0.0)
     assert result.tokens == 3 and result.flipped == 2

@@ -223,9 +223,9 @@ def test_the_judge_holds_a_correct_target_inside_and_a_scaled_one_outside():
     env = envelope_from_runs(golden, other_roundings(ref, 12), ref, x)
     target = other_roundings(ref, 1, seed=999)[0]
     settings = make_settings()
-    good = judge(0, golden, target, settings, "float32", reference=ref, hidden_in=x, envelope=env)
+    good = judge(0, golden, target, settings, "float32", floor=ref, hidden_in=x, envelope=env)
     assert good.passed and good.envelope is not None and good.envelope.samples == 12
-    bad = judge(0, golden, target + 1e-3 * (ref - x), settings, "float32", reference=ref, hidden_in=x, envelope=env)
+    bad = judge(0, golden, target + 1e-3 * (ref - x), settings, "float32", floor=ref, hidden_in=x, envelope=env)
     assert "contribution_bias" in [c.name for c in bad.checks if not c.ok]
     text = failure_text(bad, "on cpu", "next")
     assert "noise envelope from 12 perturbed runs of this layer" in text
@@ -239,11 +239,9 @@ def test_tainted_tokens_leave_the_statistics_unless_routing_is_strict():
     x, ref, golden = layer_like()
     target = golden.clone()
     target[5] += 1.0  # diverged after an earlier near-tie flip in a chain
-    loose = judge(0, golden, target, make_settings(), "float32", reference=ref, hidden_in=x, tainted=[5, 99])
+    loose = judge(0, golden, target, make_settings(), "float32", floor=ref, hidden_in=x, tainted=[5, 99])
     assert loose.passed and loose.tainted_tokens == [5]
-    strict = judge(
-        0, golden, target, make_settings(near_ties="strict"), "float32", reference=ref, hidden_in=x, tainted=[5]
-    )
+    strict = judge(0, golden, target, make_settings(near_ties="strict"), "float32", floor=ref, hidden_in=x, tainted=[5])
     assert not strict.passed and strict.tainted_tokens == []
 
 
@@ -349,7 +347,7 @@ def test_a_decode_steps_envelope_holds_each_runs_appended_keys_and_values(monkey
     with torch.no_grad():
         floor = wide(*args, **kwargs)
     new = kwargs["past_key_values"].layers[0]
-    tensors["ref_cache.new_keys"], tensors["ref_cache.new_values"] = new.keys[..., -1:, :], new.values[..., -1:, :]
+    tensors["floor.cache.new_keys"], tensors["floor.cache.new_values"] = new.keys[..., -1:, :], new.values[..., -1:, :]
     golden = tensors["output"]
     env = _runner(6).envelope(0, record.spec, tensors, golden, floor, tensors["args.0"], layer=layer)
     assert env is not None and env.samples == 6

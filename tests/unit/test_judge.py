@@ -221,7 +221,7 @@ def test_without_the_input_there_is_no_contribution_statistic():
 
 def test_identical_outputs_pass_every_check():
     x, ref, golden = layer_like()
-    outcome = judge(3, golden.float(), golden.float(), make_settings(), "float32", reference=ref, hidden_in=x.float())
+    outcome = judge(3, golden.float(), golden.float(), make_settings(), "float32", floor=ref, hidden_in=x.float())
     assert outcome.passed and outcome.layer == 3
     assert all(c.ok for c in outcome.checks)
     assert outcome.tolerance == {"atol": 0.0, "rtol": 0.0}
@@ -231,7 +231,7 @@ def test_identical_outputs_pass_every_check():
 def test_a_scaled_contribution_fails_the_floor_checks():
     x, ref, golden = layer_like()
     target = golden + 0.01 * (ref - x)
-    outcome = judge(0, golden, target, make_settings(), "float32", reference=ref, hidden_in=x)
+    outcome = judge(0, golden, target, make_settings(), "float32", floor=ref, hidden_in=x)
     assert not outcome.passed
     assert {"noise_ratio", "contribution_bias"} <= set(failing(outcome.checks))
     assert outcome.tolerance["atol"] == pytest.approx(float((target - golden).abs().max()))
@@ -265,7 +265,7 @@ def golden_tensors(output: torch.Tensor, reference: torch.Tensor) -> dict[str, t
         f"routing.{ROUTER}.indices": torch.tensor([[0, 1], [2, 1], [0, 3]]),
         f"routing.{ROUTER}.logits": torch.zeros(3, 4),
         f"routing.{ROUTER}.scores": torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 1.0, 2.0, 0.999], [2.0, 0.0, 0.0, 1.0]]),
-        f"ref_routing.{ROUTER}.scores": torch.tensor(
+        f"floor.routing.{ROUTER}.scores": torch.tensor(
             [[3.0, 2.0, 0.0, 0.0], [0.0, 1.0, 2.0, 1.0 - 1e-4], [2.0, 0.0, 0.0, 1.0]], dtype=torch.float64
         ),
     }
@@ -316,7 +316,7 @@ def test_candidates_masked_out_are_no_flip():
         "routing.indexer.indices": torch.tensor([[0, 1], [1, 0], [3, 2]]),
         "routing.indexer.logits": scores,
         "routing.indexer.scores": scores.double(),
-        "ref_routing.indexer.scores": scores.double(),
+        "floor.routing.indexer.scores": scores.double(),
     }
     same = agreement("indexer", golden, {"routing.indexer.indices": torch.tensor([[0, 3], [0, 1], [2, 3]])}, 0.0)
     assert same.flipped == 0
@@ -344,8 +344,8 @@ def _kv_golden(seed: int = 0):
     return {
         "cache.new_keys": ref_k.bfloat16(),
         "cache.new_values": ref_v.bfloat16(),
-        "ref_cache.new_keys": ref_k,
-        "ref_cache.new_values": ref_v,
+        "floor.cache.new_keys": ref_k,
+        "floor.cache.new_values": ref_v,
     }
 
 
@@ -480,7 +480,7 @@ def test_a_call_whose_every_token_routed_apart_on_a_near_tie_is_judged_nothing_a
     x, ref, golden = layer_like(tokens=1)
     tie = RoutingAgreement("mlp.gate", 1, 0.0, 1, 1, (0,), (0,))
     settings = make_settings()
-    outcome = judge(3, golden, golden + 0.3, settings, "float32", reference=ref, hidden_in=x, routing=[tie])
+    outcome = judge(3, golden, golden + 0.3, settings, "float32", floor=ref, hidden_in=x, routing=[tie])
     assert outcome.judged_nothing and outcome.judged_tokens == 0
     assert outcome.unjudged_reason("layer 3, decode step 0") == (
         "layer 3, decode step 0: not judged: every one of its 1 token(s) routed to other experts than the golden's "
@@ -492,7 +492,7 @@ def test_a_call_whose_every_token_routed_apart_on_a_near_tie_is_judged_nothing_a
         golden + 0.3,
         make_settings(near_ties="strict"),
         "float32",
-        reference=ref,
+        floor=ref,
         hidden_in=x,
         routing=[tie],
     )

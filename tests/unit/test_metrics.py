@@ -257,9 +257,9 @@ def test_shape_mismatch_names_both_shapes(fn):
     assert "(2, 3)" in str(info.value) and "(3, 2)" in str(info.value)
 
 
-def test_reference_shape_mismatch():
+def test_floor_shape_mismatch():
     with pytest.raises(ValueError, match=r"\(4,\).*\(5,\)"):
-        compare_tensors(torch.zeros(4), torch.zeros(4), reference=torch.zeros(5))
+        compare_tensors(torch.zeros(4), torch.zeros(4), floor=torch.zeros(5))
 
 
 @pytest.mark.parametrize("shape", [(0,), (3, 0), (0, 2, 5)])
@@ -415,7 +415,7 @@ def test_noise_ratio(dtype):
     got = noise_ratio(g, t, r32)
     assert got == pytest.approx(want, rel=1e-12)
     assert 2.0 < got < 4.5  # the target is ~3x noisier than the golden
-    m = compare_tensors(g, t, reference=r32, chunk_elements=77)
+    m = compare_tensors(g, t, floor=r32, chunk_elements=77)
     assert m.noise_ratio == pytest.approx(want, rel=1e-12)
 
 
@@ -473,7 +473,7 @@ def test_min_passing_tolerance_random_bf16_matches_reference():
 
 def test_as_dict_json_round_trip():
     g, t = _pair(torch.bfloat16, (4, 6), 1e-1, seed=12)
-    m = compare_tensors(g, t, reference=g.float())
+    m = compare_tensors(g, t, floor=g.float())
     d = m.as_dict()
     assert isinstance(d["worst_index"], list)
     back = json.loads(json.dumps(d))
@@ -501,7 +501,7 @@ def test_metrics_is_frozen():
 def test_cuda_matches_cpu(target_device):
     g, t = _pair(torch.bfloat16, (1 << 20,), 1e-2, seed=13)
     ref = reference(g, t)
-    m = compare_tensors(g.cuda(), t.to(target_device), reference=g.float().cuda())
+    m = compare_tensors(g.cuda(), t.to(target_device), floor=g.float().cuda())
     assert_matches(m, ref, g.shape)
 
 
@@ -513,7 +513,7 @@ def test_xla_tensors_are_compared_on_the_cpu():
     g, t = _pair(torch.bfloat16, (40, 25), 1e-2, seed=14)
     ref = reference(g, t)
     assert_matches(compare_tensors(g, t.to(dev), chunk_elements=7), ref, g.shape)
-    m = compare_tensors(g.to(dev), t.to(dev), reference=g.float().to(dev))
+    m = compare_tensors(g.to(dev), t.to(dev), floor=g.float().to(dev))
     assert_matches(m, ref, g.shape)
     assert m.noise_ratio == pytest.approx(noise_ratio(g, t, g.float()), rel=1e-12)
 
@@ -529,9 +529,9 @@ def test_a_pass_shared_over_threads_gives_what_one_thread_gives():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        alone = compare_tensors(g, t, reference=r, chunk_elements=1000)
+        alone = compare_tensors(g, t, floor=r, chunk_elements=1000)
         torch.set_num_threads(4)
-        shared = compare_tensors(g, t, reference=r, chunk_elements=1000)
+        shared = compare_tensors(g, t, floor=r, chunk_elements=1000)
         assert torch.get_num_threads() == 4  # given back as it was
     finally:
         torch.set_num_threads(before)

@@ -27,7 +27,7 @@ def outcome_of(scale: float, layer: int = 2):
     ref = x + torch.randn(1, 6, 8, generator=gen, dtype=torch.float64)
     golden = (ref + 1e-4 * torch.randn(1, 6, 8, generator=gen, dtype=torch.float64)).float()
     target = golden + scale * (ref - x).float()
-    return judge(layer, golden, target, make_settings(), "float32", reference=ref, hidden_in=x.float())
+    return judge(layer, golden, target, make_settings(), "float32", floor=ref, hidden_in=x.float())
 
 
 # -- the fields table ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ def test_write_then_load_round_trips(store):
     assert torch.equal(entry.tensors["output"], torch.arange(6.0).reshape(2, 3))
     assert entry.metadata == {"call": {"x": 1}}
     manifest = json.loads(store.manifest_path.read_text())
-    assert manifest["schema_version"] == 1
+    assert manifest["schema_version"] == 2
     assert manifest["files"]["layer_0"]["file"] == "layer_00000.safetensors"
     assert len(manifest["files"]["layer_0"]["sha256"]) == 64
     assert not list(store.root.glob("*.tmp"))
@@ -66,6 +66,25 @@ def test_unknown_schema_is_refused(store):
     store.manifest_path.write_text(json.dumps(manifest))
     with pytest.raises(GoldenError, match="schema version 99 is not one this pytest-layerparity reads"):
         store.load("layer_0")
+
+
+def test_a_schema_1_store_reads_its_floor_under_the_current_names(store):
+    floor = {
+        "ref_output": torch.ones(2, 3),
+        "ref_routing.mlp.gate.scores": torch.zeros(2, 4),
+        "ref_cache.new_keys": torch.ones(1, 1, 1, 2),
+    }
+    store.write("layer_1", {"output": torch.zeros(2, 3), **floor}, {"call": {"x": 1}})
+    manifest = json.loads(store.manifest_path.read_text())
+    manifest["schema_version"] = 1
+    store.manifest_path.write_text(json.dumps(manifest))
+    tensors = store.load("layer_1").tensors
+    assert sorted(tensors) == ["floor.cache.new_keys", "floor.output", "floor.routing.mlp.gate.scores", "output"]
+    assert torch.equal(tensors["floor.output"], torch.ones(2, 3))
+    # extracting into it again: the store becomes schema 2, its old entries still read
+    store.begin({"dtype": "float32", "model": {"num_layers": 2}}, compare_keys=("dtype", "model.num_layers"))
+    assert json.loads(store.manifest_path.read_text())["schema_version"] == 2
+    assert "floor.output" in store.load("layer_1").tensors and "output" in store.load("layer_0").tensors
 
 
 def test_nan_is_refused_at_write_and_at_load(store):
