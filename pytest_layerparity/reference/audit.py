@@ -1,9 +1,11 @@
 """The dtype audit of a unit of weights: tensors whose floating dtype differs from the one
-requested, and a refusal when float32 tensors under a 16-bit request would multiply the
-memory (the seeds' 1 TB bug)."""
+requested, a refusal when float32 tensors under a 16-bit request would multiply the memory
+(the seeds' 1 TB bug), and the reference's own forward failing on such tensors."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,3 +48,29 @@ def dtype_audit(module: Any, requested: Any, keep: Any = None, fatal_share: floa
             "in the port (or pass --dtype float32)"
         )
     return Audit(odd, fatal, message)
+
+
+@contextlib.contextmanager
+def mixed_dtype_failure(model: Any, requested: Any, keep: Any = ()) -> Iterator[None]:
+    """The model's own forward failing on mixed dtypes becomes a ModelError naming the tensors
+    it holds in another dtype than ``requested`` (those not kept so on purpose, ``keep``): the
+    model as transformers builds it does not run in that dtype. Any other error passes."""
+    from .model import ModelError
+
+    try:
+        yield
+    except RuntimeError as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        keep = tuple(keep or ())
+        odd = [(n, d) for n, d, _ in dtype_audit(model, requested).odd if not any(k in n for k in keep)]
+        if ("dtype" not in first and "scalar type" not in first) or not odd:
+            raise
+        dtype = str(requested).removeprefix("torch.")
+        names = ", ".join(f"{n} ({d})" for n, d in odd[:6]) + (f" and {len(odd) - 6} more" if len(odd) > 6 else "")
+        raise ModelError(
+            f"the reference model's own forward fails in {dtype} ({type(exc).__name__}: {first}): "
+            f"transformers builds {type(model).__name__} with tensors in another dtype than --dtype {dtype}, "
+            f"which the model does not mark to keep so: {names}; the model as transformers builds it does "
+            "not run in this dtype, so it has no golden in it: extract with --dtype float32 (or make a "
+            "checkpoint whose model casts them)"
+        ) from exc

@@ -33,7 +33,7 @@ from ..store.callspec import (
 from ..store.differences import describe_differences
 from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, GoldenError, GoldenStore
 from ..store.identity import EXTRACTION_KEYS
-from .audit import dtype_audit
+from .audit import dtype_audit, mixed_dtype_failure
 from .devices import resolve_golden_device
 from .envelope import PerturbedRunner
 from .floor import FloorEvaluator
@@ -62,7 +62,6 @@ class ReferenceRun:
     decode_calls: SpilledCalls  # (layer, step) -> its call
     model_io: dict[str, torch.Tensor] = field(default_factory=dict)
     layer_path: str = ""
-    decode_skipped: str | None = None  # why there are no decode steps, when asked for
     decode_logits: list[torch.Tensor] = field(default_factory=list)  # each decode step's logits (CPU)
     model_golden: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # whole-model golden and metadata
     spilled_io: SpilledCalls | None = None  # model_io's tensors kept on disk (streaming: the prompt's logits)
@@ -180,7 +179,7 @@ class ReferenceSide:
                             empty=functools.partial(mapped_empty, self.store.root),
                         )
                     )
-                with self._capturing(layer_list, layers, run.calls.__setitem__, routing):
+                with self._capturing(layer_list, layers, run.calls.__setitem__, routing), self._own_failure(model):
                     output = model(input_ids=ids.to(device), use_cache=False)
                 has_logits = getattr(output, "logits", None) is not None
                 # the prompt's logits, held once: the tensor itself where it is on the CPU already;
@@ -256,8 +255,11 @@ class ReferenceSide:
             output = model(input_ids=ids, use_cache=True, **last_only)
         cache = returned_cache(output)
         if cache is None or getattr(output, "logits", None) is None:
-            run.decode_skipped = f"{type(model).__name__} returns no KV cache and logits: no decode steps"
-            return
+            raise ModelError(
+                f"--decode-steps {self.settings.decode_steps}: {type(model).__name__} returned no KV cache and "
+                "logits for the prompt with use_cache=True, so it has no decode steps to record; extract with "
+                "--decode-steps 0"
+            )
         name = cache_argument(model.forward, "past_key_values")
         tokens = []
         sequence = ids
@@ -314,6 +316,10 @@ class ReferenceSide:
 
     def placement_summary(self) -> str:
         return placement_summary(self.placement, self.device_map, self.golden_device)
+
+    def _own_failure(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        keep = [*(self._keep_in_fp32 or ()), *(getattr(model, "_keep_in_fp32_modules_strict", None) or ())]
+        return mixed_dtype_failure(model, self.torch_dtype, keep)
 
     def _audit_unit(self, unit: Unit, module: torch.nn.Module) -> None:
         """The dtype audit of one streamed unit: refuse a layer that would materialise in

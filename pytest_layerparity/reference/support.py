@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..store.callspec import UnstorableCache, check_storable
+from ..store.callspec import UnstorableCache, cache_argument, check_storable
 from .model import ModelError
 
 if TYPE_CHECKING:
@@ -20,7 +20,13 @@ def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int)
         return
     from transformers.cache_utils import DynamicCache
 
-    modeling_module(model)  # registers the cache entries the architecture defines for its layer types
+    model_class = modeling_module(model)  # registers the cache entries the architecture defines for its layer types
+    if model_class is not None and cache_argument(model_class.forward) is None:
+        raise ModelError(
+            f"--decode-steps {decode_steps}: {model_class.__name__}.forward takes no KV cache (no `cache` or "
+            "`past_key_values` argument): a decode-step golden is a layer's call with the past keys and values "
+            "of a transformers cache, which this model does not keep; extract with --decode-steps 0"
+        )
     try:
         entries = DynamicCache(config=model.hf_config).layers
     except (AttributeError, KeyError, TypeError, ValueError):
@@ -33,15 +39,16 @@ def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int)
                 raise ModelError(f"--decode-steps {decode_steps}: {exc}") from None
 
 
-def modeling_module(model: ModelSource) -> None:
+def modeling_module(model: ModelSource) -> Any:
     """Import the architecture's modeling module (a cache entry class it defines registers
-    itself for its layer type when the module is imported)."""
+    itself for its layer type when the module is imported); the causal-LM class transformers
+    maps the config to, or None."""
     from transformers import AutoModelForCausalLM
 
     try:
-        AutoModelForCausalLM._model_mapping[type(model.hf_config)]
+        return AutoModelForCausalLM._model_mapping[type(model.hf_config)]
     except (KeyError, ImportError, AttributeError, ValueError):
-        pass  # not a causal LM transformers maps: its remote code is imported when the model is made
+        return None  # not a causal LM transformers maps: its remote code is imported when the model is made
 
 
 def check_checkpoint_names(model: ModelSource, layers: list[int]) -> None:

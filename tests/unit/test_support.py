@@ -27,6 +27,22 @@ def test_decode_steps_of_a_linear_attention_layer_are_refused_up_front_naming_th
     check_decode_cache(model, [0, 1, 2, 3], decode_steps=0)  # no decode steps asked for
 
 
+@pytest.mark.parametrize(
+    ("model_type", "model_class"), [("openai-gpt", "OpenAIGPTLMHeadModel"), ("rwkv", "RwkvForCausalLM")]
+)
+def test_decode_steps_of_a_model_that_takes_no_kv_cache_are_refused_up_front(model_type, model_class):
+    """Models whose forward keeps no transformers cache (none at all, or state of their own)
+    have no decode-step call to record: refused before any work, not dropped in silence."""
+    with pytest.raises(ModelError) as excinfo:
+        check_decode_cache(_model(model_type), [0], decode_steps=2)
+    assert str(excinfo.value) == (
+        f"--decode-steps 2: {model_class}.forward takes no KV cache (no `cache` or `past_key_values` argument): a "
+        "decode-step golden is a layer's call with the past keys and values of a transformers cache, which this "
+        "model does not keep; extract with --decode-steps 0"
+    )
+    check_decode_cache(_model(model_type), [0], decode_steps=0)
+
+
 def test_sliding_window_and_full_attention_layers_are_taken():
     check_decode_cache(_model("gemma2", num_hidden_layers=3), [0, 1, 2], decode_steps=2)
     check_decode_cache(_model("llama", num_hidden_layers=2), [0, 1], decode_steps=2)
