@@ -134,3 +134,29 @@ def test_other_backends_run_the_port_as_it_is():
 
     assert isinstance(Backend().running(), contextlib.nullcontext)
     assert isinstance(CpuBackend().running(), contextlib.nullcontext)
+
+
+def test_slices_reaching_before_a_dimension_give_eagers_rows_under_the_backend():
+    """torch-xla 2.9 raises on ``x[-512:]`` of 32 rows; eager gives all 32 (XLNet's memory)."""
+    import torch
+
+    from pytest_layerparity.backends.xla import XlaBackend
+
+    backend = XlaBackend()
+    x = torch.arange(32 * 3 * 4, dtype=torch.float32).view(32, 3, 4)
+    index_list = [
+        slice(-512, None),
+        (slice(None), slice(-9, -1)),
+        (0, slice(-7, 2)),
+        slice(-40, -35),
+        slice(2, 9, 2),
+        (slice(-64, None, 3), 1),
+    ]
+    with pytest.raises(RuntimeError, match="Value out of range"):  # torch-xla as it is
+        x.to(backend.device)[-512:]
+    with backend.running() as mode:
+        got = [x.to(backend.device)[i] for i in index_list]
+    backend.sync()
+    for i, t in zip(index_list, got, strict=True):
+        assert torch.equal(t.cpu(), x[i]), i
+    assert mode.taken == 5  # the indexes with a slice reaching before its dimension's start
