@@ -8,19 +8,28 @@ from typing import Any
 
 import torch
 
-from ..store.callspec import CallRecord, encode_call, encode_output, record_cache_update
+from ..store.callspec import (
+    CacheSnapshot,
+    CallRecord,
+    encode_call,
+    encode_output,
+    record_cache_entries,
+    record_cache_update,
+)
 
 
 @contextmanager
 def capture_calls(modules: Mapping[int, torch.nn.Module], sink: Callable[[int, CallRecord], None]) -> Iterator[None]:
     """Record each module's call while the block runs; ``sink(index, record)`` gets each one.
     A KV cache passed to module ``index`` is recorded as that layer's past keys and values,
-    and what the call appended to it beside the output.
+    and what the call appended to it beside the output; where the call appended to other
+    entries of it (a layer of two attention blocks, each with its cache index), as the past of
+    each entry it appended to, and what it appended to each.
 
     Hooks are always removed, also when the forward raises.
     """
     handles = []
-    pending: dict[int, CallRecord] = {}
+    pending: dict[int, tuple[CallRecord, CacheSnapshot | None]] = {}
     seen: set[int] = set()
 
     def pre_hook(index: int):
@@ -36,15 +45,16 @@ def capture_calls(modules: Mapping[int, torch.nn.Module], sink: Callable[[int, C
             seen.add(index)
             record = CallRecord()
             encode_call(args, kwargs, record, cache_layer=index)
-            pending[index] = record
+            pending[index] = record, CacheSnapshot.of(args, kwargs)
 
         return hook
 
     def post_hook(index: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-            record = pending.pop(index)
+            record, snapshot = pending.pop(index)
             encode_output(output, record)
-            record_cache_update(args, kwargs, index, record)
+            entries = record_cache_entries(snapshot, index, record)
+            record_cache_update(args, kwargs, entries, record)
             sink(index, record)
 
         return hook

@@ -24,6 +24,7 @@ from ..store.callspec import (
     cache_argument,
     call_cache_node,
     decode_call,
+    entry_nodes,
     first_tensor,
     hidden_input_name,
     replace_hidden_input,
@@ -149,9 +150,10 @@ def call_tokens(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) ->
     hidden = tensors[hidden_input_name(spec)]
     tokens = hidden.numel() // max(hidden.shape[-1], 1) if hidden.dim() else 1
     cache = call_cache_node(spec)
-    if cache is not None and "keys" in cache:
-        keys = tensors[cache["keys"]]
-        tokens += keys.shape[0] * keys.shape[-2] if keys.dim() >= 2 else 0
+    for entry in entry_nodes(cache) if cache is not None else ():
+        if "keys" in entry:
+            keys = tensors[entry["keys"]]
+            tokens += keys.shape[0] * keys.shape[-2] if keys.dim() >= 2 else 0
     return tokens
 
 
@@ -163,8 +165,9 @@ def stacked_call(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], n
     batch = tensors[hidden_input_name(spec)].shape[0]
     names = set(tensor_names({"args": spec["args"], "kwargs": spec["kwargs"]}))
     cache = call_cache_node(spec)
-    if cache is not None and "keys" in cache:
-        names |= {cache["keys"], cache["values"]}
+    for entry in entry_nodes(cache) if cache is not None else ():
+        if "keys" in entry:
+            names |= {entry["keys"], entry["values"]}
     out = dict(tensors)
     for name in names:
         t = tensors[name]

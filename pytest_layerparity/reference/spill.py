@@ -19,10 +19,11 @@ import tempfile
 import weakref
 from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..store.callspec import CallRecord, cached_kv, find_kv_cache
+from ..store.callspec import CallRecord, UnstorableCache, cached_kv, find_kv_cache, seen_tokens
 
 PREFIX = ".layerparity-calls-"
 
@@ -130,11 +131,13 @@ class SpilledKV:
     shape (a "meta" tensor, so the cache still answers its length; a read of it raises); just
     before layer ``i`` runs again they are read back. Without it the cache of every layer is
     held through the decode steps (it grows with depth: 67 MB at seq 2048 for 16 layers of
-    8 key/value heads of 64 in bfloat16). Entry ``i`` of the cache is layer ``i``'s, as
-    capture assumes; a cache entry without keys and values tensors is left where it is."""
+    8 key/value heads of 64 in bfloat16). The entries spilled after layer ``i`` are those its
+    call appended to (entry ``i``, or each of a layer's attention blocks' own); a cache entry
+    without keys and values tensors is left where it is."""
 
     def __init__(self, parent: Path) -> None:
         self._files = SpilledCalls(parent)
+        self._before: dict[int, list[int]] = {}  # each running layer's cache entries' token counts
 
     @contextlib.contextmanager
     def hooks(self, layer_list: Sequence[torch.nn.Module]) -> Iterator[None]:
@@ -158,26 +161,51 @@ class SpilledKV:
     def _restore_hook(self, i: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             cache = find_kv_cache([args, kwargs])
-            if cache is None or i not in self._files:
+            if cache is None:
                 return
-            record = self._files[i]
-            entry = cache.layers[i]
-            device = record.spec["device"]
-            entry.keys, entry.values = record.tensors["keys"].to(device), record.tensors["values"].to(device)
-            del self._files[i]
+            if i in self._files:
+                record = self._files[i]
+                device = record.spec["device"]
+                for j in record.spec["entries"]:
+                    entry = cache.layers[j]
+                    entry.keys = record.tensors[f"keys.{j}"].to(device)
+                    entry.values = record.tensors[f"values.{j}"].to(device)
+                del self._files[i]
+            self._before[i] = [_seen(cache, j) for j in range(len(cache.layers))]
 
         return hook
 
     def _spill_hook(self, i: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             cache = find_kv_cache([args, kwargs])
-            kv = cached_kv(cache, i) if cache is not None else None
-            if kv is None or kv[0].device.type == "meta":
+            before = self._before.pop(i, [])
+            if cache is None:
                 return
-            keys, values = kv
-            self._files[i] = CallRecord(tensors={"keys": keys, "values": values}, spec={"device": str(keys.device)})
-            entry = cache.layers[i]
-            entry.keys = torch.empty(keys.shape, dtype=keys.dtype, device="meta")
-            entry.values = torch.empty(values.shape, dtype=values.dtype, device="meta")
+            appended = [j for j in range(len(cache.layers)) if _seen(cache, j) > (before[j] if j < len(before) else 0)]
+            tensors: dict[str, torch.Tensor] = {}
+            entries = []
+            for j in appended or [i]:
+                kv = cached_kv(cache, j)
+                if kv is None or kv[0].device.type == "meta":
+                    continue
+                tensors[f"keys.{j}"], tensors[f"values.{j}"] = kv
+                entries.append(j)
+            if not entries:
+                return
+            device = str(tensors[f"keys.{entries[0]}"].device)
+            self._files[i] = CallRecord(tensors=tensors, spec={"device": device, "entries": entries})
+            for j in entries:
+                entry, (keys, values) = cache.layers[j], (tensors[f"keys.{j}"], tensors[f"values.{j}"])
+                entry.keys = torch.empty(keys.shape, dtype=keys.dtype, device="meta")
+                entry.values = torch.empty(values.shape, dtype=values.dtype, device="meta")
 
         return hook
+
+
+def _seen(cache: Any, layer: int) -> int:
+    """How many tokens entry ``layer`` of ``cache`` has been given (0 for one that is no
+    store of keys and values: capture refuses those)."""
+    try:
+        return seen_tokens(cache, layer)
+    except UnstorableCache:
+        return 0

@@ -13,11 +13,16 @@ A spec node is one of::
                                holding them (no keys: an empty cache). A sliding-window (or
                                chunked) layer's entry also records its window and how many
                                tokens it has seen (``"sliding_window": 16, "seen": 33``; it
-                               holds the last ``window - 1``), and is replayed as such an entry
+                               holds the last ``window - 1``), and is replayed as such an entry.
+                               A layer whose call fills more than one entry (two attention
+                               blocks, each with its own cache index) lists the others under
+                               ``"more"``: ``[{"layer": 1, "keys": ..., "values": ...}]``
     {"dropped": "SomeObject"}  an object that cannot be stored; replayed as None
 
 A call that updated a KV cache also records, under ``spec["cache_update"]``, the keys and
-values the layer appended (``{"layer": 3, "keys": "cache.new_keys", "values": ...}``).
+values the layer appended (``{"layer": 3, "keys": "cache.new_keys", "values": ...}``; for a
+call that filled several entries, ``"layers": [0, 1]`` and each entry's appended keys (values)
+joined: :func:`joined_kv`).
 
 The cache argument's name is the callee's: transformers 5.24 renamed the layers' and models'
 ``past_key_values`` to ``cache``. A call is stored under the name the reference used and
@@ -183,13 +188,7 @@ def encode(value: Any, name: str, tensors: dict[str, torch.Tensor], cache_layer:
     A KV cache is stored as layer ``cache_layer``'s past keys and values."""
     own = own_kv_cache(value) if cache_layer is not None else None
     if own is not None:
-        node: dict[str, Any] = {"layer": cache_layer}
-        past = cached_kv(own, cache_layer)
-        if past is not None:
-            node["keys"], node["values"] = f"{name}.keys", f"{name}.values"
-            tensors[node["keys"]] = past[0].detach().to("cpu", copy=True)
-            tensors[node["values"]] = past[1].detach().to("cpu", copy=True)
-        node.update(cache_layer_state(own, cache_layer))
+        node = _entry_node(own, cache_layer, name, tensors)
         if own is not value:
             node["within"] = ENCODER_DECODER_CACHE  # replayed inside one, its cross-attention part empty
         return {"cache": node}
@@ -220,6 +219,131 @@ def encode(value: Any, name: str, tensors: dict[str, torch.Tensor], cache_layer:
     return {"dropped": type(value).__name__}
 
 
+def _entry_node(
+    cache: Any, layer: int, name: str, tensors: dict[str, torch.Tensor], before: _Entry | None = None
+) -> dict[str, Any]:
+    """The spec node of entry ``layer`` of ``cache``: its past keys and values, stored as
+    ``{name}.keys``/``values``, and how it holds its tokens; as ``before`` says (the entry
+    as a call found it) where given, else as the entry is now."""
+    if before is None:
+        before = _Entry(cached_kv(cache, layer), cache_layer_state(cache, layer))
+    node: dict[str, Any] = {"layer": layer}
+    if before.past is not None:
+        node["keys"], node["values"] = f"{name}.keys", f"{name}.values"
+        tensors[node["keys"]] = before.past[0].detach().to("cpu", copy=True)
+        tensors[node["values"]] = before.past[1].detach().to("cpu", copy=True)
+    node.update(before.state)
+    return node
+
+
+@dataclass
+class _Entry:
+    """A cache entry's past keys and values (None: empty) and how it holds its tokens."""
+
+    past: tuple[torch.Tensor, torch.Tensor] | None
+    state: dict[str, int]
+
+
+def entry_nodes(node: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The cache entries a cache node holds, each ``{"layer": i, "keys": ..., ...}``: its own,
+    then those under ``"more"`` (a layer whose call fills several entries)."""
+    first = {k: v for k, v in node.items() if k not in ("more", "within")}
+    return [first, *(dict(n) for n in node.get("more") or ())]
+
+
+@dataclass
+class CacheSnapshot:
+    """The entries of a KV cache as a call found them (their tensors by reference: a storable
+    entry replaces, never overwrites, its keys and values as it appends), to tell afterwards
+    which entries the call appended to and what each held before."""
+
+    cache: Any
+    seen: list[int]
+    entries: list[_Entry]
+
+    @classmethod
+    def of(cls, args: Any, kwargs: Any) -> CacheSnapshot | None:
+        """The cache among a call's arguments as the call is about to find it (None without one)."""
+        cache = find_kv_cache([args, kwargs])
+        if cache is None:
+            return None
+        indices = range(len(cache.layers))
+        return cls(cache, [_seen(cache, i) for i in indices], [_entry(cache, i) for i in indices])
+
+    def appended_to(self) -> list[int]:
+        """The entries the call appended tokens to (created ones included), in order."""
+        return [i for i in range(len(self.cache.layers)) if _seen(self.cache, i) > self.before(i)]
+
+    def before(self, i: int) -> int:
+        """How many tokens entry ``i`` had been given before the call."""
+        return self.seen[i] if i < len(self.seen) else 0
+
+    def entry(self, i: int) -> _Entry:
+        return self.entries[i] if i < len(self.entries) else _Entry(None, {})
+
+
+def _seen(cache: Any, layer: int) -> int:
+    try:
+        return seen_tokens(cache, layer)
+    except UnstorableCache:
+        return 0  # refused where the entry is encoded, if the layer's
+
+
+def _entry(cache: Any, layer: int) -> _Entry:
+    try:
+        return _Entry(cached_kv(cache, layer), cache_layer_state(cache, layer))
+    except UnstorableCache:
+        return _Entry(None, {"unstorable": 1})
+
+
+def record_cache_entries(snapshot: CacheSnapshot | None, layer: int, record: CallRecord) -> list[int]:
+    """After a call: the cache entries it appended to (``[layer]`` where it appended to none,
+    or to that one alone, as a decoder layer's call does). Where it filled others (a layer of
+    two attention blocks with cache indices of their own), its stored cache argument is made
+    to hold each of them as the call found it, so that a replay gives the layer all of its
+    past."""
+    if snapshot is None:
+        return [layer]
+    touched = snapshot.appended_to()
+    if not touched or touched == [layer]:
+        return [layer]
+    node, name = _top_cache_node(record.spec)
+    if node is None:
+        raise UnstorableCache(
+            f"layer {layer}'s call appended to KV-cache entries {touched} of a cache passed inside another argument, "
+            "which a decode-step golden cannot store; extract with --decode-steps 0 (the prompt tests and the whole "
+            "model's prompt still run)"
+        )
+    for i in touched:
+        if "unstorable" in snapshot.entry(i).state:
+            check_storable(snapshot.cache.layers[i], i)
+    for old in entry_nodes(node):
+        for part in ("keys", "values"):
+            record.tensors.pop(old.get(part, ""), None)
+    within = node.get("within")
+    nodes = [
+        _entry_node(snapshot.cache, i, name if k == 0 else f"{name}.{i}", record.tensors, snapshot.entry(i))
+        for k, i in enumerate(touched)
+    ]
+    node.clear()
+    node.update(nodes[0])
+    node["more"] = nodes[1:]
+    if within:
+        node["within"] = within
+    return touched
+
+
+def _top_cache_node(spec: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The cache node that is one of a call spec's arguments itself, with its tensors' name."""
+    for k, node in (spec.get("kwargs") or {}).items():
+        if isinstance(node.get("cache"), dict):
+            return node["cache"], f"kwargs.{k}"
+    for i, node in enumerate(spec.get("args") or ()):
+        if isinstance(node.get("cache"), dict):
+            return node["cache"], f"args.{i}"
+    return None, ""
+
+
 def decode(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Device | None = None) -> Any:
     """Rebuild a value from its spec node; tensors are moved to ``device`` when given."""
     if "t" in node:
@@ -246,8 +370,9 @@ def decode(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device:
 
 def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Device | None = None) -> Any:
     """A fresh DynamicCache holding layer ``node["layer"]``'s stored past keys and values
-    (what the layer is called with in a decode step; other layers' entries stay empty), in
-    an entry of the kind the reference's was: a sliding-window entry keeps sliding."""
+    (what the layer is called with in a decode step; other layers' entries stay empty), and
+    those of the other entries the node lists (``"more"``), each in an entry of the kind the
+    reference's was: a sliding-window entry keeps sliding."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
     if node.get("within") == ENCODER_DECODER_CACHE:
@@ -256,18 +381,26 @@ def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], dev
         own = past_cache({k: v for k, v in node.items() if k != "within"}, tensors, device)
         return EncoderDecoderCache(own, DynamicCache())
     cache = DynamicCache()
-    window = node.get("sliding_window")
-    if "keys" not in node and not window:
+    entries = {int(n["layer"]): n for n in entry_nodes(node) if "keys" in n or n.get("sliding_window")}
+    if not entries:
         return cache
-    index = int(node["layer"])
+    cache.layers.extend(DynamicLayer() for _ in range(max(entries) + 1))
+    for index, entry_node in entries.items():
+        cache.layers[index] = _past_entry(entry_node, tensors, device)
+    return cache
+
+
+def _past_entry(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: Device | None) -> Any:
+    """A cache entry holding one stored entry's past keys and values."""
+    from transformers.cache_utils import DynamicLayer
+
+    window = node.get("sliding_window")
     if window:
         from transformers.cache_utils import DynamicSlidingWindowLayer
 
         entry = DynamicSlidingWindowLayer(sliding_window=int(window))
     else:
         entry = DynamicLayer()
-    cache.layers.extend(DynamicLayer() for _ in range(len(cache.layers), index))
-    cache.layers.append(entry)
     if "keys" in node:
         keys, values = tensors[node["keys"]], tensors[node["values"]]
         if device is not None:
@@ -277,7 +410,7 @@ def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], dev
             entry.keys, entry.values = keys, values  # on a lazy device the past is then data, as in a real decode step
         if window:
             entry.cumulative_length = int(node.get("seen", keys.shape[-2]))
-    return cache
+    return entry
 
 
 def find_kv_cache(value: Any) -> Any:
@@ -296,15 +429,44 @@ def find_kv_cache(value: Any) -> Any:
     return None
 
 
-def record_cache_update(args: Any, kwargs: Any, layer: int, record: CallRecord) -> None:
-    """After a call: store the keys and values layer ``layer`` appended to the call's KV
-    cache (its entries beyond the past the spec stored), if the call had a cache."""
-    new = _appended(args, kwargs, layer, record.spec, record.tensors)
+def record_cache_update(args: Any, kwargs: Any, layers: int | Sequence[int], record: CallRecord) -> None:
+    """After a call: store the keys and values it appended to entry ``layers`` (or to each of
+    the entries ``layers``, joined: :func:`joined_kv`) of the call's KV cache (their tokens
+    beyond the past the spec stored), if the call had a cache."""
+    indices = [layers] if isinstance(layers, int) else list(layers)
+    new = _appended_all(args, kwargs, indices, record.spec, record.tensors)
     if new is None:
         return
     record.tensors["cache.new_keys"] = new[0].detach().to("cpu", copy=True)
     record.tensors["cache.new_values"] = new[1].detach().to("cpu", copy=True)
-    record.spec["cache_update"] = {"layer": layer, "keys": "cache.new_keys", "values": "cache.new_values"}
+    update: dict[str, Any] = {"layer": indices[0], "keys": "cache.new_keys", "values": "cache.new_values"}
+    if len(indices) > 1:
+        update["layers"] = indices
+    record.spec["cache_update"] = update
+
+
+def joined_kv(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several entries' appended keys and values as one pair: joined along the tokens where
+    they agree in every other dimension, else each flattened per batch row and joined."""
+    if len(parts) == 1:
+        return parts[0]
+    joined = []
+    for tensors in zip(*parts, strict=True):
+        if len({(t.shape[:-2], t.shape[-1]) for t in tensors}) == 1:
+            joined.append(torch.cat(tensors, dim=-2))
+        else:
+            joined.append(torch.cat([t.reshape(t.shape[0], -1) for t in tensors], dim=-1))
+    return joined[0], joined[1]
+
+
+def _appended_all(
+    args: Any, kwargs: Any, layers: Sequence[int], spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What the call appended to each of the entries ``layers``, joined (None where any is empty)."""
+    parts = [_appended(args, kwargs, i, spec, tensors) for i in layers]
+    if any(p is None for p in parts):
+        return None
+    return joined_kv([p for p in parts if p is not None])
 
 
 def _cache_node(node: Any) -> dict[str, Any] | None:
@@ -332,9 +494,11 @@ def appended_kv(
     update = spec.get("cache_update")
     if not update:
         return None
-    new = _appended(args, kwargs, int(update["layer"]), spec, tensors)
+    layers = [int(i) for i in update.get("layers") or [update["layer"]]]
+    new = _appended_all(args, kwargs, layers, spec, tensors)
     if new is None:
-        raise ValueError(f"the layer appended nothing to layer {update['layer']}'s entry of the KV cache it was given")
+        which = f"entries {layers}" if len(layers) > 1 else f"layer {layers[0]}'s entry"
+        raise ValueError(f"the layer appended nothing to {which} of the KV cache it was given")
     return new
 
 
@@ -350,7 +514,8 @@ def _appended(
     if now is None:
         return None
     now = (now[0].to("cpu"), now[1].to("cpu"))  # sliced here: on a lazy device a slice would be a graph to compile
-    past = call_cache_node(spec)
+    node = call_cache_node(spec)
+    past = next((n for n in entry_nodes(node) if int(n["layer"]) == layer), None) if node is not None else None
     before = 0
     if past is not None and "keys" in past:
         before = int(past.get("seen", tensors[past["keys"]].shape[-2]))

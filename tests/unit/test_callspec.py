@@ -200,6 +200,46 @@ def test_a_sliding_window_entry_is_recorded_and_replayed_sliding():
     assert torch.equal(new_values, record.tensors["cache.new_values"])
 
 
+class _TwoAttentionLayer(torch.nn.Module):
+    """Decoder layer ``i`` of two attention blocks, each with a cache index of its own (``2i``
+    and ``2i + 1``), as LongCat-Flash's layers are: entry ``i`` of the cache is not its own."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.first, self.second = _Attention(2 * index), _Attention(2 * index + 1)
+
+    def forward(self, hidden_states, cache=None):
+        return self.second(self.first(hidden_states, past_key_values=cache), past_key_values=cache)
+
+
+def test_a_layer_whose_call_fills_several_cache_entries_is_replayed_with_all_of_their_past():
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    layers = {i: _TwoAttentionLayer(i) for i in range(2)}
+    for layer in layers.values():  # the prompt: each entry gets its attention block's keys and values
+        layer(torch.randn(1, 3, 4), cache=cache)
+    cache.layers.append(type(cache.layers[0])())  # an entry beyond the layers': left out
+    records = {}
+    x = torch.randn(1, 1, 4)
+    with capture_calls(layers, records.__setitem__):
+        hidden = layers[0](x, cache=cache)
+        expected = layers[1](hidden, cache=cache)
+    record = records[1]
+    node = record.spec["kwargs"]["cache"]["cache"]
+    assert [n["layer"] for n in [node, *node["more"]]] == [2, 3]  # not entry 1, layer 0's second block's
+    assert torch.equal(record.tensors[node["keys"]], cache.layers[2].keys[..., :3, :])  # the past before the call
+    assert record.spec["cache_update"]["layers"] == [2, 3]
+    assert record.tensors["cache.new_keys"].shape == (1, 1, 2, 4)  # one token for each entry
+    spec = json.loads(json.dumps(record.spec))
+    args, kwargs = decode_call(spec, record.tensors)
+    assert torch.equal(_TwoAttentionLayer(1)(*args, **kwargs), expected)
+    new_keys, new_values = appended_kv(args, kwargs, spec, record.tensors)
+    assert torch.equal(new_keys, record.tensors["cache.new_keys"])
+    assert torch.equal(new_values, record.tensors["cache.new_values"])
+    assert records[0].spec["cache_update"]["layers"] == [0, 1]
+
+
 def test_a_call_is_replayed_under_the_cache_name_the_callee_takes():
     from transformers.cache_utils import DynamicCache
 

@@ -5,6 +5,7 @@ own or on a written checkpoint: e2e/test_memory_measured.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -314,3 +315,47 @@ def test_spilled_kv_cache_holds_one_layer_and_computes_the_same_bit_for_bit(tmp_
     assert len(list(folder.iterdir())) == 3
     spill.close()
     assert not folder.exists()
+
+
+def test_spilled_kv_cache_spills_and_restores_every_entry_a_layer_fills(tmp_path):
+    """A layer of two attention blocks (cache entries 2i and 2i + 1): after it runs both of its
+    entries go to disk, and both are back before it runs again."""
+    from transformers.cache_utils import DynamicCache
+
+    from pytest_layerparity.reference.spill import SpilledKV
+
+    class Attention(torch.nn.Module):
+        def __init__(self, index):
+            super().__init__()
+            self.index = index
+
+        def forward(self, hidden, cache):
+            keys, values = cache.update(hidden.unsqueeze(1) * 2, hidden.unsqueeze(1) * 3, self.index)
+            return hidden + keys.sum(-2).squeeze(1) + values.mean(-2).squeeze(1)
+
+    class Layer(torch.nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Attention(2 * i), Attention(2 * i + 1)])
+
+        def forward(self, hidden, cache):
+            return self.blocks[1](self.blocks[0](hidden, cache), cache)
+
+    layers = torch.nn.ModuleList([Layer(0), Layer(1)])
+
+    def run(spill, steps):
+        cache, outs = DynamicCache(), []
+        for hidden in steps:
+            with spill.hooks(layers) if spill is not None else contextlib.nullcontext():
+                for layer in layers:
+                    hidden = layer(hidden, cache)
+            outs.append(hidden)
+        return outs, cache
+
+    steps = [torch.randn(1, 3, 4), torch.randn(1, 1, 4), torch.randn(1, 1, 4)]
+    want, _ = run(None, steps)
+    spill = SpilledKV(tmp_path)
+    got, cache = run(spill, steps)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert [entry.keys.device.type for entry in cache.layers] == ["meta"] * 4
+    spill.close()
