@@ -5,6 +5,7 @@ names its golden, its test id and its row in the reports."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 _PART = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
@@ -116,8 +117,50 @@ def contiguous_runs(layers: list[int]) -> list[LayerRange]:
     return runs
 
 
+def layer_spec(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5`` (what ``--layers`` reads)."""
+    return ",".join(str(r.first) if r.first == r.last else f"{r.first}-{r.last}" for r in contiguous_runs(layers))
+
+
 def parse_layer_ranges(spec: str, num_layers: int) -> list[LayerRange]:
     """Return the ranges named by ``spec`` (``0-5,6-11``), in the order given."""
     if spec.strip().lower() == "all":
         return [LayerRange(0, num_layers - 1)]
     return _parse_parts(spec, num_layers, "--layer-ranges")
+
+
+def uncalled_text(layers: list[int], uncalled: Mapping[int, str], where: object) -> str:
+    """Why the ones of ``layers`` in ``uncalled`` (layer -> its class: the layers the
+    extraction's forward did not call, as recorded in ``where``) have no golden."""
+    left = [i for i in layers if i in uncalled]
+    names = sorted({uncalled[i] for i in left})
+    it, has = ("it", "has") if len(left) == 1 else ("them", "have")
+    return (
+        f"layer{'' if len(left) == 1 else 's'} {layer_spec(left)} ({', '.join(names)}), which the model's forward "
+        f"does not call on the golden input (the model skips {it} for this input, as a text-only forward skips a "
+        f"cross-attention layer; the extraction recorded {it} in {where}), {has} no golden"
+    )
+
+
+def called_selection(spec: str, layers: list[int], uncalled: Mapping[int, str], where: object) -> list[int]:
+    """``layers`` (read from --layers ``spec``) less the ``uncalled`` ones; a selection of
+    uncalled layers alone is refused, saying why."""
+    kept = [i for i in layers if i not in uncalled]
+    if layers and not kept:
+        raise SelectionError(f"--layers {spec}: {uncalled_text(layers, uncalled, where)}; select other layers")
+    return kept
+
+
+def check_ranges_called(spec: str, ranges: list[LayerRange], uncalled: Mapping[int, str], where: object) -> None:
+    """Refuse a range (of --layer-ranges ``spec``) that holds an ``uncalled`` layer, naming
+    the ranges without it."""
+    for r in ranges:
+        left = [i for i in r.layers() if i in uncalled]
+        if left:
+            called = [i for i in r.layers() if i not in uncalled]
+            instead = f"; name ranges without {'it' if len(left) == 1 else 'them'}" + (
+                f" (such as {layer_spec(called)})" if called else ""
+            )
+            raise SelectionError(
+                f"--layer-ranges {spec}: range {r.first}-{r.last}: {uncalled_text(left, uncalled, where)}{instead}"
+            )

@@ -18,11 +18,14 @@ from .reference.source import ModelSource, model_dir_of
 from .report.progress import SILENT, Progress
 from .selection import (
     LayerRange,
+    called_selection,
+    check_ranges_called,
     contiguous_runs,
     golden_layer,
     layer_key,
     parse_layer_ranges,
     parse_layers,
+    uncalled_text,
 )
 from .store.commands import Commands
 from .store.golden import GoldenEntry, GoldenStore
@@ -37,6 +40,12 @@ if TYPE_CHECKING:
     from .reference.extract import ReferenceSide
     from .reference.floor import FloorEvaluator
     from .target.runner import BuildHook, TargetRun, TargetSide
+
+
+def uncalled_layers(session: LayerParitySession) -> dict[int, str]:
+    """Layer -> its class, of the layers the extraction's forward did not call on the golden
+    input, as the store records them (an extraction finds them as it runs: none here)."""
+    return {} if session.settings.mode == "extract" else session.store.uncalled_layers()
 
 
 class LayerParitySession:
@@ -104,7 +113,9 @@ class LayerParitySession:
 
     @cached_property
     def selected_layers(self) -> list[int]:
-        return parse_layers(self.settings.layers, self.model.num_layers)
+        """The layers --layers names, less those the extraction's forward did not call (no goldens)."""
+        layers = parse_layers(self.settings.layers, self.model.num_layers)
+        return called_selection(self.settings.layers, layers, uncalled_layers(self), self.store.manifest_path)
 
     @cached_property
     def chains(self) -> list[LayerRange]:
@@ -115,7 +126,9 @@ class LayerParitySession:
     def layer_ranges(self) -> list[LayerRange]:
         if not self.settings.layer_ranges:
             return []
-        return parse_layer_ranges(self.settings.layer_ranges, self.model.num_layers)
+        ranges = parse_layer_ranges(self.settings.layer_ranges, self.model.num_layers)
+        check_ranges_called(self.settings.layer_ranges, ranges, uncalled_layers(self), self.store.manifest_path)
+        return ranges
 
     @cached_property
     def store(self) -> GoldenStore:
@@ -239,6 +252,10 @@ class LayerParitySession:
             f"layerparity: model {self.model.model_dir} ({cfg.get('model_type', '?')}, {self.model.num_layers} layers)",
             f"layerparity: golden store {self.store.root}",
         ]
+        uncalled = uncalled_layers(self)
+        left_out = [i for i in parse_layers(s.layers, self.model.num_layers) if i in uncalled]
+        if left_out:
+            lines.append(f"layerparity: not tested: {uncalled_text(left_out, uncalled, self.store.manifest_path)}")
         if s.mode in ("extract", "verify"):
             ref = self.reference
             why = (

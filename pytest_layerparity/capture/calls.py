@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -63,6 +63,28 @@ def capture_calls(modules: Mapping[int, torch.nn.Module], sink: Callable[[int, C
         for index, module in modules.items():
             handles.append(module.register_forward_pre_hook(pre_hook(index), with_kwargs=True))
             handles.append(module.register_forward_hook(post_hook(index), with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def called_layers(layers: Sequence[torch.nn.Module], called: set[int]) -> Iterator[None]:
+    """Add to ``called`` the index of each of ``layers`` that runs while the block runs (a
+    model may skip a layer for some inputs: a text-only forward skips its cross-attention
+    layers). Hooks are always removed, also when the forward raises."""
+    handles = []
+
+    def hook(index: int):
+        def seen(module: torch.nn.Module, args: tuple) -> None:
+            called.add(index)
+
+        return seen
+
+    try:
+        for index, module in enumerate(layers):
+            handles.append(module.register_forward_pre_hook(hook(index)))
         yield
     finally:
         for handle in handles:

@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..capture.calls import capture_calls
+from ..capture.calls import called_layers, capture_calls
 from ..capture.routing import capture_routing
 from ..compare.floor import FLOOR_KEY
 from ..compare.judge import LayerOutcome, judge
@@ -31,7 +31,7 @@ from ..store.callspec import (
     returned_cache,
 )
 from ..store.differences import describe_differences
-from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, GoldenError, GoldenStore
+from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, UNCALLED_KEY, GoldenError, GoldenStore
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit, mixed_dtype_failure
 from .devices import resolve_golden_device
@@ -54,6 +54,19 @@ if TYPE_CHECKING:
     from .streaming import Unit
 
 
+class UncalledLayer(Exception):
+    """A selected layer the model's forward did not call on the golden input: it has no call
+    to record (the message says which layer, and why it gets no golden)."""
+
+
+def uncalled_text(index: int, layer_class: str, model_class: str) -> str:
+    return (
+        f"layer {index} ({layer_class}) is not called by {model_class}'s forward on the golden input (the model "
+        "skips it for this input, as a text-only forward skips a cross-attention layer): there is no call to "
+        "record, so it gets no golden and no parity test; the other layers are tested as usual"
+    )
+
+
 @dataclass
 class ReferenceRun:
     """What one forward pass of the reference model captured."""
@@ -65,6 +78,8 @@ class ReferenceRun:
     decode_logits: list[torch.Tensor] = field(default_factory=list)  # each decode step's logits (CPU)
     model_golden: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None  # whole-model golden and metadata
     spilled_io: SpilledCalls | None = None  # model_io's tensors kept on disk (streaming: the prompt's logits)
+    uncalled: dict[int, str] = field(default_factory=dict)  # layer -> its class: of all, those the prompt skipped
+    model_class: str = ""
 
     def io_tensors(self) -> dict[str, torch.Tensor]:
         """``model_io``'s tensors, with those kept on disk read back."""
@@ -142,7 +157,12 @@ class ReferenceSide:
         layer_path, _ = find_layer_list(model, layer_count_from_config(self.model.config_json), self.model.layer_module)
         layer_list = model.get_submodule(layer_path)
         self._keep_in_fp32 = getattr(model, "_keep_in_fp32_modules", None)
-        run = ReferenceRun(SpilledCalls(self.store.root), SpilledCalls(self.store.root), layer_path=layer_path)
+        run = ReferenceRun(
+            SpilledCalls(self.store.root),
+            SpilledCalls(self.store.root),
+            layer_path=layer_path,
+            model_class=type(model).__name__,
+        )
         ids = (
             make_input_ids(self.settings, self.model.model_dir, self.model.vocab_size)
             if input_ids is None
@@ -179,8 +199,14 @@ class ReferenceSide:
                             empty=functools.partial(mapped_empty, self.store.root),
                         )
                     )
-                with self._capturing(layer_list, layers, run.calls.__setitem__, routing), self._own_failure(model):
+                called: set[int] = set()
+                with (
+                    self._capturing(layer_list, layers, run.calls.__setitem__, routing),
+                    called_layers(layer_list, called),
+                    self._own_failure(model),
+                ):
                     output = model(input_ids=ids.to(device), use_cache=False)
+                run.uncalled = {i: type(m).__name__ for i, m in enumerate(layer_list) if i not in called}
                 has_logits = getattr(output, "logits", None) is not None
                 # the prompt's logits, held once: the tensor itself where it is on the CPU already;
                 # streaming puts them on disk (seq x vocab: more than a layer's activations)
@@ -346,6 +372,8 @@ class ReferenceSide:
             "reference_device": self.golden_device.split(":")[0],
             "inputs": input_description(self.settings),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            # of every layer (not only those selected), known once the reference has run
+            **({UNCALLED_KEY: {str(i): c for i, c in self._run.uncalled.items()}} if self._run is not None else {}),
         }
 
     def check_store_takes_extraction(self) -> None:
@@ -380,6 +408,10 @@ class ReferenceSide:
             self._model_io_checked = True
             run.drop_io()  # written: the prompt's logits (seq x vocab) need not stay for every layer
             give_back_memory()  # with the serialisation's buffers
+        if index in run.uncalled:
+            for key in [k for k in run.decode_calls if k[0] == index]:  # (a layer only a decode step ran)
+                del run.decode_calls[key]
+            raise UncalledLayer(uncalled_text(index, run.uncalled[index], run.model_class))
         # One load of the layer for the floor and the envelope of all its goldens (the prompt
         # and each decode step); the envelope's runs use it where they run on the CPU too.
         layer = None if self.settings.no_precision_floor else self.floor.load(index)

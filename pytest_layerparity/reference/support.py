@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..selection import layer_spec
 from ..store.callspec import UnstorableCache, cache_argument, check_storable
 from .model import ModelError
 
@@ -121,13 +122,6 @@ def check_recurrent_depth(model: ModelSource, layers: list[int]) -> None:
         "holds one call per layer; "
         + (f"test the layers it runs once with {ran}" if ran else "no layer runs once: this model is not supported")
     )
-
-
-def layer_spec(layers: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2,5`` (what ``--layers`` reads)."""
-    from ..selection import contiguous_runs
-
-    return ",".join(str(r.first) if r.first == r.last else f"{r.first}-{r.last}" for r in contiguous_runs(layers))
 
 
 class _Unknown(Exception):

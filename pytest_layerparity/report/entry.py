@@ -46,7 +46,9 @@ class ReportEntry:
         from .properties import reported_metrics
 
         props = dict(report.user_properties)
-        verdict = props.get("verdict") or ("error" if report.when == "setup" else ("pass" if report.passed else "fail"))
+        verdict = props.get("verdict") or (
+            "error" if report.when == "setup" else "pass" if report.passed else "skipped" if report.skipped else "fail"
+        )
         if report.failed and verdict == "pass":
             verdict = "fail"
         return cls(

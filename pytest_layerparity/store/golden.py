@@ -44,6 +44,8 @@ from .differences import describe_differences
 MODEL_LOGITS_KEY = "model_logits"
 #: The key of the model's input ids (and decode tokens) the goldens were made from.
 MODEL_IO_KEY = "model_io"
+#: The manifest's field of the layers the extraction's forward did not call: ``{"1": "ItsClass"}``.
+UNCALLED_KEY = "uncalled_layers"
 
 #: 2: the precision floor of tensor ``X`` is ``floor.X``; 1 named it ``ref_X`` (read too).
 SCHEMA_VERSION = 2
@@ -320,6 +322,15 @@ class GoldenStore:
     def has_decode(self) -> bool:
         """Whether the store holds decode-step goldens (of any layer)."""
         return any(parse_decode_key(key) is not None for key in self.keys())
+
+    def uncalled_layers(self) -> dict[int, str]:
+        """The layers (and their classes) the extraction's forward did not call on the golden
+        input: they have no goldens, by design (a store made before it was recorded: none)."""
+        manifest = self.read_manifest()
+        found = manifest.get(UNCALLED_KEY) if manifest else None
+        if not isinstance(found, dict):
+            return {}
+        return {int(k): str(v) for k, v in found.items() if isinstance(k, str) and k.isdigit()}
 
     def has(self, key: str) -> bool:
         manifest = self.read_manifest()
