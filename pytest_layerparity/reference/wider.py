@@ -152,10 +152,21 @@ class _WidenCheckedOperands(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _default_float_fill(func: Any, args: tuple, kwargs: dict) -> bool:
+    """A ``full`` with a float fill value and no dtype: a new tensor of the default dtype."""
+    return (
+        func.overloadpacket.__name__ == "full"
+        and kwargs.get("dtype") is None
+        and len(args) > 1
+        and isinstance(args[1], float)
+    )
+
+
 class WiderArithmetic(TorchDispatchMode):
     """While active, every op that rounds is computed in ``dtype`` (float32 or float64): its
     narrower floating inputs are converted (exactly) for that op alone, and conversions or
-    new tensors asked for in a narrower floating dtype are made in ``dtype``. A module whose
+    new tensors asked for in a narrower floating dtype (or filled with a float in the default
+    one) are made in ``dtype``. A module whose
     weights stay in a 16-bit dtype then computes what the same module with its weights
     converted to ``dtype`` computes, without a second copy of its weights: only each op's
     operands are widened, while the op runs (a matmul's weight of more than ``WIDEN_BLOCK``
@@ -184,6 +195,10 @@ class WiderArithmetic(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if _narrower(kwargs.get("dtype"), self.dtype):
+            kwargs = {**kwargs, "dtype": self.dtype}
+        elif _default_float_fill(func, args, kwargs) and _narrower(torch.get_default_dtype(), self.dtype):
+            # torch.full(shape, finfo(x.dtype).min) with no dtype (XGLM's mask): a value read
+            # from a widened tensor, which the narrower default dtype cannot hold
             kwargs = {**kwargs, "dtype": self.dtype}
         if func.overloadpacket.__name__ in FUSED_ATTENTION_OPS:
             args, kwargs = tree_map(self._up, args), tree_map(self._up, kwargs)

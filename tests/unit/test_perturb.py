@@ -293,6 +293,23 @@ def test_wider_arithmetic_widens_a_convolution_that_checks_its_operands_first():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_wider_arithmetic_makes_a_float_fill_of_the_default_dtype_in_the_wider_one():
+    """XGLM masks with ``torch.full((), torch.finfo(weights.dtype).min)``: under the float64
+    pass the weights are float64, and float64's min does not fit the float32 default."""
+    from pytest_layerparity.reference.wider import WiderArithmetic
+
+    x = torch.randn(3, 4)
+    with WiderArithmetic(torch.float64):
+        wide = x * 2.0
+        floor = torch.full((), torch.finfo(wide.dtype).min)
+        masked = torch.max(wide, floor)
+        count = torch.full((2,), 5)  # an int fill keeps its own dtype
+    assert wide.dtype == floor.dtype == masked.dtype == torch.float64
+    assert floor.item() == torch.finfo(torch.float64).min
+    assert count.dtype == torch.int64
+    torch.testing.assert_close(masked, x.double() * 2.0, rtol=0, atol=0)
+
+
 def test_broken_ties_take_other_equal_candidates_and_the_same_values():
     scores = torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0, -1.0], [3.0, 1.0, 2.0, 0.5, 0.25, 0.125]])
     plain = scores.topk(3, dim=-1)
