@@ -8,8 +8,9 @@ whole model) with the model's own layers as the port, in each dtype.
                                                         [--jobs 2] [--results results.json]
 
 Each architecture ends in one of: ``pass`` (every test of every dtype passed), ``pass without
-decode steps`` (the plugin refused decode steps up front, naming ``--decode-steps 0``, and
-with it every other test passed), ``pass where the reference runs`` (every test of the dtypes
+decode steps`` (the plugin refused decode steps naming ``--decode-steps 0``, up front or, for
+a model that takes a cache argument and returns no cache, once the prompt ran; with it every
+other test passed), ``pass where the reference runs`` (every test of the dtypes
 where transformers' model itself runs passed; in another its own forward fails, which the
 plugin says naming the tensors), ``refused`` (the plugin refused it before any work, naming
 the reason: a usage error), ``fail`` (a test failed or errored: a false alarm or a plugin
@@ -150,23 +151,29 @@ def sweep_one(model_type: str, dtypes: list[str], layers: int, timeout: int, ear
         row["architectures"] = ", ".join(json.loads((model / "config.json").read_text()).get("architectures") or [])
         for dtype in dtypes:
             result = run_dtype(model, work, dtype, timeout)
-            if result["state"] == "refused" and PROMPT_ONLY in result["reason"]:
-                # decode steps refused with that fix named: what the rest gives with it
+            if result["state"] in ("refused", "fail") and PROMPT_ONLY in result["reason"]:
+                # decode steps refused with that fix named (up front, or once the model showed it
+                # returns no cache): what the rest gives with it
                 result = dict(run_dtype(model, work, dtype, timeout, ("--decode-steps=0",)), refused=result["reason"])
             row["dtypes"].append(result)
             if result["state"] == "refused":
                 break
-    ran = [r for r in row["dtypes"] if r["state"] != "reference fails"]
+    return dict(row, **row_state(row["dtypes"]))
+
+
+def row_state(results: list[dict]) -> dict:
+    """An architecture's state and reason from its dtypes' results."""
+    ran = [r for r in results if r["state"] != "reference fails"]
     states = [r["state"] for r in ran]
     state = "refused" if "refused" in states else "fail" if "fail" in states else "pass"
-    reason = next((r.get("reason", "") for r in ran if r["state"] == state), "")
+    reasons = [next((r.get("reason", "") for r in ran if r["state"] == state), "")]
     if state == "pass" and any("refused" in r for r in ran):
-        state, reason = "pass without decode steps", next(r["refused"] for r in ran if "refused" in r)
-    if state == "pass" and len(ran) < len(row["dtypes"]):
-        own = next(r for r in row["dtypes"] if r["state"] == "reference fails")
+        state, reasons = "pass without decode steps", [next(r["refused"] for r in ran if "refused" in r)]
+    if state.startswith("pass") and len(ran) < len(results):
+        own = next(r for r in results if r["state"] == "reference fails")
+        reasons.append(f"{own['dtype']}: {own['reason'].removeprefix('Failed: ')}")
         state = "pass where the reference runs" if ran else "reference fails"
-        reason = f"{own['dtype']}: {own['reason'].removeprefix('Failed: ')}"
-    return dict(row, state=state, reason=reason)
+    return {"state": state, "reason": "; ".join(r for r in reasons if r)}
 
 
 def finished(row: dict, dtypes: list[str]) -> bool:
