@@ -27,9 +27,11 @@ torch-xla, per model and dtype (bfloat16, float32 and float16; goldens in the gi
 made on the CPU). Each model runs in a process of its own (``--one-process`` for one), the
 tables printed at the end over all of them. Bugs: planted in the middle layer through the
 build hook a port uses, on torch-xla.
-Then the sensitivity sweep (the smallest scale error of the attention output projection that
-fails, per dtype) and the choice of K (the spread of the limits over K, and the extraction
-time with the envelope against a plain forward).
+A decode-path bug (the softmax temperature off in the one-token path alone) is held against
+the planted layer's decode steps. Then the sensitivity sweep (the smallest scale error of the
+attention output projection that fails, per dtype, on the prompt test and on the decode
+steps) and the choice of K (the spread of the limits over K, and the extraction time with
+the envelope against a plain forward).
 """
 
 from __future__ import annotations
@@ -374,6 +376,35 @@ BUGS = {
 }
 
 
+def one_token_temperature(scale):
+    """The attention's softmax temperature off by ``scale`` in the one-token (decode) path
+    alone: a port whose token-generation kernel scales scores otherwise than its prompt's."""
+
+    def plant(layer, config):
+        attn = _find(layer, "self_attn")
+        if attn is None or not hasattr(attn, "scaling"):
+            return None
+        forward, base = attn.forward, attn.scaling
+
+        def one_token_scaled(*args, **kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            attn.scaling = base * scale if hidden is not None and hidden.shape[-2] == 1 else base
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                attn.scaling = base
+
+        attn.forward = one_token_scaled
+        return layer
+
+    return plant
+
+
+#: Bugs of the decode path alone, held against the planted layer's decode steps (a kind no
+#: constant was chosen on).
+DECODE_BUGS = {"softmax temperature x1.3, one-token path only": (one_token_temperature(1.3), "decode path")}
+
+
 def scaled_out_proj(scale):
     def plant(layer, config):
         proj = _out_proj(layer)
@@ -603,10 +634,29 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
                     counts[2] += first == mid
                     if first != mid:
                         misses.append(f"{name} {dtype} {bug} (chain: first failing layer {first}, planted {mid})")
+            steps = [step for step in range(DECODE_STEPS) if decode_key(mid, step) in stored]
+            for bug, (plant, bug_split) in DECODE_BUGS.items() if steps else ():
+                probe = session(model, store, extra, target="cpu").model.load_layer(mid, getattr(torch, dtype))
+                if plant(probe, session(model, store, extra).model.layer_config) is None:
+                    continue
+                bugged = session(model, store, extra, planted(plant, mid), target=target).target.parity_decode(
+                    mid, steps
+                )
+                hit = any(not o.passed for o in bugged)
+                caught[(split, bug_split)][0] += 1
+                caught[(split, bug_split)][1] += hit
+                if not hit:
+                    for step, o in zip(steps, bugged, strict=True):
+                        read = ", ".join(f"{c.name} {c.value:.3g} {c.op} {c.limit:.3g}" for c in o.checks[-4:])
+                        misses.append(f"{name} {dtype} {bug} (decode step {step}: {read})")
             if not args.skip_sweep and name in DECODERS:
                 for eps in (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05):
                     outcome = session(model, store, extra, planted(scaled_out_proj(1 + eps), mid), target=target)
                     sweep[dtype].setdefault(name, []).append((eps, not outcome.parity_layer(mid).passed))
+                    if steps:
+                        decode = session(model, store, extra, planted(scaled_out_proj(1 + eps), mid), target=target)
+                        hit = any(not o.passed for o in decode.target.parity_decode(mid, steps))
+                        sweep[dtype].setdefault(f"{name} (decode)", []).append((eps, hit))
             print(f"{name} {dtype}: bugs done ({time.time() - started:.0f} s)", flush=True)
     return {
         "correct": [[*key, *value] for key, value in correct.items()],
