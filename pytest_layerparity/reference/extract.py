@@ -80,6 +80,7 @@ class ReferenceRun:
     spilled_io: SpilledCalls | None = None  # model_io's tensors kept on disk (streaming: the prompt's logits)
     uncalled: dict[int, str] = field(default_factory=dict)  # layer -> its class: of all, those the prompt skipped
     model_class: str = ""
+    decode_skipped: str = ""  # why a model without an LM head has no decode steps
 
     def io_tensors(self) -> dict[str, torch.Tensor]:
         """``model_io``'s tensors, with those kept on disk read back."""
@@ -280,10 +281,16 @@ class ReferenceSide:
         with spilling():
             output = model(input_ids=ids, use_cache=True, **last_only)
         cache = returned_cache(output)
-        if cache is None or getattr(output, "logits", None) is None:
+        if getattr(output, "logits", None) is None:  # an encoder: no next token to decode, said in the summary
+            run.decode_skipped = (
+                f"none: {type(model).__name__} has no LM head (no logits, no next token to decode); its goldens are "
+                "the prompt's"
+            )
+            return
+        if cache is None:
             raise ModelError(
-                f"--decode-steps {self.settings.decode_steps}: {type(model).__name__} returned no KV cache and "
-                "logits for the prompt with use_cache=True, so it has no decode steps to record; extract with "
+                f"--decode-steps {self.settings.decode_steps}: {type(model).__name__} returned no KV cache "
+                "for the prompt with use_cache=True, so it has no decode steps to record; extract with "
                 "--decode-steps 0"
             )
         name = cache_argument(model.forward, "past_key_values")
@@ -426,6 +433,8 @@ class ReferenceSide:
             give_back_memory()
         del run.calls[index]  # written: its spilled copy goes
         info["decode_steps"] = len(steps)
+        if run.decode_skipped:
+            info["decode_note"] = run.decode_skipped
         return info
 
     def _write_golden(

@@ -38,6 +38,7 @@ class ReportEntry:
     message: str = ""
     properties: dict[str, Any] | None = None
     placement: str | None = None
+    decode_note: str | None = None  # an extraction's: why it wrote no decode steps
 
     @classmethod
     def of_test(cls, report: pytest.TestReport) -> ReportEntry:
@@ -59,6 +60,7 @@ class ReportEntry:
             message=report.longreprtext if report.failed else skip_reason(report),
             properties={k: v for k, v in props.items() if "." in k},
             placement=props.get("placement"),
+            decode_note=props.get("decode_note"),
         )
 
     @property

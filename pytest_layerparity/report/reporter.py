@@ -41,6 +41,8 @@ class LayerParityReporter:
             terminalreporter.write_sep("=", "layerparity summary")
             for placement in placements:
                 terminalreporter.write_line(f"reference placement: {placement}")
+            for note in sorted({e.decode_note for e in self.entries if e.decode_note}):
+                terminalreporter.write_line(f"decode steps: {note}")
             for line in lines:
                 terminalreporter.write_line(line)
         if self.settings.parity_report and rank_info().reports:

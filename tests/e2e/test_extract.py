@@ -158,3 +158,26 @@ def test_committed_goldens_are_reproducible():
         "model_logits",
     }
     assert manifest["dtype"] == "bfloat16"
+
+
+def test_an_encoder_has_its_prompt_goldens_and_says_why_no_decode_steps(pytester):
+    """A model without an LM head (BERT's encoder, by --layer-module) has no next token to
+    decode: its prompt goldens are written and the summary says why there are no decode steps;
+    a model with logits that returns no cache is refused instead (tests/unit/test_support)."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(pytester.path / "bert")
+    pytester.makeini("[pytest]\nlayerparity_golden_dir = store\nlayerparity_layer_module = encoder.layer\n")
+    result = pytester.runpytest("--gpu-golden", "--extract", f"--model={pytester.path / 'bert'}", "--seq-len", "8")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "decode steps: none: BertModel has no LM head (no logits, no next token to decode); "
+            "its goldens are the prompt's"
+        ]
+    )
+    assert not list((pytester.path / "store").glob("*.decode_*"))
