@@ -67,13 +67,16 @@ PROMPT_2 = (
     "Researchers measured the river's flow every morning for three years and found that spring floods arrived "
     "earlier each decade."
 )
-DECODERS = ("minimax_m2", "llama", "qwen3_moe", "mixtral", "qwen2", "olmoe", "gpt_neox", "phi", "starcoder2")
+DECODERS = ("minimax_m2", "llama", "qwen3_moe", "mixtral", "qwen2", "olmoe", "gpt_neox", "phi", "starcoder2", "gemma2")
 CALIBRATION_MODELS = ("minimax_m2", "llama")
 # Held out until the perturbation model was final (added after the first evaluation round; see bench/README.md).
 SECOND_ROUND_MODELS = ("qwen2", "olmoe", "minilm (trained, 2nd prompt)")
 # Held out until the third perturbation model (composite norms and softmax decomposed, one-pass
 # variance, every op's error doubled) was final: LayerNorm decoders never run before it.
 THIRD_ROUND_MODELS = ("gpt_neox", "phi", "starcoder2")
+# Held out until the eleventh session: a sliding-window, soft-capping architecture, with the
+# bug kinds a user's trial found passing (issue 30's list), run once with the verdict as it is.
+FOURTH_ROUND_MODELS = ("gemma2",)
 DECODE_STEPS = 2
 
 
@@ -356,6 +359,52 @@ def gelu_variant_swapped(layer, config):
 
 
 # name -> (plant, split); a plant returns None where the architecture has nothing to break
+def temperature(scale):
+    """The attention's softmax temperature off by ``scale`` (prompt and decode paths)."""
+
+    def plant(layer, config):
+        attn = _find(layer, "self_attn")
+        if attn is None or not hasattr(attn, "scaling"):
+            return None
+        attn.scaling = attn.scaling * scale
+        return layer
+
+    return plant
+
+
+def experts_gelu(layer, config):
+    """The experts' SiLU taken as GELU (a dense MLP's left right)."""
+    experts = _find(layer, "experts")
+    if experts is None or not hasattr(experts, "act_fn"):
+        return None
+    experts.act_fn = torch.nn.GELU()
+    return layer
+
+
+def experts_down_scaled(scale):
+    """The experts' down projection off by ``scale`` (a conversion's scale applied twice)."""
+
+    def plant(layer, config):
+        experts = _find(layer, "experts")
+        down = getattr(experts, "down_proj", None) if experts is not None else None
+        if not isinstance(down, torch.Tensor):
+            return None
+        with torch.no_grad():
+            down.mul_(scale)
+        return layer
+
+    return plant
+
+
+def softcapping_dropped(layer, config):
+    """The attention logits' soft-capping left out (Gemma-2)."""
+    attn = _find(layer, "self_attn")
+    if attn is None or getattr(attn, "attn_logit_softcapping", None) is None:
+        return None
+    attn.attn_logit_softcapping = None
+    return layer
+
+
 BUGS = {
     "wrong norm epsilon": (wrong_norm_eps, "calibration"),
     "rotary halves swapped": (rotary_halves_swapped, "calibration"),
@@ -373,6 +422,10 @@ BUGS = {
     "q/k/v biases dropped": (projection_bias_dropped, "evaluation 3"),
     "LayerNorm bias dropped": (norm_bias_dropped, "evaluation 3"),
     "GELU variant swapped (erf/tanh)": (gelu_variant_swapped, "evaluation 3"),
+    "softmax temperature x1.05": (temperature(1.05), "evaluation 4"),
+    "experts' SiLU taken as GELU": (experts_gelu, "evaluation 4"),
+    "experts' down projection x1.02": (experts_down_scaled(1.02), "evaluation 4"),
+    "attention soft-capping dropped": (softcapping_dropped, "evaluation 4"),
 }
 
 
@@ -587,6 +640,8 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             if name in SECOND_ROUND_MODELS
             else "evaluation 3"
             if name in THIRD_ROUND_MODELS
+            else "evaluation 4"
+            if name in FOURTH_ROUND_MODELS
             else "evaluation"
         )
         count = len(session(model, work / "probe", extra).model.layer_list[1])
