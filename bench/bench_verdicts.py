@@ -585,7 +585,16 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     """Each model group in a process of its own (its output shown as it comes), the tallies
     merged: one process holding every compiled program of a three-dtype run ran out of memory
     in XLA's compiler (measured: after 3200 s, the fourth model's float16 half)."""
-    merged: dict = {"correct": [], "caught": [], "chained": [], "misses": [], "alarms": [], "sweep": {}, "timing": []}
+    merged: dict = {
+        "correct": [],
+        "caught": [],
+        "chained": [],
+        "misses": [],
+        "alarms": [],
+        "sweep": {},
+        "timing": [],
+        "reach": [],
+    }
     passed = [f"--layers={args.layers}", f"--samples={args.samples}", f"--dtypes={args.dtypes}"]
     passed += [f"--golden-device={args.golden_device}", f"--port-target={args.port_target}"]
     passed += [flag for flag, on in (("--skip-sweep", args.skip_sweep), ("--bug-chains", args.bug_chains)) if on]
@@ -596,7 +605,7 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             if subprocess.run(command, check=False).returncode != 0 or not out.exists():
                 raise SystemExit(f"the {group} cases failed: {' '.join(command)}")
             part = json.loads(out.read_text())
-            for key in ("correct", "caught", "chained", "misses", "alarms", "timing"):
+            for key in ("correct", "caught", "chained", "misses", "alarms", "timing", "reach"):
                 merged[key] += part[key]
             for dtype, per_model in part["sweep"].items():
                 merged["sweep"].setdefault(dtype, {}).update(per_model)
@@ -623,9 +632,16 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     caught = defaultdict(lambda: [0, 0])  # (split of the model, split of the bug kind) -> [bugs, caught]
     chained = defaultdict(lambda: [0, 0, 0])  # the same -> [bugs, chain failed, first failing layer the planted one]
     misses, alarms, sweep = [], [], defaultdict(dict)
+    reach = []  # (dtype, kind, the perturbed runs' largest noise_ratio, the correct port's)
 
     def tally(key, outcome, what):
-        """One correct-port test: counted, and a false alarm where it failed."""
+        """One correct-port test: counted, and a false alarm where it failed; for a torch-xla
+        port, how far the envelope's runs reached against what the port shows."""
+        kind = key[1]
+        if outcome.envelope is not None and outcome.floor is not None and "torch-xla" in kind:
+            reach.append(
+                [dtype, kind.split(" (")[0], outcome.envelope.reached["noise_ratio"], outcome.floor.noise_ratio]
+            )
         correct[key][0] += 1
         if not outcome.passed:
             correct[key][1] += 1
@@ -721,6 +737,7 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         "alarms": alarms,
         "sweep": sweep,
         "timing": timing,
+        "reach": reach,
     }
 
 
@@ -767,6 +784,21 @@ def report(tallies: dict, args: argparse.Namespace, label: str, elapsed: float) 
                     f"  {dtype:<9} {name:<12} {f'{smallest:.2%}' if smallest else 'none up to 5%':>8}  "
                     + " ".join(f"{eps:.2%}:{'caught' if hit else 'missed'}" for eps, hit in rows)
                 )
+    if tallies.get("reach"):
+        print(
+            "\nthe envelope's reach against real correct ports (torch-xla): per test, the largest noise_ratio of the"
+            " perturbed runs over the port's own; quartiles and the largest correct port's noise_ratio"
+        )
+        groups = defaultdict(list)
+        for dtype, kind, reached, port in tallies["reach"]:
+            groups[(dtype, kind)].append((reached / port if port > 0 else math.inf, port))
+        for (dtype, kind), rows in sorted(groups.items()):
+            ratios = sorted(r for r, _ in rows)
+            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            print(
+                f"  {dtype:<9} {kind:<12} {len(rows):>4} tests  reach/port {q[0]:.2f} {q[1]:.2f} {q[2]:.2f}"
+                f"  (largest port noise_ratio {max(p for _, p in rows):.2f})"
+            )
     print("\nextraction time with the envelope (K perturbed runs per layer), per model and dtype")
     for name, dtype, seconds in timing:
         print(f"  {name:<18} {dtype:<9} {seconds:6.1f} s")
