@@ -253,19 +253,28 @@ class PerturbedRunner:
     ) -> PerturbedRun:
         """One perturbed run of ``layer`` on the call ``spec``/``tensors`` (hidden states
         replaced by ``hidden`` when given)."""
+        call = dict(tensors) if hidden is None else replace_hidden_input(spec, dict(tensors), hidden)
+        out, routing, appended = self._forward(layer, spec, call, seed, 1)
+        return PerturbedRun(out.to("cpu", copy=True), routing, appended)
+
+    def _forward(
+        self, layer: torch.nn.Module, spec: Mapping[str, Any], call: dict[str, torch.Tensor], seed: int, samples: int
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]:
+        """``layer`` on ``call`` under Monte Carlo arithmetic (``samples`` runs stacked along
+        the first dim): its output (detached, where it was computed), the routers' records and
+        the keys and values it appended."""
         import torch
 
-        call = dict(tensors) if hidden is None else replace_hidden_input(spec, dict(tensors), hidden)
         args, kwargs = decode_call(spec, call, self.device, cache_argument(layer))
         routing: dict[str, torch.Tensor] = {}
         with (
             torch.no_grad(),
             capture_routing(layer, self.model.top_k, routing),
             in_token_blocks(layer),
-            PerturbedArithmetic(seed),
+            PerturbedArithmetic(seed, samples=samples),
         ):
-            out = first_tensor(layer(*args, **kwargs))
-        return PerturbedRun(out.detach().to("cpu", copy=True), routing, appended_kv(args, kwargs, spec, call))
+            out = first_tensor(layer(*args, **kwargs)).detach()
+        return out, routing, appended_kv(args, kwargs, spec, call)
 
     def run_together(
         self,
@@ -285,16 +294,8 @@ class PerturbedRunner:
         call = stacked_call(spec, tensors, n)
         name = hidden_input_name(spec)
         call[name] = torch.cat([tensors[name] if h is None else h for h in hidden])
-        args, kwargs = decode_call(spec, call, self.device, cache_argument(layer))
-        routing: dict[str, torch.Tensor] = {}
-        with (
-            torch.no_grad(),
-            capture_routing(layer, self.model.top_k, routing),
-            in_token_blocks(layer),
-            PerturbedArithmetic(seed, samples=n),
-        ):
-            out = first_tensor(layer(*args, **kwargs)).detach().to("cpu")
-        appended = appended_kv(args, kwargs, spec, call)
+        out, routing, appended = self._forward(layer, spec, call, seed, n)
+        out = out.to("cpu")
         if out.shape[0] != call[name].shape[0] or any(t.shape[0] % n for t in routing.values()):
             return None
         if appended is not None and any(t.shape[0] != out.shape[0] for t in appended):
