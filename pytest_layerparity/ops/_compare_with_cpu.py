@@ -229,24 +229,14 @@ def compare_op_results(device: OpRun, cpu: OpRun, written, dev_label: str, atol:
     cpu_leaves = [("output" if p == "" else f"output {p}", v) for p, v in C.tree_leaves_with_path(out_cpu)]
     out_ids = {id(t) for t in C.tree_tensors(out)}
     pos, names = written
-    for i in sorted(pos):
-        if i < len(args):
-            for (p, d), (_, c) in zip(
-                C.tree_leaves_with_path(args[i]), C.tree_leaves_with_path(used_args[i]), strict=False
-            ):
-                if isinstance(d, torch.Tensor) and id(d) not in out_ids:
-                    w = f"mutated input {i}" + (f"[{p}]" if p else "")
-                    dev_leaves.append((w, d))
-                    cpu_leaves.append((w, c))
-    for n in sorted(names):
-        if n in kwargs:
-            for (p, d), (_, c) in zip(
-                C.tree_leaves_with_path(kwargs[n]), C.tree_leaves_with_path(used_kwargs[n]), strict=False
-            ):
-                if isinstance(d, torch.Tensor) and id(d) not in out_ids:
-                    w = f"mutated input {n}" + (f"[{p}]" if p else "")
-                    dev_leaves.append((w, d))
-                    cpu_leaves.append((w, c))
+    mutated = [(i, args[i], used_args[i]) for i in sorted(pos) if i < len(args)]
+    mutated += [(n, kwargs[n], used_kwargs[n]) for n in sorted(names) if n in kwargs]
+    for key, on_device, on_cpu in mutated:
+        for (p, d), (_, c) in zip(C.tree_leaves_with_path(on_device), C.tree_leaves_with_path(on_cpu), strict=False):
+            if isinstance(d, torch.Tensor) and id(d) not in out_ids:
+                w = f"mutated input {key}" + (f"[{p}]" if p else "")
+                dev_leaves.append((w, d))
+                cpu_leaves.append((w, c))
     dev_tensors = [v for _, v in dev_leaves if isinstance(v, torch.Tensor)]
     C.sync_xla_if_needed(dev_tensors)
     with torch.no_grad():
