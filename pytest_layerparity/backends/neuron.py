@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from .xla_ops import FreshIndexOperands
+    from .xla_ops import XlaIndexing
 
 from .base import Backend, BackendUnavailable
 
@@ -172,12 +172,13 @@ class NeuronBackend(Backend):
 
         torch_xla.sync()
 
-    def running(self) -> FreshIndexOperands:
+    def running(self) -> XlaIndexing:
         """torch-xla aborts on an index op whose index comes straight from a sort or top-k
-        (backends/xla_ops.py): each such index is taken as a view of itself."""
-        from .xla_ops import FreshIndexOperands
+        (backends/xla_ops.py): each such index is taken as a view of itself, and raises on a
+        slice reaching before a dimension's start: such a bound is clamped, as eager does."""
+        from .xla_ops import XlaIndexing
 
-        return FreshIndexOperands()
+        return XlaIndexing()
 
     def describe(self) -> str:
         pg = "set up here" if self._we_initialised_pg else "already set up"

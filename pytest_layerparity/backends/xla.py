@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from .xla_ops import FreshIndexOperands
+    from .xla_ops import XlaIndexing
 
 from .base import Backend, BackendUnavailable
 
@@ -80,12 +80,13 @@ class XlaBackend(Backend):
 
         torch_xla.sync()
 
-    def running(self) -> FreshIndexOperands:
+    def running(self) -> XlaIndexing:
         """torch-xla aborts on an index op whose index comes straight from a sort or top-k
-        (backends/xla_ops.py): each such index is taken as a view of itself."""
-        from .xla_ops import FreshIndexOperands
+        (backends/xla_ops.py): each such index is taken as a view of itself, and raises on a
+        slice reaching before a dimension's start: such a bound is clamped, as eager does."""
+        from .xla_ops import XlaIndexing
 
-        return FreshIndexOperands()
+        return XlaIndexing()
 
     def cache_summary(self) -> str | None:
         """One line on the persistent cache's use in this process, or None without a cache."""

@@ -43,7 +43,7 @@ INDEX_FUNCTIONS: dict[Any, tuple[int, str]] = {
 }
 
 
-class FreshIndexOperands(TorchFunctionMode):
+class XlaIndexing(TorchFunctionMode):
     """While active, an :data:`INDEX_FUNCTIONS` call on a torch-xla index takes a view of the
     index (``index.view(index.shape)``) instead of the index itself, and a slice of a torch-xla
     tensor has its bounds clamped (see the module's docstring). ``taken`` counts the calls it
