@@ -5,6 +5,9 @@ torch-xla's CPU device, and what needs a process of its own or a checkpoint writ
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 # torch's idle threads sleep rather than spin (the plugin does the same for its own runs; here the
@@ -27,3 +30,19 @@ def pytest_configure(config):
 
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
+
+
+@pytest.fixture
+def mapped_from_a_file():
+    """Whether a tensor's memory lies in a file mapping of this process (/proc/self/maps)."""
+
+    def mapped(tensor) -> bool:
+        address = tensor.untyped_storage().data_ptr()
+        for line in Path("/proc/self/maps").read_text().splitlines():
+            span, _, _, _, inode, *_ = [*line.split(), ""]
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return inode != "0"
+        return False
+
+    return mapped

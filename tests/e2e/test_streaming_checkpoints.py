@@ -5,8 +5,6 @@ or tied weights (moved from unit/test_streaming.py, which reads the embedded mod
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from support import DEFAULT_MODEL as MODEL
@@ -14,17 +12,6 @@ from support import DEFAULT_MODEL as MODEL
 from pytest_layerparity.reference import streaming
 from pytest_layerparity.reference.checkpoint import Checkpoint
 from pytest_layerparity.reference.source import ModelSource
-
-
-def _mapped_from_a_file(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s memory lies in a file mapping of this process (/proc/self/maps)."""
-    address = tensor.untyped_storage().data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, _, _, _, inode, *_ = [*line.split(), ""]
-        low, high = (int(x, 16) for x in span.split("-"))
-        if low <= address < high:
-            return inode != "0"
-    return False
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -78,7 +65,7 @@ def test_rows_are_read_where_the_header_places_them_and_a_cut_shard_is_named(tmp
         cut.read_rows(last, [(0, len(tensors[last]))])
 
 
-def test_a_checkpoints_tensors_are_read_as_private_maps_of_their_shard(tmp_path):
+def test_a_checkpoints_tensors_are_read_as_private_maps_of_their_shard(tmp_path, mapped_from_a_file):
     from safetensors.torch import save_file
 
     from pytest_layerparity.reference.model import ModelError
@@ -95,7 +82,7 @@ def test_a_checkpoints_tensors_are_read_as_private_maps_of_their_shard(tmp_path)
     read = Checkpoint.open(tmp_path).read(tensors)
     for key, want in tensors.items():
         assert read[key].dtype == want.dtype and torch.equal(read[key], want), key
-    assert _mapped_from_a_file(read["c"]) and _mapped_from_a_file(read["a"])
+    assert mapped_from_a_file(read["c"]) and mapped_from_a_file(read["a"])
     read["c"].mul_(2)  # a write copies the page: the checkpoint is as it was
     assert (tmp_path / "model.safetensors").read_bytes() == before
 

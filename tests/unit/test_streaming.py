@@ -20,7 +20,9 @@ MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "minimax_m2_tiny"
 
 
 @pytest.mark.parametrize(("fraction", "mapped"), [(streaming.ROW_BLOCK_FRACTION, False), (0.01, False), (0.01, True)])
-def test_streamed_forward_reads_rows_and_equals_the_whole_model(monkeypatch, tmp_path, fraction, mapped):
+def test_streamed_forward_reads_rows_and_equals_the_whole_model(
+    monkeypatch, tmp_path, fraction, mapped, mapped_from_a_file
+):
     monkeypatch.setattr(streaming, "ROW_BLOCK_FRACTION", fraction)
     whole_model = ModelSource(MODEL).skeleton(torch.bfloat16)
     checkpoint = Checkpoint.open(MODEL)
@@ -49,7 +51,7 @@ def test_streamed_forward_reads_rows_and_equals_the_whole_model(monkeypatch, tmp
         logits = model(input_ids=ids, use_cache=False).logits
     assert torch.equal(logits, expected)
     if mapped:  # the head wrote into a file-backed map, its file already removed
-        assert _mapped_from_a_file(logits) and not list((tmp_path / "spill").iterdir())
+        assert mapped_from_a_file(logits) and not list((tmp_path / "spill").iterdir())
 
     assert "model.embed_tokens.weight" not in whole and "lm_head.weight" not in whole
     embedding = [r for key, r in rows if key == "model.embed_tokens.weight"]
@@ -67,17 +69,6 @@ def test_streamed_forward_reads_rows_and_equals_the_whole_model(monkeypatch, tmp
     assert all(p.device.type == "meta" for p in model.parameters())
     assert model.model.embed_tokens.weight.shape == (vocab, hidden)
     assert "forward" not in model.lm_head.__dict__
-
-
-def _mapped_from_a_file(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s memory lies in a file mapping of this process (/proc/self/maps)."""
-    address = tensor.untyped_storage().data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, _, _, _, inode, *_ = [*line.split(), ""]
-        low, high = (int(x, 16) for x in span.split("-"))
-        if low <= address < high:
-            return inode != "0"
-    return False
 
 
 def test_a_tied_embedding_is_read_whole_once():
@@ -98,13 +89,13 @@ def test_a_tied_embedding_is_read_whole_once():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_loaded_layer_is_the_processs_own_memory_not_its_checkpoints_map(dtype):
+def test_a_loaded_layer_is_the_processs_own_memory_not_its_checkpoints_map(dtype, mapped_from_a_file):
     from safetensors import safe_open
 
     source = ModelSource(MODEL)
     layer = source.load_layer(1, dtype)
     tensors = [*layer.parameters(), *layer.buffers()]
-    assert tensors and not any(_mapped_from_a_file(t) for t in tensors if t.numel())
+    assert tensors and not any(mapped_from_a_file(t) for t in tensors if t.numel())
     # the values are the checkpoint's: a weight the loader takes as stored (no conversion)
     key = next(k for k in source.checkpoint.layer_keys(source.layer_list[0], 1) if k.endswith("input_layernorm.weight"))
     with safe_open(str(MODEL / source.checkpoint.weight_map[key]), "pt") as handle:
