@@ -162,9 +162,12 @@ def _rounds(func: Any, args: tuple, out: Any) -> bool:
     return _may_round(func)
 
 
-def stochastic_round(exact: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+def stochastic_round(
+    exact: torch.Tensor, dtype: torch.dtype, generator: torch.Generator, draw: torch.Tensor | None = None
+) -> torch.Tensor:
     """``exact`` (a wider dtype) rounded to ``dtype`` up or down at random, each neighbour
-    with probability in proportion to its closeness (unbiased: E[result] = exact)."""
+    with probability in proportion to its closeness (unbiased: E[result] = exact). ``draw``:
+    the uniform draws in [0, 1) to use, one per element (else drawn from ``generator``)."""
     # In place where it can be (the same values): a perturbed op's temporaries are the peak of
     # extraction's perturbed runs, several copies of the op's result one precision wider.
     nearest = exact.to(dtype)
@@ -176,7 +179,8 @@ def stochastic_round(exact: torch.Tensor, dtype: torch.dtype, generator: torch.G
     gap = other.to(exact.dtype).sub_(back).abs_()
     p_other.div_(gap).nan_to_num_(0.0).clamp_(0, 1)
     del gap
-    draw = torch.rand(exact.shape, generator=generator, dtype=exact.dtype, device=exact.device)
+    if draw is None:
+        draw = torch.rand(exact.shape, generator=generator, dtype=exact.dtype, device=exact.device)
     take = draw < p_other
     del draw, p_other
     take &= torch.isfinite(other)
@@ -187,7 +191,22 @@ def stochastic_round(exact: torch.Tensor, dtype: torch.dtype, generator: torch.G
 
 #: Elements another_rounding works on at once (on the CPU): its wide temporaries (the error,
 #: the point reached, the rounding's draws) are a block's, not several copies of the result.
+#: Even: two elements share one 32-bit draw (:func:`random_halves`).
 ROUNDING_BLOCK = 1 << 20
+#: Bits of the uniform draw of each element after its sign bit (:func:`random_halves`): a
+#: point placed within an ulp to 1/16384 of it, far finer than the rounding that follows.
+UNIFORM_BITS = 14
+
+
+def random_halves(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """``n`` random 15-bit integers (int32), two per 31-bit draw of ``generator``: the low
+    and the high half of each. Drawing a random number costs a perturbed op more than the
+    arithmetic around it (2 to 7 ns an element on the CPU against 0.1 for a multiply), and an
+    element needs one sign bit and a position within an ulp, not 32 or 64 random bits.
+    Drawing n in blocks of an even size gives the same n as drawing them at once."""
+    raw = torch.empty((n + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
+    halves = torch.stack((raw & 0x7FFF, raw >> 16), dim=-1).view(-1)
+    return halves[:n] if halves.numel() != n else halves
 
 
 def another_rounding(
@@ -204,52 +223,43 @@ def another_rounding(
     make every run more accurate than the golden. ``scale`` multiplies both errors: a kernel
     that is that many times less accurate than the reference's.
 
-    On the CPU a result of more than ``ROUNDING_BLOCK`` elements is worked through in blocks
-    with the same draws as the whole: the signs are the generator's next n draws and the
-    rounding's the n after them (a second generator starts where the signs end; the
-    generator is left where the whole would leave it)."""
+    Each element's randomness is one 15-bit draw (:func:`random_halves`): its lowest bit the
+    sign, the rest (``UNIFORM_BITS``) a uniform number in (0, 1), at the middle of one of
+    2^14 equal steps, for the jitter or the stochastic rounding. On the CPU a result of more
+    than ``ROUNDING_BLOCK`` elements is worked through in blocks with the same draws as the
+    whole."""
     n = wide.numel()
     if wide.device.type != "cpu" or n <= ROUNDING_BLOCK:
-        return _another_rounding(result, wide, generator, generator, jitter, scale)
-    draws = torch.Generator(device=wide.device)
-    draws.set_state(generator.get_state())
-    for start in range(0, n, ROUNDING_BLOCK):  # past the signs' draws
-        torch.randint(0, 2, (min(ROUNDING_BLOCK, n - start),), generator=draws, dtype=wide.dtype)
+        return _another_rounding(result, wide, generator, jitter, scale)
     out = torch.empty(wide.shape, dtype=result.dtype, device=wide.device)
     flat_out, flat_result, flat_wide = out.view(-1), result.reshape(-1), wide.reshape(-1)
-    for start in range(0, n, ROUNDING_BLOCK):
-        stop = min(start + ROUNDING_BLOCK, n)
-        part = _another_rounding(flat_result[start:stop], flat_wide[start:stop], generator, draws, jitter, scale)
+    block = max(2, ROUNDING_BLOCK - ROUNDING_BLOCK % 2)
+    for start in range(0, n, block):
+        stop = min(start + block, n)
+        part = _another_rounding(flat_result[start:stop], flat_wide[start:stop], generator, jitter, scale)
         flat_out[start:stop] = part
         del part
-    generator.set_state(draws.get_state())
     return out
 
 
 def _another_rounding(
-    result: torch.Tensor,
-    wide: torch.Tensor,
-    signs: torch.Generator,
-    draws: torch.Generator,
-    jitter: bool,
-    scale: float,
+    result: torch.Tensor, wide: torch.Tensor, generator: torch.Generator, jitter: bool, scale: float
 ) -> torch.Tensor:
-    """:func:`another_rounding` of one block: its signs from ``signs``, its rounding's
-    draws from ``draws``."""
-    error = result.to(wide.dtype).sub_(wide)
-    # the sign drawn in the wide dtype: the same draws as in int64 (tested), a quarter of the bytes
-    point = torch.randint(0, 2, wide.shape, generator=signs, device=wide.device, dtype=wide.dtype)
-    point.mul_(2).sub_(1).mul_(error).mul_(scale).add_(wide)  # wide + sign * error * scale
-    finite = torch.isfinite(error)
-    del error
-    point = torch.where(finite, point, wide)
-    del finite
+    """:func:`another_rounding` of one block."""
+    bits = random_halves(wide.numel(), generator, wide.device).view(wide.shape)
+    # the error where it is finite, else none (an infinite or NaN result is kept as computed)
+    point = result.to(wide.dtype).sub_(wide).nan_to_num_(0.0, 0.0, 0.0)
+    sign = (bits & 1).to(wide.dtype).mul_(2 * scale).sub_(scale)  # +-scale
+    point.mul_(sign).add_(wide)  # wide + sign * error * scale
+    del sign
+    steps = (bits >> 1).to(wide.dtype)  # the uniform number is (steps + 0.5) / 2^UNIFORM_BITS
+    del bits
     if jitter:  # anywhere within half an ulp (times scale) of the point, then to nearest
         u = _UNIT_ROUNDOFF[result.dtype] * scale
-        factor = torch.rand(wide.shape, generator=draws, dtype=wide.dtype, device=wide.device)
-        factor.mul_(2).sub_(1).mul_(u).add_(1)  # 1 + u * (2 rand - 1)
+        step = 2 * u * 2.0**-UNIFORM_BITS
+        factor = steps.mul_(step).add_(1 - u + step / 2)  # 1 + u * (2 uniform - 1)
         return point.mul_(factor).to(result.dtype)
-    return stochastic_round(point, result.dtype, draws)
+    return stochastic_round(point, result.dtype, generator, steps.add_(0.5).mul_(2.0**-UNIFORM_BITS))
 
 
 def sequential_sum_error_std(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

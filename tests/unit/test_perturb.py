@@ -238,22 +238,25 @@ def test_the_math_attention_reference_goes_through_the_queries_in_blocks(length,
 
 
 def _plain_another_rounding(result, wide, generator, jitter, scale):
-    """The rule written plainly, out of place (the oracle of the in-place code)."""
+    """The rule written plainly, out of place (the oracle of the in-place code): each
+    element's 15 random bits the low or the high half of a 31-bit draw, its lowest bit the
+    sign, the other 14 a uniform number at the middle of one of 2^14 steps."""
+    n = wide.numel()
+    raw = torch.empty((n + 1) // 2, dtype=torch.int32).random_(generator=generator).long()  # in [0, 2^31)
+    bits = torch.stack([raw % 2**15, raw // 2**16], dim=-1).reshape(-1)[:n].view(wide.shape)
+    sign = (bits % 2).to(wide.dtype) * 2 - 1
+    uniform = ((bits // 2).to(wide.dtype) + 0.5) / 2**14
     error = result.to(wide.dtype) - wide
-    sign = torch.randint(0, 2, wide.shape, generator=generator).to(wide.dtype) * 2 - 1
     point = torch.where(torch.isfinite(error), wide + sign * error * scale, wide)
     if jitter:
         u = rounding.unit_roundoff(result.dtype) * scale
-        return (point * (1 + u * (torch.rand(wide.shape, generator=generator, dtype=wide.dtype) * 2 - 1))).to(
-            result.dtype
-        )
+        return (point * (1 + u * (uniform * 2 - 1))).to(result.dtype)
     nearest = point.to(result.dtype)
     back = nearest.to(point.dtype)
     toward = torch.where(back < point, torch.full_like(nearest, float("inf")), torch.full_like(nearest, -float("inf")))
     other = torch.nextafter(nearest, toward)
     p_other = ((point - back).abs() / (other.to(point.dtype) - back).abs()).nan_to_num(0.0).clamp(0, 1)
-    draw = torch.rand(point.shape, generator=generator, dtype=point.dtype)
-    return torch.where((draw < p_other) & torch.isfinite(other) & (back != point), other, nearest)
+    return torch.where((uniform < p_other) & torch.isfinite(other) & (back != point), other, nearest)
 
 
 @pytest.mark.parametrize("block", [rounding.ROUNDING_BLOCK, 999, 1000])
@@ -339,3 +342,36 @@ def test_breaking_ties_leaves_the_arithmetic_as_it_was():
         (x @ x.T).softmax(-1)
         second = (x @ x.T).softmax(-1)
     assert torch.equal(scores, plain) and torch.equal(again, second)
+
+
+def test_a_sixteen_bit_matmul_is_its_float32_product_rounded_once():
+    """Under the perturbation a 16-bit matmul's result is taken from the float32 product the
+    perturbation computes anyway (what a kernel that sums in float32 gives); a float32 one,
+    one of mixed dtypes and an in-place or out= variant run as they are."""
+    from pytest_layerparity.reference.perturb import _rounded_wide_product
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+    mm = torch.ops.aten.mm.default
+    for dtype in (torch.bfloat16, torch.float16):
+        wide = a.to(dtype).float() @ b.to(dtype).float()
+        got = _rounded_wide_product(mm, (a.to(dtype), b.to(dtype)), [wide])
+        assert got is not None and got.dtype == dtype and torch.equal(got, wide.to(dtype))
+        assert _rounded_wide_product(torch.ops.aten.mm.out, (a.to(dtype), b.to(dtype)), [wide]) is None
+        assert _rounded_wide_product(mm, (a.to(dtype), b), [wide]) is None
+        assert _rounded_wide_product(torch.ops.aten.mul.Tensor, (a.to(dtype), a.to(dtype)), [a.float()]) is None
+    assert _rounded_wide_product(mm, (a, b), [a.double() @ b.double()]) is None
+    assert _rounded_wide_product(mm, (a.bfloat16(), b.bfloat16()), None) is None
+
+
+def test_random_halves_are_uniform_15_bit_draws_the_same_in_blocks():
+    g = torch.Generator().manual_seed(3)
+    bits = rounding.random_halves(200001, g, torch.device("cpu"))
+    assert bits.shape == (200001,) and bits.dtype == torch.int32
+    assert int(bits.min()) >= 0 and int(bits.max()) < 2**15
+    assert (bits & 1).double().mean().item() == pytest.approx(0.5, abs=0.01)
+    assert (bits >> 1).double().mean().item() == pytest.approx((2**14 - 1) / 2, rel=0.01)
+    whole = rounding.random_halves(1000, torch.Generator().manual_seed(4), torch.device("cpu"))
+    parts = torch.Generator().manual_seed(4)
+    blocks = torch.cat([rounding.random_halves(n, parts, torch.device("cpu")) for n in (400, 600)])
+    assert torch.equal(whole, blocks)
