@@ -126,24 +126,27 @@ def one_pass_var_mean(
     return var, mean
 
 
-def _rounded_wide_product(func: Any, args: tuple, exact: list[Any] | None) -> torch.Tensor | None:
-    """A 16-bit matmul's result as its float32 product (``exact``, computed for the
-    perturbation) rounded once, where the op is a matmul of ``ACCUMULATING_OPS`` whose tensor
-    operands are all of one 16-bit dtype; else None (the op is run as it is). Kernels compute a
-    16-bit product in float32 and round it once (the same result but in the rare element whose
-    float32 sum another order rounds the other way), so this is one legitimate kernel's result,
-    and the 16-bit matmul itself (a quarter of the float32 one's time on the CPU) is not run
-    again beside it."""
-    if exact is None or len(exact) != 1 or func.overloadpacket.__name__ not in ACCUMULATING_OPS:
+def _rounded_wide_result(func: Any, args: tuple, kwargs: dict, exact: list[Any] | None) -> torch.Tensor | None:
+    """A 16-bit op's result as its float32 result (``exact``, computed for the perturbation)
+    rounded once, where every floating operand is of one 16-bit dtype, the op returns one
+    tensor, changes none of its inputs and takes no dtype of its own; else None (the op is run
+    as it is). Kernels compute a 16-bit result in float32 and round it once (a matmul's sum
+    in another order may round the other way in a rare element), so this is one legitimate
+    kernel's result, and the 16-bit op itself (a matmul: a quarter of the float32 one's time
+    on the CPU) is not run again beside it. A float32 result keeps its own kernel's result:
+    its error against the float64 one (a library's exp, a long sum) is what the perturbation
+    reflects."""
+    if exact is None or len(exact) != 1 or not isinstance(exact[0], torch.Tensor) or func._schema.is_mutable:
         return None
-    dtypes = {a.dtype for a in args if isinstance(a, torch.Tensor)}
-    wide = exact[0]
-    if len(dtypes) != 1 or func._schema.is_mutable or not isinstance(wide, torch.Tensor):
+    if any(isinstance(v, torch.dtype) for v in (*args, *kwargs.values())):
+        return None
+    dtypes = {a.dtype for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.is_floating_point()}
+    if len(dtypes) != 1 or len(func._schema.returns) != 1:
         return None
     (dtype,) = dtypes
-    if dtype not in (torch.bfloat16, torch.float16) or wide.dtype != torch.float32:
+    if dtype not in (torch.bfloat16, torch.float16) or exact[0].dtype != torch.float32:
         return None
-    return wide.to(dtype)
+    return exact[0].to(dtype)
 
 
 #: Perturbed runs of a short call go through the layer (or the model) together, as the
@@ -307,7 +310,7 @@ class PerturbedArithmetic(TorchDispatchMode):
         if self.mode != "random" and name != "_to_copy" and _may_round(func):
             exact = self._wider_results(func, args, kwargs)  # before an in-place op changes its input
         source = args[0] if name == "_to_copy" and args else None
-        out = _rounded_wide_product(func, args, exact)
+        out = _rounded_wide_result(func, args, kwargs, exact)
         if out is None:
             out = func(*args, **kwargs)
         if not _rounds(func, args, out):

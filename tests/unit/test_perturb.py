@@ -344,24 +344,32 @@ def test_breaking_ties_leaves_the_arithmetic_as_it_was():
     assert torch.equal(scores, plain) and torch.equal(again, second)
 
 
-def test_a_sixteen_bit_matmul_is_its_float32_product_rounded_once():
-    """Under the perturbation a 16-bit matmul's result is taken from the float32 product the
-    perturbation computes anyway (what a kernel that sums in float32 gives); a float32 one,
-    one of mixed dtypes and an in-place or out= variant run as they are."""
-    from pytest_layerparity.reference.perturb import _rounded_wide_product
+def test_a_sixteen_bit_result_is_its_float32_result_rounded_once():
+    """Under the perturbation a 16-bit op's result is taken from the float32 result the
+    perturbation computes anyway (what a kernel that computes in float32 and rounds once
+    gives); a float32 op, mixed dtypes, a dtype of the op's own, an in-place or out= variant
+    and two results run as they are."""
+    from pytest_layerparity.reference.perturb import _rounded_wide_result
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
-    mm = torch.ops.aten.mm.default
+    mm, silu = torch.ops.aten.mm.default, torch.ops.aten.silu.default
     for dtype in (torch.bfloat16, torch.float16):
-        wide = a.to(dtype).float() @ b.to(dtype).float()
-        got = _rounded_wide_product(mm, (a.to(dtype), b.to(dtype)), [wide])
+        x, y = a.to(dtype), b.to(dtype)
+        wide = x.float() @ y.float()
+        got = _rounded_wide_result(mm, (x, y), {}, [wide])
         assert got is not None and got.dtype == dtype and torch.equal(got, wide.to(dtype))
-        assert _rounded_wide_product(torch.ops.aten.mm.out, (a.to(dtype), b.to(dtype)), [wide]) is None
-        assert _rounded_wide_product(mm, (a.to(dtype), b), [wide]) is None
-        assert _rounded_wide_product(torch.ops.aten.mul.Tensor, (a.to(dtype), a.to(dtype)), [a.float()]) is None
-    assert _rounded_wide_product(mm, (a, b), [a.double() @ b.double()]) is None
-    assert _rounded_wide_product(mm, (a.bfloat16(), b.bfloat16()), None) is None
+        got = _rounded_wide_result(silu, (x,), {}, [torch.nn.functional.silu(x.float())])
+        assert got is not None and torch.equal(got, torch.nn.functional.silu(x.float()).to(dtype))
+        assert _rounded_wide_result(torch.ops.aten.mm.out, (x, y), {"out": wide.to(dtype)}, [wide]) is None
+        assert _rounded_wide_result(torch.ops.aten.add_.Tensor, (x, x), {}, [2 * x.float()]) is None
+        assert _rounded_wide_result(mm, (x, b), {}, [wide]) is None
+        own_dtype = {"dtype": torch.float32}
+        assert _rounded_wide_result(torch.ops.aten.sum.dim_IntList, (x, [1]), own_dtype, [x.sum(1)]) is None
+        two = list(torch.var_mean(x.float()))
+        assert _rounded_wide_result(torch.ops.aten.var_mean.correction, (x,), {}, two) is None
+    assert _rounded_wide_result(mm, (a, b), {}, [a.double() @ b.double()]) is None
+    assert _rounded_wide_result(mm, (a.bfloat16(), b.bfloat16()), {}, None) is None
 
 
 def test_random_halves_are_uniform_15_bit_draws_the_same_in_blocks():
