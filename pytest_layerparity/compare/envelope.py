@@ -10,13 +10,13 @@ prediction limits drawn from them at a stated false-alarm rate:
 
 * ratios (log-normal): ``exp(mean + q * sd * sqrt(1 + 1/K))`` of the samples' logarithms;
 * ``contribution_bias`` (the target's error along the layer's own contribution, relative to
-  the floor, in noise units): the span of {0 (the floor itself), the samples' mean, the
-  golden's own bias} widened by ``q * sd * sqrt(1 + 1/K)`` on each side, with ``sd`` at least
-  one noise unit;
+  the floor, in noise units) and each ``branch_bias`` (the same along one branch's output):
+  the span of {0 (the floor itself), the samples' mean, the golden's own bias} widened by
+  ``q * sd * sqrt(1 + 1/K)`` on each side, with ``sd`` at least one noise unit;
 
-where ``q`` is the Student-t quantile with K - 1 degrees of freedom that leaves ``rate / 3``
-beyond each ratio's limit and ``rate / 6`` beyond each end of the bias's range (the rate split
-over the three statistics). Everything here is pure
+where ``q`` is the Student-t quantile with K - 1 degrees of freedom that leaves ``rate / n``
+beyond each ratio's limit and ``rate / 2n`` beyond each end of a bias's range (the rate split
+over the n statistics: three, and one per branch). Everything here is pure
 arithmetic on numbers: no torch, no model.
 """
 
@@ -93,6 +93,10 @@ class Envelope:
     #: to the cache (empty for a prompt's envelope, or one extracted before they were kept).
     new_keys_noise_ratio: tuple[float, ...] = ()
     new_values_noise_ratio: tuple[float, ...] = ()
+    #: Per branch of the layer (``compare.floor.BRANCH_PREFIX``): each run's ``branch_bias``
+    #: and the golden's own bias along that branch (empty where the golden holds no branch).
+    branch_bias: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    golden_branch_bias: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def samples(self) -> int:
@@ -100,12 +104,21 @@ class Envelope:
 
     def as_metadata(self) -> dict[str, Any]:
         kv = {name: [float(v) for v in getattr(self, name)] for name in KV_STATISTICS if getattr(self, name)}
+        branches = (
+            {
+                "branch_bias": {name: [float(v) for v in values] for name, values in self.branch_bias.items()},
+                "golden_branch_bias": {name: float(v) for name, v in self.golden_branch_bias.items()},
+            }
+            if self.branch_bias
+            else {}
+        )
         return {
             "method": self.method,
             "samples": self.samples,
             "golden_bias": self.golden_bias,
             **{name: [float(v) for v in getattr(self, name)] for name in STATISTICS},
             **kv,
+            **branches,
         }
 
     @classmethod
@@ -129,12 +142,28 @@ class Envelope:
             raise ValueError(f"malformed noise envelope ({exc!r})") from exc
         if any(len(v) != len(values["noise_ratio"]) or not all(map(math.isfinite, v)) for v in kv.values()):
             raise ValueError("malformed noise envelope: the appended keys' or values' samples do not match the runs")
-        return cls(golden_bias=golden_bias, method=str(data.get("method", "mca")), **values, **kv)
+        try:
+            branch = {str(k): tuple(float(v) for v in vs) for k, vs in (data.get("branch_bias") or {}).items()}
+            golden_branch = {str(k): float(v) for k, v in (data.get("golden_branch_bias") or {}).items()}
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed noise envelope: branch_bias ({exc!r})") from exc
+        if set(branch) != set(golden_branch) or any(
+            len(v) != len(values["noise_ratio"]) or not all(map(math.isfinite, v)) for v in branch.values()
+        ):
+            raise ValueError("malformed noise envelope: the branches' samples do not match the runs")
+        return cls(
+            golden_bias=golden_bias,
+            method=str(data.get("method", "mca")),
+            **values,
+            **kv,
+            branch_bias=branch,
+            golden_branch_bias=golden_branch,
+        )
 
     def limits(self, false_alarm_rate: float) -> EnvelopeLimits:
         """The prediction limits at ``false_alarm_rate`` per test."""
         k = self.samples
-        per_statistic = false_alarm_rate / len(STATISTICS)
+        per_statistic = false_alarm_rate / (len(STATISTICS) + len(self.branch_bias))
         q_ratio = t_quantile(1 - per_statistic, k - 1)
         q_bias = t_quantile(1 - per_statistic / 2, k - 1)
         widen = math.sqrt(1 + 1 / k)
@@ -143,14 +172,18 @@ class Envelope:
             mean, sd = _mean_sd([math.log(max(v, 1e-300)) for v in values])
             return math.exp(min(mean + q_ratio * sd * widen, 700.0))  # no OverflowError on a degenerate sample
 
-        mean, sd = _mean_sd(self.contribution_bias)
-        half = q_bias * max(sd, MIN_BIAS_SD) * widen
-        centres = (0.0, mean, self.golden_bias)
+        def bias_range(values: Sequence[float], golden: float) -> tuple[float, float]:
+            mean, sd = _mean_sd(values)
+            half = q_bias * max(sd, MIN_BIAS_SD) * widen
+            centres = (0.0, mean, golden)
+            return min(centres) - half, max(centres) + half
+
+        bias_low, bias_high = bias_range(self.contribution_bias, self.golden_bias)
         return EnvelopeLimits(
             max_noise_ratio=ratio_limit(self.noise_ratio),
             max_token_noise_ratio=ratio_limit(self.token_noise_ratio),
-            bias_low=min(centres) - half,
-            bias_high=max(centres) + half,
+            bias_low=bias_low,
+            bias_high=bias_high,
             reached={name: max(abs(v) for v in getattr(self, name)) for name in STATISTICS},
             samples=k,
             quantile=q_bias,
@@ -158,6 +191,9 @@ class Envelope:
                 name.removeprefix("new_").removesuffix("_noise_ratio"): ratio_limit(getattr(self, name))
                 for name in KV_STATISTICS
                 if getattr(self, name)
+            },
+            branch_bias={
+                name: bias_range(values, self.golden_branch_bias[name]) for name, values in self.branch_bias.items()
             },
         )
 
@@ -176,12 +212,15 @@ class EnvelopeLimits:
     #: A decode step's: the noise-ratio limit of the keys and of the values it appends (by
     #: "keys"/"values"), from the runs' own; empty where the envelope holds none.
     max_appended_noise_ratio: dict[str, float] = field(default_factory=dict)
+    #: Per branch of the layer: the range its ``branch_bias`` is held to (empty without branches).
+    branch_bias: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def describe(self) -> str:
+        branches = "".join(f", branch_bias_{n} in [{lo:.3g}, {hi:.3g}]" for n, (lo, hi) in self.branch_bias.items())
         return (
             f"noise envelope from {self.samples} perturbed runs of this layer: they reach noise_ratio "
             f"{self.reached['noise_ratio']:.3g}, token_noise_ratio {self.reached['token_noise_ratio']:.3g}, "
             f"|contribution_bias| {self.reached['contribution_bias']:.3g}; limits at t={self.quantile:.2f}: "
             f"noise_ratio <= {self.max_noise_ratio:.3g}, token_noise_ratio <= {self.max_token_noise_ratio:.3g}, "
-            f"contribution_bias in [{self.bias_low:.3g}, {self.bias_high:.3g}]"
+            f"contribution_bias in [{self.bias_low:.3g}, {self.bias_high:.3g}]{branches}"
         )

@@ -12,8 +12,8 @@ some tokens and that a tensor-wide norm averages away.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,16 @@ import torch
 FLOOR_PREFIX = "floor."
 #: The floor of the layer's output.
 FLOOR_KEY = FLOOR_PREFIX + "output"
+#: The output of each of the layer's branches (``floor.branch.<child>``: a child module whose
+#: output has the layer output's shape, such as its attention and its MLP) in the floor's
+#: pass, stored in the golden's dtype: the directions ``branch_bias`` measures the target's
+#: error along.
+BRANCH_PREFIX = FLOOR_PREFIX + "branch."
+
+
+def branch_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The branch outputs a golden holds, by branch name."""
+    return {k[len(BRANCH_PREFIX) :]: v for k, v in tensors.items() if k.startswith(BRANCH_PREFIX)}
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,10 @@ class FloorStats:
     tokens: int
     contribution_z: float | None = None  # (target - golden) along the layer's contribution, in noise units
     golden_contribution_z: float | None = None  # (golden - ref) along it: the golden's own bias
+    #: per branch (``BRANCH_PREFIX``): (target - golden) along the branch's output, in noise
+    #: units, and (golden - ref) along it
+    branch_z: dict[str, float] = field(default_factory=dict)
+    golden_branch_z: dict[str, float] = field(default_factory=dict)
 
     @property
     def contribution_bias(self) -> float | None:
@@ -46,6 +60,14 @@ class FloorStats:
         if self.contribution_z is None or self.golden_contribution_z is None:
             return None
         return self.contribution_z + self.golden_contribution_z
+
+    @property
+    def branch_bias(self) -> dict[str, float]:
+        """Per branch, the target's error along the branch's output relative to the floor, in
+        noise units (as ``contribution_bias`` is along the whole layer's contribution): a bug
+        inside one branch (an attention scaled, an expert's projection off) moves the output
+        along that branch's own output, which the layer's whole contribution dilutes."""
+        return {name: z + self.golden_branch_z[name] for name, z in self.branch_z.items()}
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -85,11 +107,25 @@ class _Sums:
     u_sq: float = 0.0  # ||ref - input||^2: the layer's own contribution
     tg_u: float = 0.0  # (target - golden) . (ref - input)
     gr_u: float = 0.0  # (golden - ref) . (ref - input)
+    # per branch: [||v||^2, (target - golden) . v, (golden - ref) . v] with v the branch's output
+    branches: dict[str, list[float]] = field(default_factory=dict)
 
-    def add(self, g: torch.Tensor, t: torch.Tensor, r: torch.Tensor, x: torch.Tensor | None) -> None:
+    def add(
+        self,
+        g: torch.Tensor,
+        t: torch.Tensor,
+        r: torch.Tensor,
+        x: torch.Tensor | None,
+        branches: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
         self.err_g.append((g - r).norm(dim=-1))
         self.err_t.append((t - r).norm(dim=-1))
         self.ref_sq += float(r.pow(2).sum())
+        for name, v in (branches or {}).items():
+            sums = self.branches.setdefault(name, [0.0, 0.0, 0.0])
+            sums[0] += float(v.pow(2).sum())
+            sums[1] += float(((t - g) * v).sum())
+            sums[2] += float(((g - r) * v).sum())
         if x is None:
             return
         dg, dt, u = g - x, t - x, r - x
@@ -107,11 +143,13 @@ def _sums(
     reference: torch.Tensor,
     hidden_in: torch.Tensor | None,
     keep_tokens: torch.Tensor | None,
+    directions: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[_Sums, int, int]:
     """The sums over the kept tokens, a block of tokens at a time in float64 (never a
     float64 copy of the whole tensors); with the number of tokens and of elements kept."""
     g, t, r = _rows(golden), _rows(target), _rows(reference)
     x = _rows(hidden_in) if hidden_in is not None and hidden_in.shape == golden.shape else None
+    v = {name: _rows(d) for name, d in (directions or {}).items() if d.shape == golden.shape}
     sums = _Sums([], [])
     step = max(1, BLOCK_ELEMENTS // max(1, g.shape[-1]))
     kept = 0
@@ -120,8 +158,10 @@ def _sums(
         parts = [a[block] if a is not None else None for a in (g, t, r, x)]
         if keep_tokens is not None:
             parts = [a[keep_tokens[block]] if a is not None else None for a in parts]
+        wide = [a.to("cpu", torch.float64) if a is not None else None for a in parts]
+        along = {name: d[block] if keep_tokens is None else d[block][keep_tokens[block]] for name, d in v.items()}
         kept += parts[0].shape[0]
-        sums.add(*(a.to("cpu", torch.float64) if a is not None else None for a in parts))
+        sums.add(*wide, {name: d.to("cpu", torch.float64) for name, d in along.items()})
     return sums, kept, kept * g.shape[-1]
 
 
@@ -131,10 +171,12 @@ def floor_stats(
     reference: torch.Tensor,
     hidden_in: torch.Tensor | None = None,
     keep_tokens: torch.Tensor | None = None,
+    directions: Mapping[str, torch.Tensor] | None = None,
 ) -> FloorStats:
     """The statistics against the floor ``reference``, over tokens (optionally only the
-    ``keep_tokens`` boolean mask)."""
-    sums, tokens, elements = _sums(golden, target, reference, hidden_in, keep_tokens)
+    ``keep_tokens`` boolean mask); ``directions``: the branches' outputs (by name) whose
+    ``branch_bias`` is measured too."""
+    sums, tokens, elements = _sums(golden, target, reference, hidden_in, keep_tokens, directions)
     if tokens == 0:
         return FloorStats(0.0, 0.0, -1, 0.0, 0.0, None, 0)
     err_g, err_t = torch.cat(sums.err_g), torch.cat(sums.err_t)
@@ -159,4 +201,23 @@ def floor_stats(
             scale = (elements**0.5) / golden_error
             z_t = sums.tg_u / unorm * scale
             z_g = sums.gr_u / unorm * scale
-    return FloorStats(ratio, float(per_token[worst]), worst, golden_error, target_error, delta_cos, tokens, z_t, z_g)
+    branch_z, golden_branch_z = {}, {}
+    if golden_error > 0:  # the same along each branch's output
+        scale = (elements**0.5) / golden_error
+        for name, (v_sq, tg_v, gr_v) in sums.branches.items():
+            if v_sq > 0:
+                branch_z[name] = tg_v / v_sq**0.5 * scale
+                golden_branch_z[name] = gr_v / v_sq**0.5 * scale
+    return FloorStats(
+        ratio,
+        float(per_token[worst]),
+        worst,
+        golden_error,
+        target_error,
+        delta_cos,
+        tokens,
+        z_t,
+        z_g,
+        branch_z,
+        golden_branch_z,
+    )

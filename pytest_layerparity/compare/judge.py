@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .envelope import Envelope, EnvelopeLimits
-from .floor import FLOOR_KEY, FloorStats, floor_stats, token_mask
+from .floor import FLOOR_KEY, FloorStats, branch_directions, floor_stats, token_mask
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
 from .routing import RoutingAgreement, agreement, router_names
 from .verdict import Check, evaluate
@@ -92,11 +92,14 @@ def judge(
     routing: Sequence[RoutingAgreement] = (),
     envelope: Envelope | None = None,
     tainted: Sequence[int] = (),
+    branches: Mapping[str, torch.Tensor] | None = None,
 ) -> LayerOutcome:
     """Hold ``target`` against ``golden`` (and against the precision floor ``floor``,
     the layer's input ``hidden_in``, the routers' agreement and the layer's noise envelope,
     when given). ``tainted``: tokens a chain already let diverge on a near-tie routing flip
-    in an earlier layer, left out of the statistics against the floor."""
+    in an earlier layer, left out of the statistics against the floor. ``branches``: the
+    outputs of the layer's branches in the floor's pass (by name), whose directions the
+    target's error is measured along too."""
     target_cpu = target.detach().to("cpu")
     if tuple(golden.shape) != tuple(target_cpu.shape):
         raise AssertionError(
@@ -124,7 +127,7 @@ def judge(
         verdict_cosine = compare_tensors(rows_g[keep], rows_t[keep]).cosine_similarity
     stats = None
     if floor is not None and tuple(floor.shape) == tuple(golden.shape):
-        stats = floor_stats(golden, target_cpu, floor, hidden_in, keep)
+        stats = floor_stats(golden, target_cpu, floor, hidden_in, keep, branches)
     limits = envelope.limits(settings.false_alarm_rate) if envelope is not None and stats is not None else None
     return LayerOutcome(
         layer=layer,
@@ -196,6 +199,7 @@ def judge_golden(
         routing=routing_agreements(golden_tensors, target_routing, settings, dtype),
         envelope=envelope,
         tainted=tainted,
+        branches=branch_directions(golden_tensors),
     )
 
 

@@ -5,8 +5,9 @@ Two policies:
 * ``noise`` (the default): fail on NaN/Inf, on a cosine below the limit, or when the target's
   error against the precision floor (the layer evaluated in higher precision), in units of the
   golden's own rounding error, leaves what legitimate arithmetic does to this layer:
-  tensor-wide (``noise_ratio``), on any one token (``token_noise_ratio``) or along the layer's
-  own contribution (``contribution_bias``). The limits come from the golden's noise envelope
+  tensor-wide (``noise_ratio``), on any one token (``token_noise_ratio``), along the layer's
+  own contribution (``contribution_bias``) or along the output of one of its branches, its
+  attention or its MLP (``branch_bias_<branch>``). The limits come from the golden's noise envelope
   (``compare.envelope``: perturbed runs of the layer, at a stated false-alarm rate); goldens
   with a floor but no envelope get the fixed limits below. Goldens without the floor get the
   ``table`` policy.
@@ -131,6 +132,15 @@ def evaluate(
                 low = floor.golden_contribution_z - contribution_limit(settings)
                 high = floor.golden_contribution_z + contribution_limit(settings)
             checks.append(_within("contribution_bias", bias, low, high))
+        for name, value in floor.branch_bias.items():  # the same along each branch's output
+            if envelope is not None and settings.max_contribution_z is None:
+                if name not in envelope.branch_bias:
+                    continue
+                low, high = envelope.branch_bias[name]
+            else:
+                golden = floor.golden_branch_z[name]
+                low, high = golden - contribution_limit(settings), golden + contribution_limit(settings)
+            checks.append(_within(f"branch_bias_{name}", value, low, high))
         return checks
     return [
         *checks,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing
 from ..compare.envelope import Envelope
-from ..compare.floor import FloorStats, floor_stats, token_mask
+from ..compare.floor import FloorStats, branch_directions, floor_stats, token_mask
 from ..compare.routing import agreement, router_names
 from ..report.progress import SILENT, Progress
 from ..store.callspec import (
@@ -71,15 +71,17 @@ def run_stats(
     reference: torch.Tensor,
     hidden_in: torch.Tensor | None,
     drop: Collection[int] = (),
+    branches: Mapping[str, torch.Tensor] | None = None,
 ) -> FloorStats | None:
     """The statistics of one perturbed output ``out`` against ``golden`` and its floor
-    ``reference``, tokens ``drop`` left out (those whose routing flipped); None when that
-    leaves out every token (a decode step's one token flipped): the run says nothing."""
+    ``reference`` (and along the ``branches``' outputs), tokens ``drop`` left out (those whose
+    routing flipped); None when that leaves out every token (a decode step's one token
+    flipped): the run says nothing."""
     rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
     drop = drop if golden.dim() > 1 else ()
     if len(set(drop) & set(range(rows))) == rows:
         return None
-    return floor_stats(golden, out, reference, hidden_in, token_mask(rows, drop))
+    return floor_stats(golden, out, reference, hidden_in, token_mask(rows, drop), branches)
 
 
 def envelope_from_stats(
@@ -87,6 +89,7 @@ def envelope_from_stats(
     reference: torch.Tensor,
     hidden_in: torch.Tensor | None,
     stats: Iterable[FloorStats | None],
+    branches: Mapping[str, torch.Tensor] | None = None,
 ) -> Envelope | None:
     """The envelope of the perturbed runs whose statistics (:func:`run_stats`) are
     ``stats``, taken one at a time (a run's output need not outlive its statistics); None
@@ -94,12 +97,16 @@ def envelope_from_stats(
     kept = [s for s in stats if s is not None]
     if len(kept) < 2:
         return None
-    ref_only = floor_stats(golden, golden, reference, hidden_in)
+    ref_only = floor_stats(golden, golden, reference, hidden_in, directions=branches)
+    # a branch every run measured (a run that kept no token of it would lack it)
+    names = [n for n in ref_only.golden_branch_z if all(n in s.branch_z for s in kept)]
     return Envelope(
         noise_ratio=tuple(s.noise_ratio for s in kept),
         token_noise_ratio=tuple(s.token_noise_ratio for s in kept),
         contribution_bias=tuple(s.contribution_bias or 0.0 for s in kept),
         golden_bias=ref_only.golden_contribution_z or 0.0,
+        branch_bias={n: tuple(s.branch_bias[n] for s in kept) for n in names},
+        golden_branch_bias={n: ref_only.golden_branch_z[n] for n in names},
     )
 
 
@@ -109,16 +116,21 @@ def envelope_from_runs(
     reference: torch.Tensor,
     hidden_in: torch.Tensor | None,
     left_out: Sequence[set[int]] | None = None,
+    branches: Mapping[str, torch.Tensor] | None = None,
 ) -> Envelope | None:
     """The envelope of the perturbed outputs ``runs`` against ``golden`` and its floor
-    ``reference``; ``left_out[k]``: tokens run k leaves out of its statistics (those whose
-    routing flipped: legitimate arithmetic flips near ties, and what follows is legitimate).
-    None when fewer than two runs are left."""
+    ``reference`` (and along the ``branches``' outputs); ``left_out[k]``: tokens run k leaves
+    out of its statistics (those whose routing flipped: legitimate arithmetic flips near
+    ties, and what follows is legitimate). None when fewer than two runs are left."""
     return envelope_from_stats(
         golden,
         reference,
         hidden_in,
-        (run_stats(golden, out, reference, hidden_in, left_out[k] if left_out else ()) for k, out in enumerate(runs)),
+        (
+            run_stats(golden, out, reference, hidden_in, left_out[k] if left_out else (), branches)
+            for k, out in enumerate(runs)
+        ),
+        branches,
     )
 
 
@@ -365,10 +377,12 @@ class PerturbedRunner:
         when fewer than two runs kept a token). Each run's output is dropped once its
         statistics are taken: the memory does not grow with K."""
         stats, appended = [], []
+        branches = branch_directions(tensors)
         for run in self.runs(index, spec, tensors, layer=layer):
-            stats.append(run_stats(golden, run.output, reference, hidden_in, flipped_tokens(tensors, run.routing)))
+            drop = flipped_tokens(tensors, run.routing)
+            stats.append(run_stats(golden, run.output, reference, hidden_in, drop, branches))
             appended.append(appended_ratios(tensors, run.appended))
-        envelope = envelope_from_stats(golden, reference, hidden_in, stats)
+        envelope = envelope_from_stats(golden, reference, hidden_in, stats, branches)
         kept = [ratios for ratios, s in zip(appended, stats, strict=True) if s is not None]
         if envelope is None or not kept or None in kept:
             return envelope

@@ -10,12 +10,21 @@ second, wider copy of the layer in memory."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing, floor_routing
-from ..store.callspec import appended_kv, cache_argument, decode_call, first_tensor, replace_hidden_input
+from ..compare.floor import BRANCH_PREFIX
+from ..store.callspec import (
+    appended_kv,
+    cache_argument,
+    decode_call,
+    first_tensor,
+    hidden_input_name,
+    replace_hidden_input,
+)
 from .checkpoint import load_layer
 from .memory import give_back_memory
 from .model import eager_experts_skeleton
@@ -28,6 +37,73 @@ if TYPE_CHECKING:
 
 FLOOR_NEW_KEYS = "floor.cache.new_keys"
 FLOOR_NEW_VALUES = "floor.cache.new_values"
+
+
+@contextmanager
+def capture_branches(layer: torch.nn.Module, out: dict[str, torch.Tensor]) -> Iterator[None]:
+    """While active, the output of each child of ``layer`` that has parameters and is not a
+    norm (its attention, its MLP or mixture of experts, a projection) is kept in ``out`` by the
+    child's name (its first tensor, as computed); a child called more than once is left out
+    (its output is not one branch's)."""
+    calls: dict[str, int] = {}
+
+    def keep(name: str) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            calls[name] = calls.get(name, 0) + 1
+            first = output[0] if isinstance(output, (tuple, list)) and output else output
+            if calls[name] == 1 and getattr(first, "is_floating_point", lambda: False)():
+                out[name] = first.detach()
+            else:
+                out.pop(name, None)
+
+        return hook
+
+    handles = [
+        child.register_forward_hook(keep(name))
+        for name, child in layer.named_children()
+        if "Norm" not in type(child).__name__ and any(True for _ in child.parameters(recurse=True))
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+#: A branch's output is one part of the layer's contribution, what ``branch_bias`` measures
+#: along, when it lies along the contribution (output - input) at a cosine of at least this and
+#: is not the output itself (a cosine with the output of at most ``MAX_BRANCH_OUTPUT_COSINE``).
+#: A pre-norm decoder's attention and MLP read 0.37-0.92 along the contribution and 0.18-0.54
+#: along the output (bench/README.md, "Verdicts"); a post-norm encoder's children return whole
+#: normalised states (BERT's ``attention`` and ``output``: -0.15-0.19 along the contribution,
+#: ``output`` 1.0 along the output), along which a legitimate normalisation kernel leans.
+MIN_BRANCH_CONTRIBUTION_COSINE = 0.25
+MAX_BRANCH_OUTPUT_COSINE = 0.95
+
+
+def contribution_branches(
+    branches: Mapping[str, torch.Tensor], out: torch.Tensor, hidden_in: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The ``branches`` that are parts of the layer's contribution (see
+    ``MIN_BRANCH_CONTRIBUTION_COSINE``): none without the layer's input."""
+    import torch
+
+    if hidden_in is None or tuple(hidden_in.shape) != tuple(out.shape):
+        return {}
+    o = out.detach().to("cpu", torch.float64).flatten()
+    u = o - hidden_in.detach().to("cpu", torch.float64).flatten()
+    kept = {}
+    for name, branch in branches.items():
+        if tuple(branch.shape) != tuple(out.shape):
+            continue
+        v = branch.detach().to("cpu", torch.float64).flatten()
+        norms = float(v.norm()) * float(u.norm()), float(v.norm()) * float(o.norm())
+        if min(norms) <= 0:
+            continue
+        along, same = float(v @ u) / norms[0], float(v @ o) / norms[1]
+        if along >= MIN_BRANCH_CONTRIBUTION_COSINE and same <= MAX_BRANCH_OUTPUT_COSINE:
+            kept[name] = branch
+    return kept
 
 
 def floor_dtype(golden_dtype: torch.dtype) -> torch.dtype:
@@ -66,8 +142,10 @@ class FloorEvaluator:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Layer ``index`` on the call ``spec``/``tensors`` (hidden states replaced by
         ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
-        routers' exact logits and scores (``floor.routing.*``), and for a decode step the keys
-        and values the layer appended to its KV cache (``floor.cache.new_keys``/``new_values``).
+        routers' exact logits and scores (``floor.routing.*``), the output of each of the
+        layer's branches in the golden's dtype (``floor.branch.*``, :func:`capture_branches`:
+        the directions ``branch_bias`` is measured along), and for a decode step the keys and
+        values the layer appended to its KV cache (``floor.cache.new_keys``/``new_values``).
         ``layer``: the layer already loaded (by :meth:`load`), else it is loaded and given back."""
         import torch
 
@@ -82,14 +160,20 @@ class FloorEvaluator:
             upcast = replace_hidden_input(spec, upcast, hidden)
         args, kwargs = decode_call(spec, upcast, cache_name=cache_argument(layer))
         routing: dict[str, torch.Tensor] = {}
+        branches: dict[str, torch.Tensor] = {}
         with (
             torch.no_grad(),
             capture_routing(layer, self.model.top_k, routing),
+            capture_branches(layer, branches),
             in_token_blocks(layer),
             WiderArithmetic(self.dtype),
         ):
             out = first_tensor(layer(*args, **kwargs))
         extras = floor_routing(routing)
+        hidden_in = upcast.get(hidden_input_name(spec))
+        for name, branch in contribution_branches(branches, out, hidden_in).items():  # directions: golden's dtype
+            extras[BRANCH_PREFIX + name] = branch.to("cpu", self.golden_dtype)
+        del branches
         appended = appended_kv(args, kwargs, spec, upcast)
         if appended is not None:
             extras[FLOOR_NEW_KEYS], extras[FLOOR_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)

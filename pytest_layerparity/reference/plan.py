@@ -312,6 +312,10 @@ LOAD_OR_WIDEST = "loading it, or one layer's activations (the widest pass: the f
 FORWARD = "the reference forward"
 GOLDENS = "each layer's goldens"
 FLOOR_OUTPUT = "the floor's output (the envelope's runs are held against it)"
+BRANCH_OUTPUTS = "the branches' outputs (the directions of branch_bias, in the golden's dtype)"
+#: Branches of a decoder layer the plan counts (``reference.floor.capture_branches``): its
+#: attention and its MLP or mixture of experts.
+BRANCHES = 2
 RUN_OUTPUT = "the output of the perturbed runs that go together (their statistics taken, they go)"
 
 
@@ -358,9 +362,12 @@ def stream_extraction_needs(
     }
     goldens = {"one captured call (hidden states in and out)": 2 * batch * seq * hidden * size}
     if options.precision_floor:  # the layer is loaded for its floor and envelope
-        # the floor's pass: every result in the floor dtype, each op's weight widened for it
+        # the floor's pass: every result in the floor dtype, each op's weight widened for it, and
+        # the branches' outputs it keeps
+        output = batch * seq * hidden
         widest = layer_activations(cfg, batch, seq, floor_size, eager, True) + widest_weight(cfg) * floor_size
-        held = {FLOOR_OUTPUT: batch * seq * hidden * floor_size}
+        widest += BRANCHES * output * floor_size
+        held = {FLOOR_OUTPUT: output * floor_size, BRANCH_OUTPUTS: BRANCHES * output * size}
         if options.envelope:
             # the perturbed runs that go together (perturb.samples_per_forward), one batch of
             # them: its tensors in the run dtype, and one op's wider work at a time

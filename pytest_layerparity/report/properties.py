@@ -37,6 +37,7 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
             out.append((f"{prefix}contribution_bias", noise.contribution_bias))
         if noise.delta_cosine is not None:
             out.append((f"{prefix}delta_cosine", noise.delta_cosine))
+        out += [(f"{prefix}branch_bias_{name}", value) for name, value in noise.branch_bias.items()]
     limits = outcome.envelope
     if limits is not None:
         out += [
@@ -46,6 +47,8 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
             (f"{prefix}contribution_bias_high", limits.bias_high),
             (f"{prefix}envelope_samples", limits.samples),
         ]
+        for name, (low, high) in limits.branch_bias.items():
+            out += [(f"{prefix}branch_bias_{name}_low", low), (f"{prefix}branch_bias_{name}_high", high)]
     routings = outcome.routing
     if routings:
         tokens = sum(r.tokens for r in routings)

@@ -72,14 +72,12 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
     if tol:
         needed = [f"atol {tol['atol']:.3g} (with rtol 0)", f"rtol {tol['rtol']:.3g} (with atol 0)"]
         if noise is not None:
+            # the one limit holds the contribution and every branch, each from the golden's own bias
+            distances = [abs(z) for z in (noise.contribution_z, *noise.branch_z.values()) if z is not None]
             needed.append(
                 f"-o layerparity_max_noise_ratio={noise.noise_ratio:.3g} "
                 f"-o layerparity_max_token_noise_ratio={noise.token_noise_ratio:.3g}"
-                + (
-                    f" -o layerparity_max_contribution_z={abs(noise.contribution_z):.3g}"
-                    if noise.contribution_z is not None
-                    else ""
-                )
+                + (f" -o layerparity_max_contribution_z={max(distances):.3g}" if distances else "")
             )
         lines.append(f"  minimum passing tolerance: {'; '.join(needed)}")
     if m.has_nan_or_inf:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing
-from ..compare.floor import FLOOR_KEY, FLOOR_PREFIX
+from ..compare.floor import FLOOR_KEY, FLOOR_PREFIX, branch_directions
 from ..compare.judge import LayerOutcome, judge_golden
 from ..report.progress import SILENT, Progress
 from ..selection import LayerRange, decode_key, layer_key
@@ -329,6 +329,7 @@ class TargetSide:
                         ref_hidden,
                         ref_in,
                         [sample_flipped[k] for k in chosen],
+                        branch_directions(entry.tensors),
                     )
                 del reference
             outcome = self.judge(index, entry, run, hidden_in=ref_in, envelope=envelope, tainted=tainted)

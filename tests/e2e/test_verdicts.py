@@ -115,6 +115,43 @@ def test_planted_bugs_fail_that_layer(pytester, bf16_store, bug):
     result.assert_outcomes(passed=6 - len(failed), failed=len(failed))
 
 
+def test_goldens_hold_each_branch_and_a_bug_inside_one_fails_along_it(pytester, bf16_store):
+    """Extraction keeps the attention's and the mixture of experts' outputs and each run's
+    bias along them; a 2% scale of layer 2's attention output projection fails there along
+    the attention's own output (in the prompt and in the decode steps), and JUnit carries that
+    statistic and its range."""
+    from pytest_layerparity.store.golden import GoldenStore
+
+    entry = GoldenStore(bf16_store).load("layer_2")
+    assert {k for k in entry.tensors if k.startswith("floor.branch.")} == {
+        "floor.branch.self_attn",
+        "floor.branch.mlp",
+    }
+    assert entry.tensors["floor.branch.self_attn"].dtype == torch.bfloat16
+    assert set(entry.envelope.branch_bias) == {"self_attn", "mlp"} and entry.envelope.samples == 12
+    pytester.makeconftest(
+        f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "bench")!r})
+        import pytest
+        from bench_verdicts import scaled_out_proj
+
+        @pytest.hookimpl
+        def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+            if layer_idx == 2:
+                reference_layer = scaled_out_proj(1.02)(reference_layer, model_config)
+            return reference_layer.to(device)
+        """
+    )
+    _ini(pytester, DEFAULT_MODEL, bf16_store)
+    result = pytester.runpytest("--target", "cpu", "--layers", "2", "--junitxml", "j.xml")
+    result.assert_outcomes(failed=2)  # the prompt and the decode steps
+    result.stdout.fnmatch_lines(["*branch_bias_self_attn * in [[]*[]] * FAIL"])
+    xml = (pytester.path / "j.xml").read_text()
+    for name in ("branch_bias_self_attn", "branch_bias_mlp", "branch_bias_self_attn_low", "branch_bias_mlp_high"):
+        assert f'name="{name}"' in xml
+
+
 def test_bisect_names_the_planted_layer(pytester, bf16_store):
     pytester.makeconftest(
         """

@@ -1,0 +1,192 @@
+"""The error along each of a layer's branches (``branch_bias``): measured against the floor,
+kept per run in the envelope, held to its range, and the branches found by the floor's pass."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_judge import layer_like
+
+from pytest_layerparity.compare.envelope import Envelope, t_quantile
+from pytest_layerparity.compare.floor import BRANCH_PREFIX, branch_directions, floor_stats
+from pytest_layerparity.compare.judge import judge, judge_golden
+from pytest_layerparity.options import make_settings
+from pytest_layerparity.reference.floor import capture_branches
+
+
+def branch(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_an_error_along_a_branch_stands_out_there_and_not_along_another():
+    x, ref, golden = layer_like(noise=1e-3)
+    attention, mlp = branch(ref.shape, 1), branch(ref.shape, 2)
+    target = golden + 5e-4 * attention  # a small part more of the attention's output
+    stats = floor_stats(golden, target, ref, x, directions={"attention": attention, "mlp": mlp})
+    assert stats.branch_z["attention"] > 10
+    assert abs(stats.branch_z["mlp"]) < 4
+    assert stats.branch_bias["attention"] == pytest.approx(
+        stats.branch_z["attention"] + stats.golden_branch_z["attention"]
+    )
+    # the golden itself is its own bias away from the floor, along each branch
+    own = floor_stats(golden, golden, ref, x, directions={"attention": attention})
+    assert own.branch_z["attention"] == pytest.approx(0.0, abs=1e-9)
+    assert own.branch_bias["attention"] == pytest.approx(own.golden_branch_z["attention"])
+    assert floor_stats(golden, target, ref, x).branch_bias == {}  # no branches, no statistic
+
+
+def test_a_branch_of_another_shape_is_left_out_and_blocks_of_tokens_change_nothing(monkeypatch):
+    from pytest_layerparity.compare import floor
+
+    x, ref, golden = layer_like(tokens=40, noise=1e-3)
+    v = branch(ref.shape, 3)
+    target = golden + 1e-4 * v
+    keep = floor.token_mask(40, [2, 17])
+    whole = floor_stats(golden, target, ref, x, keep, {"a": v, "odd": v[:3]})
+    assert set(whole.branch_z) == {"a"}
+    monkeypatch.setattr(floor, "BLOCK_ELEMENTS", ref.shape[-1] * 7)
+    blocked = floor_stats(golden, target, ref, x, keep, {"a": v})
+    assert blocked.branch_z["a"] == pytest.approx(whole.branch_z["a"], rel=1e-12)
+
+
+def envelope_with_branches() -> Envelope:
+    return Envelope(
+        noise_ratio=(1.0, 1.1, 0.9, 1.05),
+        token_noise_ratio=(2.0, 2.2, 1.8, 2.1),
+        contribution_bias=(0.5, -0.5, 1.0, 0.0),
+        golden_bias=1.0,
+        branch_bias={"self_attn": (1.0, 7.0, 4.0, 4.0), "mlp": (0.0, 0.5, -0.5, 0.0)},
+        golden_branch_bias={"self_attn": 4.0, "mlp": -2.0},
+    )
+
+
+def test_the_branches_round_trip_and_each_gets_its_range_with_the_rate_split_over_them():
+    env = envelope_with_branches()
+    assert Envelope.from_metadata(env.as_metadata()) == env
+    limits = env.limits(1e-3)
+    q = t_quantile(1 - 1e-3 / 5 / 2, 3)  # three statistics and two branches, both sides
+    sd = math.sqrt(sum((v - 4.0) ** 2 for v in (1.0, 7.0, 4.0, 4.0)) / 3)  # above one unit
+    low, high = limits.branch_bias["self_attn"]
+    assert low == pytest.approx(0.0 - q * sd * math.sqrt(1.25)) and high == pytest.approx(
+        4.0 + q * sd * math.sqrt(1.25)
+    )
+    low, high = limits.branch_bias["mlp"]  # the spread below one noise unit: one unit
+    assert low == pytest.approx(-2.0 - q * math.sqrt(1.25)) and high == pytest.approx(0.0 + q * math.sqrt(1.25))
+    without = Envelope(env.noise_ratio, env.token_noise_ratio, env.contribution_bias, env.golden_bias).limits(1e-3)
+    assert limits.bias_high > without.bias_high  # the rate is shared with the branches
+    assert "branch_bias_self_attn in [" in limits.describe()
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"branch_bias": {"mlp": [1.0, 2.0]}, "golden_branch_bias": {"mlp": 0.0}},
+        {"branch_bias": {"mlp": [1.0, 2.0, 3.0, float("inf")]}, "golden_branch_bias": {"mlp": 0.0}},
+        {"branch_bias": {"mlp": [1.0, 2.0, 3.0, 4.0]}, "golden_branch_bias": {}},
+        {"branch_bias": ["mlp"], "golden_branch_bias": {}},
+    ],
+)
+def test_malformed_branches_are_refused(broken):
+    data = {**envelope_with_branches().as_metadata(), **broken}
+    with pytest.raises(ValueError, match="envelope"):
+        Envelope.from_metadata(data)
+
+
+def test_the_judge_fails_a_target_off_along_one_branch_and_names_it():
+    x, ref, golden = layer_like(noise=1e-3)
+    attention = branch(ref.shape, 1)
+    tensors = {"output": golden, "floor.output": ref, BRANCH_PREFIX + "self_attn": attention}
+    assert set(branch_directions(tensors)) == {"self_attn"}
+    settings = make_settings()
+    ok = judge_golden(0, tensors, "output", golden, {}, settings, "float32", hidden_in=x)
+    off = judge_golden(0, tensors, "output", golden + 3e-4 * attention, {}, settings, "float32", hidden_in=x)
+    assert ok.passed
+    failed = {c.name for c in off.checks if not c.ok}
+    assert "branch_bias_self_attn" in failed
+    # without an envelope the fixed limit holds, around the golden's own bias
+    check = next(c for c in off.checks if c.name == "branch_bias_self_attn")
+    assert check.limit - check.low == pytest.approx(12.0)
+    # the same through judge() with the branches given, and none without them
+    plain = judge(0, golden, golden + 3e-4 * attention, settings, "float32", floor=ref, hidden_in=x)
+    assert not any(c.name.startswith("branch_bias") for c in plain.checks)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = torch.nn.LayerNorm(8)
+        self.self_attn = torch.nn.Linear(8, 8)
+        self.mlp = torch.nn.Linear(8, 8)
+        self.twice = torch.nn.Linear(8, 8)
+        self.act = torch.nn.GELU()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h))
+        h = h + self.twice(self.twice(h))
+        return h + self.mlp(self.act(h))
+
+
+def test_the_floors_pass_keeps_each_branch_once_called_and_not_the_norms():
+    layer, out = _Layer(), {}
+    x = torch.randn(3, 8)
+    with torch.no_grad(), capture_branches(layer, out):
+        layer(x)
+    assert set(out) == {"self_attn", "mlp"}  # the norm, the parameter-free GELU and the twice-called child left out
+    torch.testing.assert_close(out["self_attn"], layer.self_attn(layer.input_layernorm(x)).detach())
+    with torch.no_grad():
+        layer(x)
+    assert not layer.self_attn._forward_hooks  # the hooks go with the context
+
+
+def test_junit_carries_each_branchs_bias_and_range():
+    from pytest_layerparity.report.properties import properties
+
+    x, ref, golden = layer_like(noise=1e-3)
+    attention = branch(ref.shape, 1)
+    tensors = {"output": golden, "floor.output": ref, BRANCH_PREFIX + "self_attn": attention}
+    outcome = judge_golden(
+        0, tensors, "output", golden, {}, make_settings(), "float32", hidden_in=x, envelope=envelope_with_branches()
+    )
+    props = dict(properties(outcome))
+    assert props["branch_bias_self_attn"] == pytest.approx(outcome.floor.branch_bias["self_attn"])
+    low, high = outcome.envelope.branch_bias["self_attn"]
+    assert (props["branch_bias_self_attn_low"], props["branch_bias_self_attn_high"]) == (low, high)
+    assert "branch_bias_mlp_low" in props  # the envelope's branch, though this golden holds no mlp output
+
+
+def test_a_branch_counts_where_it_is_part_of_the_contribution_and_not_the_output_itself():
+    from pytest_layerparity.reference.floor import contribution_branches
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 16, generator=g, dtype=torch.float64)
+    attention = torch.randn(4, 16, generator=g, dtype=torch.float64)
+    mlp = torch.randn(4, 16, generator=g, dtype=torch.float64)
+    out = x + attention + mlp
+    state = torch.randn(4, 16, generator=g, dtype=torch.float64)  # a normalised state, not a contribution
+    kept = contribution_branches({"attn": attention, "mlp": mlp, "state": state, "output": out}, out, x)
+    assert set(kept) == {"attn", "mlp"}
+    assert contribution_branches({"attn": attention}, out, None) == {}  # without the input: none
+    assert contribution_branches({"attn": attention[:2]}, out, x) == {}  # another shape: none
+
+
+def test_the_suggested_contribution_limit_passes_every_branch_too():
+    import re
+
+    from pytest_layerparity.report.text import failure_text
+
+    x, ref, golden = layer_like(noise=1e-3)
+    attention = branch(ref.shape, 1)
+    tensors = {"output": golden, "floor.output": ref, BRANCH_PREFIX + "self_attn": attention}
+    target = golden + 3e-4 * attention
+    outcome = judge_golden(0, tensors, "output", target, {}, make_settings(), "float32", hidden_in=x)
+    z = float(
+        re.search(r"layerparity_max_contribution_z=([0-9.e+]+)", failure_text(outcome, "on cpu", "next")).group(1)
+    )
+    stats = outcome.floor
+    assert z == pytest.approx(max(abs(stats.contribution_z), abs(stats.branch_z["self_attn"])), rel=1e-2)
+    again = judge_golden(
+        0, tensors, "output", target, {}, make_settings(max_contribution_z=z * 1.01), "float32", hidden_in=x
+    )
+    assert all(c.ok for c in again.checks if "bias" in c.name)
