@@ -16,11 +16,11 @@ Per model, dtype and bug (the middle layer's prompt test, torch-xla as in bench_
   Student-t quantile of the runs); the correct port's z beside it (how well the runs model a
   real port along that direction).
 
-* what a statistic the plugin does not have yet would do: the port's error along each of the
-  layer's branches (the output of each child module whose output has the layer output's
-  shape: its attention, its MLP or mixture of experts; norms left out), in the same standard
-  deviations, against the two-sided limit an envelope of 12 runs would give it with the
-  false-alarm rate split over the three statistics of today and one per branch.
+* the port's error along each of the layer's branches (``floor.branch.*`` of the golden: its
+  attention, its MLP or mixture of experts), in the same standard deviations, against the
+  two-sided limit an envelope of 12 runs gives ``branch_bias`` with the false-alarm rate split
+  over the three statistics and one per branch: what the branch statistic adds where the
+  spread is known (the plugin's own verdict, beside it, has them with 12 runs).
 
 A bug whose z stays under the limit cannot be told from rounding by any statistic of these
 output elements in this dtype at that rate, even one that knows what the bug does: the
@@ -47,7 +47,7 @@ import bench_verdicts as bv
 import torch
 
 from pytest_layerparity.compare.envelope import t_quantile
-from pytest_layerparity.compare.floor import FLOOR_KEY
+from pytest_layerparity.compare.floor import FLOOR_KEY, branch_directions
 from pytest_layerparity.reference.envelope import PerturbedRunner
 from pytest_layerparity.selection import decode_key
 from pytest_layerparity.store.golden import GoldenStore
@@ -100,32 +100,10 @@ class Layer:
         return (float(error @ direction) - statistics.mean(along)) / max(statistics.stdev(along), 1e-300)
 
     def branches(self) -> dict[str, torch.Tensor]:
-        """The directions of the layer's branches: the output of each child module whose
-        output has the layer output's shape (an attention, an MLP or mixture of experts; norms
-        and modules without parameters left out), in the floor's pass on the golden's input,
-        as unit vectors."""
-        floor = self.session._floor
-        layer = floor.load(self.index)
-        shape = tuple(self.entry.tensors[FLOOR_KEY].shape)
-        outputs: dict[str, torch.Tensor] = {}
-
-        def keep(name: str):
-            def hook(module, inputs, output):
-                first = output[0] if isinstance(output, tuple) else output
-                if isinstance(first, torch.Tensor) and tuple(first.shape) == shape:
-                    outputs[name] = first.detach().double().flatten()
-
-            return hook
-
-        handles = [
-            child.register_forward_hook(keep(name))
-            for name, child in layer.named_children()
-            if "Norm" not in type(child).__name__ and any(True for _ in child.parameters())
-        ]
-        floor.evaluate(self.index, self.spec, self.entry.tensors, layer=layer)
-        for handle in handles:
-            handle.remove()
-        return {name: v / v.norm() for name, v in outputs.items() if float(v.norm()) > 0}
+        """The directions of the layer's branches the golden holds (``floor.branch.*``: its
+        attention and its MLP or mixture of experts, in the floor's pass), as unit vectors."""
+        flat = {name: v.double().flatten() for name, v in branch_directions(self.entry.tensors).items()}
+        return {name: v / v.norm() for name, v in flat.items() if float(v.norm()) > 0}
 
     def plugin_catches(self, hook) -> bool:
         """Whether the plugin's verdict fails the planted port on this golden."""
@@ -150,7 +128,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--runs", type=int, default=48, help="perturbed runs for the spread along each direction")
     parser.add_argument("--dtypes", default="bfloat16")
-    parser.add_argument("--models", default=",".join(bv.DECODERS))
+    parser.add_argument("--models", default=",".join(bv.MODEL_GROUPS))
     parser.add_argument("--skip-sweep", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
