@@ -25,9 +25,9 @@ FLOOR_PREFIX = "floor."
 #: The floor of the layer's output.
 FLOOR_KEY = FLOOR_PREFIX + "output"
 #: The output of each of the layer's branches (``floor.branch.<child>``: a child module whose
-#: output has the layer output's shape, such as its attention and its MLP) in the floor's
-#: pass, stored in the golden's dtype: the directions ``branch_bias`` measures the target's
-#: error along.
+#: output is a part of the layer's contribution, such as its attention and its MLP:
+#: ``reference.floor.contribution_branches``) in the floor's pass, stored in the golden's
+#: dtype: the directions ``branch_bias`` measures the target's error along.
 BRANCH_PREFIX = FLOOR_PREFIX + "branch."
 
 
