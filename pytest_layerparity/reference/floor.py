@@ -52,7 +52,7 @@ def capture_branches(layer: torch.nn.Module, out: dict[str, torch.Tensor]) -> It
             calls[name] = calls.get(name, 0) + 1
             first = output[0] if isinstance(output, (tuple, list)) and output else output
             if calls[name] == 1 and getattr(first, "is_floating_point", lambda: False)():
-                out[name] = first.detach()
+                out[name] = first.detach().clone()  # a layer may add its residual into it in place
             else:
                 out.pop(name, None)
 

@@ -114,6 +114,8 @@ def test_the_judge_fails_a_target_off_along_one_branch_and_names_it():
 
 
 class _Layer(torch.nn.Module):
+    """A layer whose MLP's output gets the residual added in place, as some layers do."""
+
     def __init__(self) -> None:
         super().__init__()
         self.input_layernorm = torch.nn.LayerNorm(8)
@@ -125,7 +127,9 @@ class _Layer(torch.nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h))
         h = h + self.twice(self.twice(h))
-        return h + self.mlp(self.act(h))
+        out = self.mlp(self.act(h))
+        out += h
+        return out
 
 
 def test_the_floors_pass_keeps_each_branch_once_called_and_not_the_norms():
@@ -135,6 +139,10 @@ def test_the_floors_pass_keeps_each_branch_once_called_and_not_the_norms():
         layer(x)
     assert set(out) == {"self_attn", "mlp"}  # the norm, the parameter-free GELU and the twice-called child left out
     torch.testing.assert_close(out["self_attn"], layer.self_attn(layer.input_layernorm(x)).detach())
+    with torch.no_grad():
+        h = x + layer.self_attn(layer.input_layernorm(x))
+        h = h + layer.twice(layer.twice(h))
+        torch.testing.assert_close(out["mlp"], layer.mlp(layer.act(h)))  # the branch, not the sum
     with torch.no_grad():
         layer(x)
     assert not layer.self_attn._forward_hooks  # the hooks go with the context
