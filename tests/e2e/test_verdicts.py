@@ -89,14 +89,17 @@ PLANTS = {
 }
 
 
-@pytest.mark.parametrize("bug", list(PLANTS))
-def test_planted_bugs_fail_that_layer(pytester, bf16_store, bug):
+def _plant_in_layer_2(pytester, plant: str) -> None:
+    """A conftest whose port is the reference with ``plant`` (an expression over
+    bench_verdicts' names: a function of the layer and its config) applied to layer 2."""
     pytester.makeconftest(
         f"""
         import sys
         sys.path.insert(0, {str(ROOT / "bench")!r})
         import pytest
-        from bench_verdicts import {PLANTS[bug]} as plant
+        import bench_verdicts
+
+        plant = bench_verdicts.{plant}
 
         @pytest.hookimpl
         def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
@@ -105,6 +108,11 @@ def test_planted_bugs_fail_that_layer(pytester, bf16_store, bug):
             return reference_layer.to(device)
         """
     )
+
+
+@pytest.mark.parametrize("bug", list(PLANTS))
+def test_planted_bugs_fail_that_layer(pytester, bf16_store, bug):
+    _plant_in_layer_2(pytester, PLANTS[bug])
     _ini(pytester, DEFAULT_MODEL, bf16_store)
     result = pytester.runpytest("--target", "cpu", "--layers", "1-3", "-rA")
     failed = sorted(line.split()[1] for line in result.stdout.lines if line.startswith("FAILED "))
@@ -129,20 +137,7 @@ def test_goldens_hold_each_branch_and_a_bug_inside_one_fails_along_it(pytester, 
     }
     assert entry.tensors["floor.branch.self_attn"].dtype == torch.bfloat16
     assert set(entry.envelope.branch_bias) == {"self_attn", "mlp"} and entry.envelope.samples == 12
-    pytester.makeconftest(
-        f"""
-        import sys
-        sys.path.insert(0, {str(ROOT / "bench")!r})
-        import pytest
-        from bench_verdicts import scaled_out_proj
-
-        @pytest.hookimpl
-        def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
-            if layer_idx == 2:
-                reference_layer = scaled_out_proj(1.02)(reference_layer, model_config)
-            return reference_layer.to(device)
-        """
-    )
+    _plant_in_layer_2(pytester, "scaled_out_proj(1.02)")
     _ini(pytester, DEFAULT_MODEL, bf16_store)
     result = pytester.runpytest("--target", "cpu", "--layers", "2", "--junitxml", "j.xml")
     result.assert_outcomes(failed=2)  # the prompt and the decode steps
