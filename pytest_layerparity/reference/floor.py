@@ -45,6 +45,8 @@ def capture_branches(layer: torch.nn.Module, out: dict[str, torch.Tensor]) -> It
     norm (its attention, its MLP or mixture of experts, a projection) is kept in ``out`` by the
     child's name (its first tensor, as computed); a child called more than once is left out
     (its output is not one branch's)."""
+    from .tokens import is_norm
+
     calls: dict[str, int] = {}
 
     def keep(name: str) -> Any:
@@ -61,7 +63,7 @@ def capture_branches(layer: torch.nn.Module, out: dict[str, torch.Tensor]) -> It
     handles = [
         child.register_forward_hook(keep(name))
         for name, child in layer.named_children()
-        if "Norm" not in type(child).__name__ and any(True for _ in child.parameters(recurse=True))
+        if not is_norm(name, child) and any(True for _ in child.parameters(recurse=True))
     ]
     try:
         yield

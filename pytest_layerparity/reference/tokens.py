@@ -31,6 +31,11 @@ TOKEN_BLOCK_ELEMENTS = 1 << 20
 _MLP_NAMES = frozenset({"mlp", "feed_forward", "ffn"})
 
 
+def is_norm(name: str, child: torch.nn.Module) -> bool:
+    """Whether a layer's child ``name`` is a norm: named ``*norm`` or of a class ``*Norm``."""
+    return name.lower().endswith("norm") or type(child).__name__.endswith("Norm")
+
+
 def per_token_children(layer: torch.nn.Module) -> list[tuple[str, torch.nn.Module, int]]:
     """The children of ``layer`` run in blocks of tokens, each with its widest linear output
     (an MLP's intermediate size: what sets how many tokens a block has; 0 for a norm, whose
@@ -38,7 +43,7 @@ def per_token_children(layer: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
     found = []
     for name, child in layer.named_children():
         cls = type(child).__name__
-        if name.lower().endswith("norm") or cls.endswith("Norm"):
+        if is_norm(name, child):
             found.append((name, child, 0))
             continue
         if name.lower() not in _MLP_NAMES and not cls.endswith("MLP"):
