@@ -74,6 +74,7 @@ def step_input_ids(model: torch.nn.Module, sequence: torch.Tensor, past: Any, na
     ids = prepared.get("input_ids") if isinstance(prepared, Mapping) else None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or not 0 < ids.shape[-1] <= sequence.shape[-1]:
         return token
+    ids = ids.to(sequence.device)  # a preparation may put them where the cache is (a GPU)
     if ids.shape[0] != sequence.shape[0] or not torch.equal(ids, sequence[:, -ids.shape[-1] :]):
         return token
     return ids

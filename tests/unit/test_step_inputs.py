@@ -22,21 +22,26 @@ def _tiny(model_type: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("model_type", ["llama", "cpmant"])
-def test_teacher_forced_decode_steps_give_the_logits_generate_gives(model_type):
+def test_teacher_forced_decode_steps_give_the_logits_generate_gives(model_type, device):
     """The prompt, then each greedy token with the model's own cache: the logits of
     transformers' greedy generate, step by step (before, CPM-Ant's decode steps failed with a
-    shape error: its forward was handed the new token alone)."""
-    model = _tiny(model_type)
+    shape error: its forward was handed the new token alone; on CUDA, Llama's with a device
+    mismatch: its preparation gives the ids where the cache is)."""
+    model = _tiny(model_type).to(device)
     prompt = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         generated = model.generate(
-            prompt, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
+            prompt.to(device), max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True
         )
-    tokens = generated.sequences[:, prompt.shape[-1] :]
-    logits = teacher_forced(hf_step(model), prompt, tokens[:, :2])
+    tokens = generated.sequences[:, prompt.shape[-1] :].cpu()
+    logits = teacher_forced(hf_step(model), prompt, tokens[:, :2], device=device)
     assert logits.shape == (1, 10, 64)
-    torch.testing.assert_close(logits[:, 7:], torch.stack(generated.logits, dim=1).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits[:, 7:], torch.stack(generated.logits, dim=1).float().cpu(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_decode_step_takes_the_new_token_or_the_whole_sequence_as_generate_gives_it():
