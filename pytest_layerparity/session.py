@@ -332,7 +332,6 @@ class LayerParitySession:
         return self.reference.extract_layer(index, self.selected_layers)
 
     def verify_layer(self, index: int) -> LayerOutcome:
-        """Re-run the reference from the stored input and compare with the stored golden."""
+        """Re-run the reference on the stored inputs and compare with the stored golden."""
         self.check_store_matches_model()
-        entry = self.load_golden(index)
-        return self.reference.verify_layer(index, self.selected_layers, entry.tensors, entry.metadata["call"])
+        return self.reference.verify_layer(index, self.selected_layers, self.load_golden)

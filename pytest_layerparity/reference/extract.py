@@ -19,19 +19,20 @@ from .. import __version__
 from ..capture.calls import called_layers, capture_calls
 from ..capture.routing import capture_routing
 from ..compare.floor import FLOOR_KEY
-from ..compare.judge import LayerOutcome, judge
+from ..compare.judge import LayerOutcome, judge_golden
 from ..report.progress import SILENT, Progress
 from ..selection import decode_key, layer_key
 from ..store.callspec import (
     CallRecord,
     UnstorableCache,
     cache_argument,
+    decode_call,
     hidden_input_name,
     primary_output_name,
     returned_cache,
 )
 from ..store.differences import describe_differences
-from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, UNCALLED_KEY, GoldenError, GoldenStore
+from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, UNCALLED_KEY, GoldenEntry, GoldenError, GoldenStore
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit, mixed_dtype_failure
 from .devices import resolve_golden_device
@@ -147,8 +148,17 @@ class ReferenceSide:
             self.model, self.torch_dtype, self.settings.envelope_samples, self.golden_device, self.progress
         )
 
-    def run(self, layers: list[int], input_ids: torch.Tensor | None = None) -> ReferenceRun:
-        """Run the whole reference model once, capturing ``layers``' calls (cached)."""
+    def run(
+        self,
+        layers: list[int],
+        input_ids: torch.Tensor | None = None,
+        stored: Callable[[int], GoldenEntry] | None = None,
+    ) -> ReferenceRun:
+        """Run the whole reference model once, capturing ``layers``' calls (cached). With
+        ``stored`` (a layer's stored golden), each of ``layers`` is called with its stored
+        call instead of what the layers before it computed here, the prompt alone (no decode
+        steps, no whole-model golden): each layer's output from the inputs its golden was made
+        from, on this placement."""
         if self._run is not None:
             return self._run
         import torch
@@ -201,6 +211,8 @@ class ReferenceSide:
                         )
                     )
                 called: set[int] = set()
+                if stored is not None:
+                    stack.enter_context(self._stored_calls(layer_list, layers, stored, device))
                 with (
                     self._capturing(layer_list, layers, run.calls.__setitem__, routing),
                     called_layers(layer_list, called),
@@ -219,7 +231,7 @@ class ReferenceSide:
                 else:
                     run.model_io["logits"] = logits
                 del logits
-                if steps:
+                if steps and stored is None:
                     kv = SpilledKV(self.store.root) if streaming else None  # flat in depth
                     if kv is not None:
                         stack.callback(kv.close)
@@ -231,13 +243,36 @@ class ReferenceSide:
         for i, tensors in routing.items():
             run.calls.add(i, tensors)
         run.model_io["input_ids"] = ids.cpu()
-        whole = not streaming and self.settings.logits_topk and has_logits
+        whole = not streaming and self.settings.logits_topk and has_logits and stored is None
         if whole and all(bool(t.isfinite().all()) for t in (run.model_io["logits"], *run.decode_logits)):
             run.model_golden = self._model_golden(model, run, device)  # (NaN logits: the layers' goldens say where)
         self._run = run
         del model
         give_back_memory()  # the streamed units' and the forward's freed memory, before the layers load
         return run
+
+    @contextlib.contextmanager
+    def _stored_calls(
+        self, layer_list: Any, layers: list[int], stored: Callable[[int], GoldenEntry], device: Any
+    ) -> Iterator[None]:
+        """While the block runs, each of ``layers`` is called with its stored call (read as
+        it is reached), its inputs on ``device`` (a placement's hooks move them on)."""
+        cache_name = cache_argument(layer_list[layers[0]], self.model.cache_argument) if layers else None
+
+        def hook(index: int) -> Callable[..., tuple[tuple, dict]]:
+            def replace(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+                entry = stored(index)
+                new_args, new_kwargs = decode_call(entry.metadata["call"], entry.tensors, device, cache_name)
+                return tuple(new_args), new_kwargs
+
+            return replace
+
+        handles = [layer_list[i].register_forward_pre_hook(hook(i), with_kwargs=True, prepend=True) for i in layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     @contextlib.contextmanager
     def _capturing(
@@ -491,15 +526,27 @@ class ReferenceSide:
         entry = self.store.load(MODEL_IO_KEY, missing_hint=f"extract first: {self.extract_command(None)}")
         return entry.tensors["input_ids"]
 
-    def verify_layer(
-        self, index: int, layers: list[int], golden_tensors: dict[str, torch.Tensor], spec: dict[str, Any]
-    ) -> LayerOutcome:
-        """Re-run the reference from the stored input and hold it against the stored golden."""
-        run = self.run(layers, input_ids=self.stored_input_ids())
+    def verify_layer(self, index: int, layers: list[int], stored: Callable[[int], GoldenEntry]) -> LayerOutcome:
+        """Re-run the reference from the stored input ids, each selected layer called with its
+        stored call, and hold layer ``index``'s output against its stored golden as a target's
+        is held (its envelope, its routers' near ties): a layer is judged on the inputs its
+        golden was made from, so one legitimate difference (an expert chosen between two
+        equal scores on another device) is not carried into every later layer's verdict."""
+        run = self.run(layers, input_ids=self.stored_input_ids(), stored=stored)
         record = run.calls[index]
-        golden = golden_tensors[primary_output_name(spec)]
-        new = record.tensors[primary_output_name(record.spec)]
-        return judge(index, golden, new, self.settings, self.dtype_name, floor=golden_tensors.get(FLOOR_KEY))
+        entry = stored(index)
+        spec = entry.metadata["call"]
+        return judge_golden(
+            index,
+            entry.tensors,
+            primary_output_name(spec),
+            record.tensors[primary_output_name(record.spec)],
+            record.tensors,
+            self.settings,
+            self.dtype_name,
+            hidden_in=entry.tensors.get(hidden_input_name(spec)),
+            envelope=entry.envelope,
+        )
 
 
 def whole_model_envelope(

@@ -819,3 +819,21 @@ def test_missing_optional_dependency_is_a_usage_error_with_the_pip_command(proje
     assert result.ret == USAGE_ERROR
     assert line in result.stderr.lines
     assert "Traceback" not in result.stderr.str()
+
+
+def test_verify_calls_each_layer_with_its_stored_inputs(project):
+    """``--gpu-golden`` (no ``--extract``) re-runs each layer on the inputs its golden stores,
+    not on what the layers before it computed here: a golden whose stored input no longer
+    gives its stored output fails, that layer alone (before, the re-run chained through the
+    model and passed it; and a near tie its experts broke another way on another device,
+    measured on an H200, failed every layer after it)."""
+    goldens = project.path / "goldens"
+    tensors, metadata = read_entry(goldens / "layer_00002.safetensors")
+    hidden = tensors["args.0"]
+    noise = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(0))
+    tensors["args.0"] = (hidden.float() + 0.05 * hidden.float().std() * noise).to(hidden.dtype)
+    rewrite_entry(goldens, "layer_2", "layer_00002.safetensors", tensors, metadata)
+    result = project.runpytest("--gpu-golden", "-v")
+    result.assert_outcomes(passed=5, failed=1)
+    result.stdout.fnmatch_lines(["*test_golden_reproducible?layer_2? FAILED*"])
+    result.stdout.fnmatch_lines(["*test_golden_reproducible?layer_3? PASSED*"])
