@@ -1,9 +1,12 @@
 """Golden extraction against a plain forward of the same model: what capture, the precision
 floor and writing cost.
 
-    python bench/bench_extraction.py [--layers 8] [--seq-len 512]
+    python bench/bench_extraction.py [--layers 8] [--seq-len 512] [--device cuda [--no-tf32]]
 
-Model loading is timed separately and left out of every ratio. One process, CPU.
+Model loading is timed separately and left out of every ratio. One process, on the CPU or
+(``--device cuda``) the model and the goldens' runs on the GPU; ``--no-tf32`` times the
+perturbed runs' wide matmuls of 16-bit operands in IEEE float32 as before TF32 was used for
+them (reference/wider.py's exact_tf32).
 """
 
 from __future__ import annotations
@@ -35,22 +38,33 @@ WIDTH = {
 settings = make_settings
 
 
-def plain_forward(model_dir: Path, dtype: torch.dtype, ids: torch.Tensor, repeats: int) -> tuple[float, float]:
+def _synchronize(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
+
+
+def plain_forward(
+    model_dir: Path, dtype: torch.dtype, ids: torch.Tensor, repeats: int, device: str
+) -> tuple[float, float]:
     """(first forward after loading, best of the repeats after it). The first one pays what
     extraction's single forward pays too (weights paged in from the mmapped shards)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map="cpu").eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map=device).eval()
+    ids = ids.to(device)
     times = []
     with torch.no_grad():
         for _ in range(repeats + 1):
+            _synchronize(device)
             started = time.perf_counter()
             model(input_ids=ids, use_cache=False)
+            _synchronize(device)
             times.append(time.perf_counter() - started)
+    del model
     return times[0], min(times[1:])
 
 
-def extraction(model_dir: Path, store: Path, seq_len: int, floor: bool) -> tuple[float, float]:
+def extraction(model_dir: Path, store: Path, seq_len: int, floor: bool, device: str) -> tuple[float, float]:
     """(seconds for the whole extraction without model loading, loading seconds)."""
     session = LayerParitySession(
         settings(
@@ -60,7 +74,8 @@ def extraction(model_dir: Path, store: Path, seq_len: int, floor: bool) -> tuple
             golden_dir=str(store),
             dtype="bfloat16",
             seq_len=seq_len,
-            device_map="cpu",
+            golden_device="cpu" if device == "cpu" else "cuda",
+            device_map=device,
             no_precision_floor=not floor,
         ),
         ROOT,
@@ -88,20 +103,32 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda:0 (the model and the goldens' runs there)")
+    parser.add_argument("--no-tf32", action="store_true", help="the wide matmuls of 16-bit operands in IEEE float32")
     args = parser.parse_args()
+    if args.device == "cuda":
+        args.device = "cuda:0"
+    if args.no_tf32:
+        import contextlib
+
+        from pytest_layerparity.reference import perturb
+
+        perturb.exact_tf32 = lambda *_: contextlib.nullcontext()
     from tiny_models import make
 
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
     model = make("llama", work / "model", num_layers=args.layers, shard_size="200MB", **WIDTH)
     size = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9
     ids = torch.randint(0, WIDTH["vocab_size"], (1, args.seq_len), generator=torch.Generator().manual_seed(0))
-    bf16_first, bf16 = plain_forward(model, torch.bfloat16, ids, args.repeats)
-    fp32_first, fp32 = plain_forward(model, torch.float32, ids, args.repeats)
-    bare, _ = extraction(model, work / "no-floor", args.seq_len, floor=False)
-    full, load = extraction(model, work / "floor", args.seq_len, floor=True)
+    bf16_first, bf16 = plain_forward(model, torch.bfloat16, ids, args.repeats, args.device)
+    fp32_first, fp32 = plain_forward(model, torch.float32, ids, args.repeats, args.device)
+    bare, _ = extraction(model, work / "no-floor", args.seq_len, floor=False, device=args.device)
+    full, load = extraction(model, work / "floor", args.seq_len, floor=True, device=args.device)
     print(
         f"model: llama, {args.layers} layers, hidden {WIDTH['hidden_size']}, {size:.2f} GB bf16; seq {args.seq_len}; "
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads; {args.device}"
+        + (f" ({torch.cuda.get_device_name(0)})" if args.device != "cpu" else "")
+        + (", wide matmuls in IEEE float32" if args.no_tf32 else "")
     )
     print(f"{'what':<58} {'seconds':>8} {'ratio':>7}")
     print(f"{f'plain forward, bf16: first after loading / best of {args.repeats}':<58} {bf16_first:>8.2f} {bf16:>6.2f}")

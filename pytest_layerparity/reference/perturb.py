@@ -67,7 +67,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .rounding import _UNIT_ROUNDOFF, _may_round, _rounds, another_rounding, sequential_sum_error_std
-from .wider import FUSED_ATTENTION_OPS, _named_arguments, _widen, attention_reference, widened_matmul
+from .wider import (
+    FUSED_ATTENTION_OPS,
+    _named_arguments,
+    _widen,
+    attention_reference,
+    exact_tf32,
+    widened_matmul,
+)
 
 MODES = ("jitter", "stochastic", "random")
 #: How much less accurate than the reference's kernels a legitimate run's are: each op's error
@@ -284,9 +291,10 @@ class PerturbedArithmetic(TorchDispatchMode):
         if func.overloadpacket.__name__ in FUSED_ATTENTION_OPS:
             return [attention_reference(func, args, kwargs)]
         try:
-            exact = widened_matmul(func, args, kwargs, _widen)
-            if exact is None:
-                exact = func(*tree_map(_widen, args), **tree_map(_widen, kwargs))
+            with exact_tf32(func, args, kwargs):
+                exact = widened_matmul(func, args, kwargs, _widen)
+                if exact is None:
+                    exact = func(*tree_map(_widen, args), **tree_map(_widen, kwargs))
         except (RuntimeError, TypeError, NotImplementedError):
             return None
         return tree_flatten(exact)[0]

@@ -9,7 +9,7 @@ import torch
 from pytest_layerparity.reference import rounding
 from pytest_layerparity.reference.perturb import ERROR_SCALE, PerturbedArithmetic, one_pass_var_mean
 from pytest_layerparity.reference.rounding import another_rounding, sequential_sum_error_std, stochastic_round
-from pytest_layerparity.reference.wider import attention_reference, query_block
+from pytest_layerparity.reference.wider import attention_reference, exact_tf32, query_block
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -383,3 +383,46 @@ def test_random_halves_are_uniform_15_bit_draws_the_same_in_blocks():
     parts = torch.Generator().manual_seed(4)
     blocks = torch.cat([rounding.random_halves(n, parts, torch.device("cpu")) for n in (400, 600)])
     assert torch.equal(whole, blocks)
+
+
+def test_tf32_is_left_alone_off_cuda_and_for_float32_operands():
+    """exact_tf32 changes nothing on the CPU, nor for float32 operands anywhere (TF32 would
+    round them), nor for an op that is not a matmul."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    a = torch.randn(4, 8, dtype=torch.bfloat16)
+    for func, args in (
+        (torch.ops.aten.mm.default, (a, a.T)),
+        (torch.ops.aten.mm.default, (a.float(), a.float().T)),
+        (torch.ops.aten.add.Tensor, (a, a)),
+    ):
+        with exact_tf32(func, args, {}):
+            assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tf32_gives_the_float32_result_of_sixteen_bit_operands_on_cuda(dtype):
+    """A 16-bit matmul's wide result under TF32 is its IEEE float32 result up to the float32
+    summation order (TF32 holds 16-bit operands exactly), where TF32 on float32 operands is
+    off by TF32's rounding of them: the context is on only for the first."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    a = torch.randn(256, 1024, generator=gen, device="cuda").to(dtype)
+    b = torch.randn(1024, 512, generator=gen, device="cuda").to(dtype)
+    ieee = a.double() @ b.double()
+    mm = torch.ops.aten.mm.default
+    with exact_tf32(mm, (a, b), {}):
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        wide = a.float() @ b.float()
+    scale = ieee.abs().max().item()
+    assert (wide.double() - ieee).abs().max().item() < 1e-5 * scale
+    x, y = a.float() + 1e-3 * torch.randn(a.shape, generator=gen, device="cuda"), b.float()
+    with exact_tf32(mm, (x, y), {}):
+        kept = x @ y
+    assert (kept.double() - x.double() @ y.double()).abs().max().item() < 1e-5 * scale
+    before = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    try:
+        rounded = x @ y
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    assert (rounded.double() - x.double() @ y.double()).abs().max().item() > 1e-4 * scale
