@@ -1,12 +1,13 @@
 """Golden extraction against a plain forward of the same model: what capture, the precision
 floor and writing cost.
 
-    python bench/bench_extraction.py [--layers 8] [--seq-len 512] [--device cuda [--no-tf32]]
+    python bench/bench_extraction.py [--layers 8] [--seq-len 512] [--device cuda] [--ieee-matmul]
 
 Model loading is timed separately and left out of every ratio. One process, on the CPU or
-(``--device cuda``) the model and the goldens' runs on the GPU; ``--no-tf32`` times the
-perturbed runs' wide matmuls of 16-bit operands in IEEE float32 as before TF32 was used for
-them (reference/wider.py's exact_tf32).
+(``--device cuda``) the model and the goldens' runs on the GPU; ``--ieee-matmul`` times the
+perturbed runs' wide matmuls of 16-bit operands in IEEE float32, as before they were computed
+in 16-bit arithmetic that holds such operands exactly (reference/wider.py's
+exact_fast_matmul: TF32 on CUDA, oneDNN's bfloat16 mode on the CPU).
 """
 
 from __future__ import annotations
@@ -104,16 +105,20 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda:0 (the model and the goldens' runs there)")
-    parser.add_argument("--no-tf32", action="store_true", help="the wide matmuls of 16-bit operands in IEEE float32")
+    parser.add_argument(
+        "--ieee-matmul",
+        action="store_true",
+        help="the wide matmuls of 16-bit operands in IEEE float32 (no TF32, no oneDNN bfloat16 mode)",
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         args.device = "cuda:0"
-    if args.no_tf32:
+    if args.ieee_matmul:
         import contextlib
 
         from pytest_layerparity.reference import perturb
 
-        perturb.exact_tf32 = lambda *_: contextlib.nullcontext()
+        perturb.exact_fast_matmul = lambda *_: contextlib.nullcontext()
     from tiny_models import make
 
     work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
@@ -128,7 +133,7 @@ def main() -> None:
         f"model: llama, {args.layers} layers, hidden {WIDTH['hidden_size']}, {size:.2f} GB bf16; seq {args.seq_len}; "
         f"{torch.get_num_threads()} threads; {args.device}"
         + (f" ({torch.cuda.get_device_name(0)})" if args.device != "cpu" else "")
-        + (", wide matmuls in IEEE float32" if args.no_tf32 else "")
+        + (", wide matmuls in IEEE float32" if args.ieee_matmul else "")
     )
     print(f"{'what':<58} {'seconds':>8} {'ratio':>7}")
     print(f"{f'plain forward, bf16: first after loading / best of {args.repeats}':<58} {bf16_first:>8.2f} {bf16:>6.2f}")

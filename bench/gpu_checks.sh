@@ -34,7 +34,7 @@ timeout 180 python3 -m pytest -q "${PLUGIN[@]}" --target cuda --junitxml "$OUT/t
 
 step "bench_extraction on CUDA, wide matmuls of 16-bit operands in TF32, then in IEEE float32"
 timeout ${2:-150} python3 bench/bench_extraction.py --device cuda --layers 8 --seq-len 2048
-timeout ${2:-150} python3 bench/bench_extraction.py --device cuda --layers 8 --seq-len 2048 --no-tf32
+timeout ${2:-150} python3 bench/bench_extraction.py --device cuda --layers 8 --seq-len 2048 --ieee-matmul
 
 step "bench_verdicts: goldens on the CPU, correct ports and planted bugs on CUDA"
 [ "${1:-240}" != 0 ] && timeout "${1:-240}" python3 bench/bench_verdicts.py --golden-device cpu --port-target cuda \

@@ -72,7 +72,7 @@ from .wider import (
     _named_arguments,
     _widen,
     attention_reference,
-    exact_tf32,
+    exact_fast_matmul,
     widened_matmul,
 )
 
@@ -291,7 +291,7 @@ class PerturbedArithmetic(TorchDispatchMode):
         if func.overloadpacket.__name__ in FUSED_ATTENTION_OPS:
             return [attention_reference(func, args, kwargs)]
         try:
-            with exact_tf32(func, args, kwargs):
+            with exact_fast_matmul(func, args, kwargs):
                 exact = widened_matmul(func, args, kwargs, _widen)
                 if exact is None:
                     exact = func(*tree_map(_widen, args), **tree_map(_widen, kwargs))

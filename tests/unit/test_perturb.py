@@ -9,7 +9,7 @@ import torch
 from pytest_layerparity.reference import rounding
 from pytest_layerparity.reference.perturb import ERROR_SCALE, PerturbedArithmetic, one_pass_var_mean
 from pytest_layerparity.reference.rounding import another_rounding, sequential_sum_error_std, stochastic_round
-from pytest_layerparity.reference.wider import attention_reference, exact_tf32, query_block
+from pytest_layerparity.reference.wider import attention_reference, exact_fast_matmul, query_block
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -385,18 +385,41 @@ def test_random_halves_are_uniform_15_bit_draws_the_same_in_blocks():
     assert torch.equal(whole, blocks)
 
 
-def test_tf32_is_left_alone_off_cuda_and_for_float32_operands():
-    """exact_tf32 changes nothing on the CPU, nor for float32 operands anywhere (TF32 would
-    round them), nor for an op that is not a matmul."""
-    before = torch.backends.cuda.matmul.fp32_precision
+def test_a_bfloat16_matmul_on_the_cpu_is_widened_in_bfloat16_arithmetic_alone():
+    """On the CPU, oneDNN's bfloat16 mode is on for a matmul of bfloat16 operands alone (it
+    holds them exactly), and is put back after; float16 and float32 operands (which it would
+    round) and other ops leave the setting as it was."""
+    setting = torch.backends.mkldnn.matmul
+    before = setting.fp32_precision
     a = torch.randn(4, 8, dtype=torch.bfloat16)
+    mm = torch.ops.aten.mm.default
+    with exact_fast_matmul(mm, (a, a.T), {}):
+        assert setting.fp32_precision == "bf16"
+    assert setting.fp32_precision == before
     for func, args in (
-        (torch.ops.aten.mm.default, (a, a.T)),
-        (torch.ops.aten.mm.default, (a.float(), a.float().T)),
+        (mm, (a.half(), a.half().T)),
+        (mm, (a.float(), a.float().T)),
         (torch.ops.aten.add.Tensor, (a, a)),
     ):
-        with exact_tf32(func, args, {}):
-            assert torch.backends.cuda.matmul.fp32_precision == before
+        with exact_fast_matmul(func, args, {}):
+            assert setting.fp32_precision == before
+
+
+def test_the_fast_float32_result_of_bfloat16_operands_on_the_cpu_is_the_float32_one():
+    """The widened bfloat16 operands' product under oneDNN's bfloat16 mode is the float32 one
+    up to its summation order: each element within a few float32 roundings of the float64
+    result, and its bfloat16 rounding the float64 result's as often as the IEEE product's."""
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(256, 1024, generator=gen).bfloat16()
+    b = torch.randn(1024, 512, generator=gen).bfloat16()
+    exact = a.double() @ b.double()
+    ieee = a.float() @ b.float()
+    with exact_fast_matmul(torch.ops.aten.mm.default, (a, b), {}):
+        fast = a.float() @ b.float()
+    bound = 1024 * 2**-24 * (a.double().abs() @ b.double().abs())
+    assert bool(((fast.double() - exact).abs() <= bound).all())
+    agree = [(r.bfloat16() == exact.bfloat16()).double().mean().item() for r in (ieee, fast)]
+    assert agree[1] > agree[0] - 1e-3, agree
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -410,13 +433,13 @@ def test_tf32_gives_the_float32_result_of_sixteen_bit_operands_on_cuda(dtype):
     b = torch.randn(1024, 512, generator=gen, device="cuda").to(dtype)
     ieee = a.double() @ b.double()
     mm = torch.ops.aten.mm.default
-    with exact_tf32(mm, (a, b), {}):
+    with exact_fast_matmul(mm, (a, b), {}):
         assert torch.backends.cuda.matmul.fp32_precision == "tf32"
         wide = a.float() @ b.float()
     scale = ieee.abs().max().item()
     assert (wide.double() - ieee).abs().max().item() < 1e-5 * scale
     x, y = a.float() + 1e-3 * torch.randn(a.shape, generator=gen, device="cuda"), b.float()
-    with exact_tf32(mm, (x, y), {}):
+    with exact_fast_matmul(mm, (x, y), {}):
         kept = x @ y
     assert (kept.double() - x.double() @ y.double()).abs().max().item() < 1e-5 * scale
     before = torch.backends.cuda.matmul.fp32_precision
