@@ -559,6 +559,12 @@ def main() -> None:
         help="run every model in this process (default: each model in a process of its own, so "
         "that one process does not hold every compiled program of the run)",
     )
+    parser.add_argument(
+        "--envelope-seed",
+        type=int,
+        default=None,
+        help="the perturbed runs' base seed (default: the plugin's, envelope.BASE_SEED): other envelope draws",
+    )
     parser.add_argument("--tallies-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     label = target_label(args.port_target)
@@ -598,6 +604,7 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     passed = [f"--layers={args.layers}", f"--samples={args.samples}", f"--dtypes={args.dtypes}"]
     passed += [f"--golden-device={args.golden_device}", f"--port-target={args.port_target}"]
     passed += [flag for flag, on in (("--skip-sweep", args.skip_sweep), ("--bug-chains", args.bug_chains)) if on]
+    passed += [f"--envelope-seed={args.envelope_seed}"] if args.envelope_seed is not None else []
     with tempfile.TemporaryDirectory(prefix="verdicts-tallies-") as folder:
         for group in groups:
             out = Path(folder) / f"{group}.json"
@@ -623,6 +630,10 @@ def _sum_rows(rows: list, width: int) -> dict:
 
 def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     """Every case of ``groups`` in this process: the tallies, as plain lists (JSON)."""
+    if args.envelope_seed is not None:
+        from pytest_layerparity.reference import envelope
+
+        envelope.BASE_SEED = args.envelope_seed
     target = args.port_target
     label = target_label(target)
     torch.set_num_threads(max(1, os.cpu_count() or 1))

@@ -39,6 +39,9 @@ which results a correct port's kernels legitimately give):
   variance and sum are perturbed on their own and their error is shared by the whole row;
 * a variance is computed half the time in one pass (E[x^2] - E[x]^2, ``one_pass_var_mean``),
   as fused norm kernels do, and otherwise as torch does (two passes);
+* a float16 layer norm is computed half the time in float16 itself (``OWN_DTYPE_NORMS``,
+  :func:`layer_norm_in_own_dtype`): its statistics rounded to float16, an error shared by the
+  row, as XLA's lowering to a batch norm in the operand's type computes it;
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
   (``SIXTEEN_BIT_ACCUMULATION``): tensor cores' float16-accumulate mode, cuBLAS's reduced-precision
   reductions (on by default in PyTorch), XLA's CPU backend (its float16 dot measured 12 times
@@ -60,12 +63,14 @@ a statistic over runs is what a correct port's statistic is judged against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .algorithms import OWN_DTYPE_NORMS, layer_norm_in_own_dtype, one_pass_var_mean
 from .rounding import _UNIT_ROUNDOFF, _may_round, _rounds, another_rounding, sequential_sum_error_std
 from .wider import (
     FUSED_ATTENTION_OPS,
@@ -109,28 +114,6 @@ def _decomposed_ops() -> dict[Any, Any]:
 
 DECOMPOSED_OPS = _decomposed_ops()
 VARIANCE_OPS = frozenset({torch.ops.aten.var_mean, torch.ops.aten.var})
-
-
-def one_pass_var_mean(
-    x: torch.Tensor, dim: Any = None, *, correction: Any = None, keepdim: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.var_mean`` the way one-pass kernels compute it (fused norms that accumulate the
-    sum and the sum of squares together): E[x^2] - E[x]^2, rescaled for the correction. The
-    other legitimate variance algorithm beside the two-pass one torch uses; its cancellation
-    error is larger where a row's mean is large against its spread."""
-    dims = list(range(x.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
-    dims = [d % max(x.dim(), 1) for d in dims]
-    count = 1
-    for d in dims:
-        count *= x.shape[d]
-    mean = torch.mean(x, dims, keepdim=True)
-    var = (torch.mean(x * x, dims, keepdim=True) - mean * mean).clamp_min(0)
-    c = 1 if correction is None else float(correction)
-    if c:
-        var = var * (count / max(count - c, 1))
-    if not keepdim:
-        var, mean = var.squeeze(dims), mean.squeeze(dims)
-    return var, mean
 
 
 def _rounded_wide_result(func: Any, args: tuple, kwargs: dict, exact: list[Any] | None) -> torch.Tensor | None:
@@ -243,26 +226,59 @@ class PerturbedArithmetic(TorchDispatchMode):
         return torch.rand((), generator=self._generator(x.device)).item() < 0.5
 
     def _variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A variance, in one pass or two: drawn per op, and where runs are stacked
-        (``samples``) per run, each run's rows computed its own way."""
+        """A variance, in one pass or two (:meth:`_either`)."""
         x = args[0]
         if self.samples == 1 or self.mode == "random" or not x.is_floating_point() or x.dim() == 0:
             if self._one_pass(x):
                 return self._one_pass_variance(func, args, kwargs)
             return self._perturbed(func, args, kwargs)
-        one_pass = torch.rand(self.samples, generator=self._generator(x.device), device=x.device) < 0.5
-        if bool(one_pass.all()):
-            return self._one_pass_variance(func, args, kwargs)
-        two = self._perturbed(func, args, kwargs)
+        return self._either(
+            x, lambda: self._one_pass_variance(func, args, kwargs), lambda: self._perturbed(func, args, kwargs)
+        )
+
+    def _either(self, x: torch.Tensor, first: Callable[[], Any], second: Callable[[], Any]) -> Any:
+        """``first()`` or ``second()`` (a tensor or a tuple of them), each with probability
+        1/2, drawn for each of the stacked runs (``samples``, more than one): each run's rows
+        taken from its own draw's result. Where the result's rows are not the runs' (a
+        reduction across them), the op's draw is the runs': ``second()``."""
+        pick = torch.rand(self.samples, generator=self._generator(x.device), device=x.device) < 0.5
+        if bool(pick.all()):
+            return first()
+        two = second()
         rows = x.shape[0]
-        first = two[0] if isinstance(two, tuple) else two
-        if not one_pass.any() or rows % self.samples or first.dim() == 0 or first.shape[0] != rows:
-            return two  # the rows are not the runs' (a variance across them): the op's draw is the runs'
-        one = self._one_pass_variance(func, args, kwargs)
-        keep = one_pass.repeat_interleave(rows // self.samples).view(rows, *([1] * (first.dim() - 1)))
+        lead = two[0] if isinstance(two, tuple) else two
+        if not pick.any() or rows % self.samples or lead.dim() == 0 or lead.shape[0] != rows:
+            return two
+        one = first()
+        keep = pick.repeat_interleave(rows // self.samples)
+
+        def choose(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.where(keep.view(rows, *([1] * (b.dim() - 1))), a, b)
+
         if isinstance(two, tuple):
-            return tuple(torch.where(keep, a, b) for a, b in zip(one, two, strict=True))
-        return torch.where(keep, one, two)
+            return tuple(choose(a, b) for a, b in zip(one, two, strict=True))
+        return choose(one, two)
+
+    def _layer_norm(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A float16 layer norm as its decomposition, computed in float32 as torch's kernels
+        do, or (drawn as :meth:`_either` draws) in float16 itself (:func:`layer_norm_in_own_dtype`)."""
+        decomposition = DECOMPOSED_OPS[func]
+
+        def standard() -> Any:
+            with self:
+                return decomposition(*args, **kwargs)
+
+        def own() -> Any:
+            with self:
+                return layer_norm_in_own_dtype(*args, **kwargs)
+
+        floating = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        x = args[0]
+        if self.mode == "random" or x.dim() == 0 or any(a.dtype not in OWN_DTYPE_NORMS for a in floating):
+            return standard()
+        if self.samples == 1:
+            return own() if torch.rand((), generator=self._generator(x.device)).item() < 0.5 else standard()
+        return self._either(x, own, standard)
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``var`` or ``var_mean`` (any overload) computed by :func:`one_pass_var_mean`, its
@@ -303,6 +319,8 @@ class PerturbedArithmetic(TorchDispatchMode):
         kwargs = kwargs or {}
         if self.break_ties and func is torch.ops.aten.topk.default:
             return self._topk_ties_broken(func, args, kwargs)
+        if func is torch.ops.aten.native_layer_norm.default and func in DECOMPOSED_OPS:
+            return self._layer_norm(func, args, kwargs)
         decomposition = DECOMPOSED_OPS.get(func)
         if decomposition is not None:
             with self:  # each op of the decomposition dispatches here again

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from pytest_layerparity.reference import rounding
-from pytest_layerparity.reference.perturb import ERROR_SCALE, PerturbedArithmetic, one_pass_var_mean
+from pytest_layerparity.reference.algorithms import one_pass_var_mean
+from pytest_layerparity.reference.perturb import ERROR_SCALE, PerturbedArithmetic
 from pytest_layerparity.reference.rounding import another_rounding, sequential_sum_error_std, stochastic_round
 from pytest_layerparity.reference.wider import attention_reference, exact_fast_matmul, query_block
 
@@ -449,3 +450,51 @@ def test_tf32_gives_the_float32_result_of_sixteen_bit_operands_on_cuda(dtype):
     finally:
         torch.backends.cuda.matmul.fp32_precision = before
     assert (rounded.double() - x.double() @ y.double()).abs().max().item() > 1e-4 * scale
+
+
+def _row_scale_error(y: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Each row's scale error (its least-squares factor against the exact rows, less 1)."""
+    return (y.double() * exact).sum(-1) / (exact * exact).sum(-1) - 1
+
+
+def test_a_float16_layer_norm_is_computed_in_float16_in_some_runs_alone():
+    """Half the runs of a float16 layer norm compute its statistics in float16 (each row's
+    scale then off by a float16 rounding shared by the row, as XLA's lowering gives); the
+    others as torch's kernel does, in float32. A bfloat16 layer norm is always the latter. Where
+    runs are stacked, each run draws its own way."""
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2048, 64, generator=gen) + 0.5).half()
+    xd = x.double()
+    exact = (xd - xd.mean(-1, keepdim=True)) / xd.var(-1, unbiased=False, keepdim=True).sqrt()
+    spreads = []
+    for seed in range(8):
+        with PerturbedArithmetic(seed):
+            y = torch.nn.functional.layer_norm(x, (64,), None, None, 1e-12)
+        spreads.append(_row_scale_error(y, exact).std().item() * 2**11)
+    wide, narrow = [v for v in spreads if v > 0.5], [v for v in spreads if v < 0.2]
+    assert len(wide) + len(narrow) == 8 and wide and narrow, spreads
+    for seed in range(4):
+        with PerturbedArithmetic(seed):
+            y = torch.nn.functional.layer_norm(x.bfloat16(), (64,), None, None, 1e-12)
+        assert _row_scale_error(y, exact).std().item() * 2**8 < 0.2
+    mixed = 0
+    for seed in range(4):
+        with PerturbedArithmetic(seed, samples=4):
+            y = torch.nn.functional.layer_norm(x.view(4, 512, 64), (64,), None, None, 1e-12)
+        runs = [_row_scale_error(r, e).std().item() * 2**11 for r, e in zip(y, exact.view(4, 512, 64), strict=True)]
+        assert all(v > 0.5 or v < 0.2 for v in runs), runs
+        mixed += any(v > 0.5 for v in runs) and any(v < 0.2 for v in runs)
+    assert mixed  # P(a call of 4 runs all one way) = 1/8
+
+
+def test_layer_norm_in_own_dtype_is_the_layer_norm_within_float16_rounding():
+    from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 32, generator=gen).half()
+    w, b = (1 + 0.1 * torch.randn(32, generator=gen)).half(), (0.1 * torch.randn(32, generator=gen)).half()
+    out, mean, rstd = layer_norm_in_own_dtype(x, (32,), w, b, 1e-5)
+    ref, ref_mean, ref_rstd = torch.ops.aten.native_layer_norm(x.float(), [32], w.float(), b.float(), 1e-5)
+    assert out.dtype == torch.float16 and mean.shape == ref_mean.shape and rstd.shape == ref_rstd.shape
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+    assert not torch.equal(out, ref.half())  # computed in float16: not the float32 result rounded
