@@ -11,7 +11,7 @@ second, wider copy of the layer in memory."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +90,7 @@ def contribution_branches(
     ``MIN_BRANCH_CONTRIBUTION_COSINE``): none without the layer's input."""
     import torch
 
-    if hidden_in is None or tuple(hidden_in.shape) != tuple(out.shape):
+    if not branches or hidden_in is None or tuple(hidden_in.shape) != tuple(out.shape):
         return {}
     o = out.detach().to("cpu", torch.float64).flatten()
     u = o - hidden_in.detach().to("cpu", torch.float64).flatten()
@@ -141,6 +141,7 @@ class FloorEvaluator:
         tensors: Mapping[str, torch.Tensor],
         hidden: torch.Tensor | None = None,
         layer: torch.nn.Module | None = None,
+        extras: bool = True,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Layer ``index`` on the call ``spec``/``tensors`` (hidden states replaced by
         ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
@@ -148,7 +149,9 @@ class FloorEvaluator:
         layer's branches in the golden's dtype (``floor.branch.*``, :func:`capture_branches`:
         the directions ``branch_bias`` is measured along), and for a decode step the keys and
         values the layer appended to its KV cache (``floor.cache.new_keys``/``new_values``).
-        ``layer``: the layer already loaded (by :meth:`load`), else it is loaded and given back."""
+        ``layer``: the layer already loaded (by :meth:`load`), else it is loaded and given back.
+        Without ``extras``, the output alone (a chain's floor step: the routers, branches and
+        appended keys and values are not captured)."""
         import torch
 
         from .tokens import in_token_blocks
@@ -163,24 +166,24 @@ class FloorEvaluator:
         args, kwargs = decode_call(spec, upcast, cache_name=cache_argument(layer))
         routing: dict[str, torch.Tensor] = {}
         branches: dict[str, torch.Tensor] = {}
-        with (
-            torch.no_grad(),
-            capture_routing(layer, self.model.top_k, routing),
-            capture_branches(layer, branches),
-            in_token_blocks(layer),
-            WiderArithmetic(self.dtype),
-        ):
+        with ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            if extras:
+                stack.enter_context(capture_routing(layer, self.model.top_k, routing))
+                stack.enter_context(capture_branches(layer, branches))
+            stack.enter_context(in_token_blocks(layer))
+            stack.enter_context(WiderArithmetic(self.dtype))
             out = first_tensor(layer(*args, **kwargs))
-        extras = floor_routing(routing)
+        found = floor_routing(routing)
         hidden_in = upcast.get(hidden_input_name(spec))
         for name, branch in contribution_branches(branches, out, hidden_in).items():  # directions: golden's dtype
-            extras[BRANCH_PREFIX + name] = branch.to("cpu", self.golden_dtype)
+            found[BRANCH_PREFIX + name] = branch.to("cpu", self.golden_dtype)
         del branches
-        appended = appended_kv(args, kwargs, spec, upcast)
+        appended = appended_kv(args, kwargs, spec, upcast) if extras else None
         if appended is not None:
-            extras[FLOOR_NEW_KEYS], extras[FLOOR_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)
+            found[FLOOR_NEW_KEYS], found[FLOOR_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)
         del args, kwargs, upcast
         if owned:
             del layer
         give_back_memory()  # the wider pass's freed temporaries (and the layer, when owned)
-        return out.detach().to("cpu", self.dtype), extras
+        return out.detach().to("cpu", self.dtype), found

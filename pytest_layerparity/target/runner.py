@@ -307,7 +307,7 @@ class TargetSide:
             envelope = local = None
             if FLOOR_KEY in entry.tensors:
                 reference = self.floor.load(index)  # once for the floor chain, the local check, the envelope's runs
-                ref_hidden, _ = self.floor.evaluate(index, spec, entry.tensors, ref_hidden, layer=reference)
+                ref_hidden, _ = self.floor.evaluate(index, spec, entry.tensors, ref_hidden, reference, extras=False)
                 if target_in is not None:
                     local = self._local(index, entry, run, target_in, reference, tainted)
                 entry = replace(entry, tensors={**entry.tensors, FLOOR_KEY: ref_hidden})

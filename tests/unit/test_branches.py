@@ -198,3 +198,23 @@ def test_the_suggested_contribution_limit_passes_every_branch_too():
         0, tensors, "output", target, {}, make_settings(max_contribution_z=z * 1.01), "float32", hidden_in=x
     )
     assert all(c.ok for c in again.checks if "bias" in c.name)
+
+
+def test_a_chains_floor_step_gives_the_same_output_without_the_extras():
+    """FloorEvaluator.evaluate(extras=False) (a chain's floor step) computes the same output
+    and captures nothing beside it; with them, the routers and branches are there."""
+    from pathlib import Path
+
+    from pytest_layerparity.reference.floor import FloorEvaluator
+    from pytest_layerparity.reference.source import ModelSource
+    from pytest_layerparity.store.golden import GoldenStore
+
+    fixtures = Path(__file__).resolve().parents[2] / "fixtures"
+    entry = GoldenStore(fixtures / "goldens" / "minimax_m2_tiny").load("layer_1")
+    floor = FloorEvaluator(ModelSource(fixtures / "minimax_m2_tiny"), torch.bfloat16)
+    spec = entry.metadata["call"]
+    out, found = floor.evaluate(1, spec, entry.tensors)
+    bare, nothing = floor.evaluate(1, spec, entry.tensors, extras=False)
+    assert nothing == {}
+    assert any(k.startswith("floor.branch.") for k in found) and any(k.startswith("floor.routing.") for k in found)
+    assert torch.equal(out, bare)
