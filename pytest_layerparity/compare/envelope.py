@@ -97,6 +97,10 @@ class Envelope:
     #: and the golden's own bias along that branch (empty where the golden holds no branch).
     branch_bias: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     golden_branch_bias: Mapping[str, float] = field(default_factory=dict)
+    #: Tokens every run's statistics left out because the golden's experts there differ from
+    #: its floor's (``compare.routing.golden_floor_flips``); None for an envelope made before
+    #: they were (a target is then judged on every token, as its runs were).
+    golden_flips: tuple[int, ...] | None = None
 
     @property
     def samples(self) -> int:
@@ -112,6 +116,7 @@ class Envelope:
             if self.branch_bias
             else {}
         )
+        flips = {"golden_flips": list(self.golden_flips)} if self.golden_flips is not None else {}
         return {
             "method": self.method,
             "samples": self.samples,
@@ -119,6 +124,7 @@ class Envelope:
             **{name: [float(v) for v in getattr(self, name)] for name in STATISTICS},
             **kv,
             **branches,
+            **flips,
         }
 
     @classmethod
@@ -151,7 +157,13 @@ class Envelope:
             len(v) != len(values["noise_ratio"]) or not all(map(math.isfinite, v)) for v in branch.values()
         ):
             raise ValueError("malformed noise envelope: the branches' samples do not match the runs")
+        flips = data.get("golden_flips")
+        if flips is not None and (
+            not isinstance(flips, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in flips)
+        ):
+            raise ValueError(f"malformed noise envelope: golden_flips {flips!r} is not a list of token indices")
         return cls(
+            golden_flips=tuple(flips) if flips is not None else None,
             golden_bias=golden_bias,
             method=str(data.get("method", "mca")),
             **values,

@@ -20,7 +20,7 @@ import torch
 from .envelope import Envelope, EnvelopeLimits
 from .floor import FLOOR_KEY, FloorStats, branch_directions, floor_stats, token_mask
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
-from .routing import RoutingAgreement, agreement, router_names
+from .routing import RoutingAgreement, agreement, golden_floor_flips, router_names
 from .verdict import Check, evaluate
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ class LayerOutcome:
     envelope: EnvelopeLimits | None = None  # the limits the noise policy drew from the golden's envelope
     tainted_tokens: list[int] = field(default_factory=list)  # left out after an earlier near-tie flip (chains)
     judged_tokens: int | None = None  # tokens the verdict's statistics kept (None: all of them)
+    golden_flip_tokens: list[int] = field(default_factory=list)  # the golden's experts differ from its floor's
 
     @property
     def passed(self) -> bool:
@@ -93,13 +94,16 @@ def judge(
     envelope: Envelope | None = None,
     tainted: Sequence[int] = (),
     branches: Mapping[str, torch.Tensor] | None = None,
+    golden_flips: Sequence[int] = (),
 ) -> LayerOutcome:
     """Hold ``target`` against ``golden`` (and against the precision floor ``floor``,
     the layer's input ``hidden_in``, the routers' agreement and the layer's noise envelope,
     when given). ``tainted``: tokens a chain already let diverge on a near-tie routing flip
     in an earlier layer, left out of the statistics against the floor. ``branches``: the
     outputs of the layer's branches in the floor's pass (by name), whose directions the
-    target's error is measured along too."""
+    target's error is measured along too. ``golden_flips``: tokens whose experts the golden
+    chose otherwise than its floor, left out of the statistics against the floor (with
+    ``--near-ties strict`` too: there the floor is no measure of the golden's rounding)."""
     target_cpu = target.detach().to("cpu")
     if tuple(golden.shape) != tuple(target_cpu.shape):
         raise AssertionError(
@@ -112,8 +116,9 @@ def judge(
     strict = settings.near_ties == "strict"
     keep = None  # the verdict leaves near-tie routing flips out unless --near-ties strict
     tainted = sorted({t for t in tainted if 0 <= t < rows}) if not strict else []
-    if golden.dim() > 1 and not strict:
-        keep = token_mask(rows, [*near_ties, *tainted])
+    flips = sorted({t for t in golden_flips if 0 <= t < rows}) if golden.dim() > 1 else []
+    if golden.dim() > 1:
+        keep = token_mask(rows, [*(near_ties if not strict else []), *tainted, *flips])
     excluded = near_ties if settings.near_ties == "exclude" and keep is not None else []
     g_cmp, t_cmp = golden, target_cpu
     compared = token_mask(rows, [*excluded, *tainted]) if keep is not None else None
@@ -143,6 +148,7 @@ def judge(
         envelope=limits,
         tainted_tokens=tainted,
         judged_tokens=int(keep.sum()) if keep is not None else None,
+        golden_flip_tokens=flips,
     )
 
 
@@ -200,6 +206,10 @@ def judge_golden(
         envelope=envelope,
         tainted=tainted,
         branches=branch_directions(golden_tensors),
+        # as the envelope's runs were judged: an envelope made before the rule has none
+        golden_flips=golden_floor_flips(dict(golden_tensors))
+        if envelope is None or envelope.golden_flips is not None
+        else (),
     )
 
 

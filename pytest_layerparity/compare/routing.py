@@ -123,3 +123,28 @@ def agreement(
         flipped_tokens=tuple(flipped),
         near_tie_tokens=tuple(near),
     )
+
+
+def golden_floor_flips(golden: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """Tokens whose experts the golden chose otherwise than its floor's exact scores
+    (``floor.routing.<router>.*``, the same call computed wider) choose them: the golden
+    broke a near tie the other way. At such a token the golden's difference from its floor
+    is an expert's whole contribution, not rounding: one such token outweighs hundreds of
+    others in the golden's error, the unit every floor statistic is measured in, so the
+    statistics leave it out (the envelope's runs and the target alike). A router whose
+    choice is not the plain top-k of those scores (a grouped selection: more than half the
+    tokens would differ) is left alone; so is a call where every token would go (a decode
+    step's one token: its statistics would say nothing)."""
+    out: set[int] = set()
+    for name in router_names(golden):
+        key = f"routing.{name}"
+        kind = "scores" if f"{key}.scores" in golden and f"floor.routing.{name}.scores" in golden else "logits"
+        exact, indices = golden.get(f"floor.routing.{name}.{kind}"), golden[f"{key}.indices"]
+        if exact is None or exact.dim() != 2 or indices.dim() != 2 or exact.shape[0] != indices.shape[0]:
+            continue
+        chosen = exact.double().topk(min(indices.shape[-1], exact.shape[-1]), dim=-1).indices
+        found = agreement(name, golden, {f"{key}.indices": chosen}, 0.0)
+        if found is not None and 2 * found.flipped <= found.tokens:
+            out.update(found.flipped_tokens)
+    rows = next((golden[f"routing.{n}.indices"].shape[0] for n in router_names(golden)), 0)
+    return tuple(sorted(out)) if len(out) < rows else ()

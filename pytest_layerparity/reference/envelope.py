@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..capture.routing import capture_routing
 from ..compare.envelope import Envelope
 from ..compare.floor import FloorStats, branch_directions, floor_stats, token_mask
-from ..compare.routing import agreement, router_names
+from ..compare.routing import agreement, golden_floor_flips, router_names
 from ..report.progress import SILENT, Progress
 from ..store.callspec import (
     appended_kv,
@@ -90,14 +90,19 @@ def envelope_from_stats(
     hidden_in: torch.Tensor | None,
     stats: Iterable[FloorStats | None],
     branches: Mapping[str, torch.Tensor] | None = None,
+    golden_flips: Sequence[int] | None = None,
 ) -> Envelope | None:
     """The envelope of the perturbed runs whose statistics (:func:`run_stats`) are
     ``stats``, taken one at a time (a run's output need not outlive its statistics); None
-    when fewer than two runs kept a token."""
+    when fewer than two runs kept a token. ``golden_flips``: the tokens every run left out
+    (where the golden's experts differ from its floor's), recorded on the envelope; None: no
+    such rule (a chain's runs)."""
     kept = [s for s in stats if s is not None]
     if len(kept) < 2:
         return None
-    ref_only = floor_stats(golden, golden, reference, hidden_in, directions=branches)
+    rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
+    keep = token_mask(rows, golden_flips) if golden_flips else None
+    ref_only = floor_stats(golden, golden, reference, hidden_in, keep, directions=branches)
     # a branch every run measured (a run that kept no token of it would lack it)
     names = [n for n in ref_only.golden_branch_z if all(n in s.branch_z for s in kept)]
     return Envelope(
@@ -107,6 +112,7 @@ def envelope_from_stats(
         golden_bias=ref_only.golden_contribution_z or 0.0,
         branch_bias={n: tuple(s.branch_bias[n] for s in kept) for n in names},
         golden_branch_bias={n: ref_only.golden_branch_z[n] for n in names},
+        golden_flips=tuple(golden_flips) if golden_flips is not None else None,
     )
 
 
@@ -378,11 +384,12 @@ class PerturbedRunner:
         statistics are taken: the memory does not grow with K."""
         stats, appended = [], []
         branches = branch_directions(tensors)
+        fixed = golden_floor_flips(dict(tensors))  # left out of every run, as the target's test leaves them out
         for run in self.runs(index, spec, tensors, layer=layer):
-            drop = flipped_tokens(tensors, run.routing)
+            drop = flipped_tokens(tensors, run.routing) | set(fixed)
             stats.append(run_stats(golden, run.output, reference, hidden_in, drop, branches))
             appended.append(appended_ratios(tensors, run.appended))
-        envelope = envelope_from_stats(golden, reference, hidden_in, stats, branches)
+        envelope = envelope_from_stats(golden, reference, hidden_in, stats, branches, fixed)
         kept = [ratios for ratios, s in zip(appended, stats, strict=True) if s is not None]
         if envelope is None or not kept or None in kept:
             return envelope

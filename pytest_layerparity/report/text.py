@@ -51,6 +51,11 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
             f"  left out of the statistics against the floor (routing flipped on a near tie earlier in the chain): "
             f"tokens {outcome.tainted_tokens}"
         )
+    if outcome.golden_flip_tokens:
+        lines.append(
+            "  left out of the statistics against the floor (the golden chose other experts there than its "
+            f"higher-precision evaluation): tokens {outcome.golden_flip_tokens}"
+        )
     for routing in outcome.routing:
         lines.append(f"  {routing.describe()}")
         if routing.flipped and noise is not None:

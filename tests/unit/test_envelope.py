@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -212,7 +213,8 @@ def test_the_envelope_takes_each_runs_statistics_as_it_ends(monkeypatch):
     runner = PerturbedRunner(model=None, golden_dtype=torch.float64, samples=6)
     spec = {"args": [{"t": "x"}], "kwargs": {}, "output": {"t": "out"}}
     env = runner.envelope(0, spec, {"x": x}, golden, ref, x, layer=torch.nn.Identity())
-    assert env == envelope_from_runs(golden, outputs, ref, x)
+    assert env.golden_flips == ()  # the rule applied (no router here: no token)
+    assert replace(env, golden_flips=None) == envelope_from_runs(golden, outputs, ref, x)
     assert len(made) == 6 and max(alive) == 2
     kept = list(runner.runs(0, spec, {"x": x}, layer=torch.nn.Identity()))  # a chain keeps them all
     assert len(kept) == 6 and max(alive[6:]) == 6
@@ -354,3 +356,16 @@ def test_a_decode_steps_envelope_holds_each_runs_appended_keys_and_values(monkey
     assert len(env.new_keys_noise_ratio) == 6 and len(env.new_values_noise_ratio) == 6
     assert all(0 < r < 20 for r in (*env.new_keys_noise_ratio, *env.new_values_noise_ratio))
     assert len(set(env.new_keys_noise_ratio)) > 1  # each run's own
+
+
+def test_the_golden_flips_round_trip_and_a_malformed_list_is_refused():
+    """An envelope records the tokens its runs left out for the golden's own routing flips
+    (none: an empty list); one made before the rule records nothing and reads back as None."""
+    made = replace(envelope(), golden_flips=(3, 7))
+    assert Envelope.from_metadata(made.as_metadata()) == made
+    assert Envelope.from_metadata(replace(made, golden_flips=()).as_metadata()).golden_flips == ()
+    old = envelope().as_metadata()
+    assert "golden_flips" not in old and Envelope.from_metadata(old).golden_flips is None
+    for broken in ("3", [1.5], [True], {"a": 1}):
+        with pytest.raises(ValueError, match="golden_flips"):
+            Envelope.from_metadata({**old, "golden_flips": broken})

@@ -500,3 +500,80 @@ def test_a_call_whose_every_token_routed_apart_on_a_near_tie_is_judged_nothing_a
     _, _, many = layer_like()
     whole = judge(3, many, many, settings, "float32")  # no routing: every token judged
     assert not whole.judged_nothing and whole.judged_tokens is None
+
+
+def test_tokens_whose_golden_experts_differ_from_the_floors_are_found():
+    """The floor's exact scores pick other experts than the golden did at token 1 alone (a
+    near tie the golden broke the other way); a router whose choice is not the plain top-k of
+    its scores (most tokens differ), or a call of one token, names none."""
+    from pytest_layerparity.compare.routing import golden_floor_flips
+
+    floor = torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 1.0, 2.0, 1.0 + 1e-4], [2.0, 0.0, 0.0, 1.0]])
+    tensors = {
+        f"routing.{ROUTER}.indices": torch.tensor([[0, 1], [2, 1], [0, 3]]),
+        f"routing.{ROUTER}.scores": torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 1.0, 2.0, 1.0], [2.0, 0.0, 0.0, 1.0]]),
+        f"floor.routing.{ROUTER}.scores": floor.double(),
+    }
+    assert golden_floor_flips(tensors) == (1,)
+    grouped = {**tensors, f"routing.{ROUTER}.indices": torch.tensor([[2, 3], [0, 3], [1, 2]])}
+    assert golden_floor_flips(grouped) == ()
+    one = {k: v[1:2] for k, v in tensors.items()}
+    assert golden_floor_flips(one) == ()
+    assert golden_floor_flips({"output": torch.zeros(3, 4)}) == ()
+
+
+def test_a_token_the_golden_routed_apart_from_its_floor_does_not_hide_a_bias():
+    """One token whose golden took another expert than its floor (an error the size of the
+    output there) makes the golden's error, the statistics' unit, hundreds of times larger: a
+    bias of 1% of the contribution reads as noise with the token in and stands out with it
+    left out, as the judge leaves it out."""
+    x, ref, golden = layer_like(tokens=64, width=64, noise=1e-3)
+    golden = golden.clone()
+    golden[5] = ref[5] + 0.5 * (ref[5] - x[5])  # the golden's token 5 went to another expert
+    target = golden + 1e-2 * (ref - x)
+    settings = make_settings()
+    kept = judge(2, golden, target, settings, "float32", floor=ref, hidden_in=x, golden_flips=[5])
+    hidden = judge(2, golden, target, settings, "float32", floor=ref, hidden_in=x)
+    assert kept.golden_flip_tokens == [5] and kept.judged_tokens == 63
+    assert abs(kept.floor.contribution_z) > 10 * abs(hidden.floor.contribution_z)
+    assert "contribution_bias" in failing(kept.checks)
+
+
+def test_the_judge_leaves_golden_floor_flips_out_as_the_envelope_did():
+    """judge_golden leaves the golden's own routing flips out where the envelope's runs did
+    (an envelope that records them, or none at all) and keeps them where an envelope made
+    before the rule judged every token."""
+    from dataclasses import replace
+
+    from pytest_layerparity.compare.envelope import Envelope
+
+    x, ref, golden = layer_like(tokens=4, width=8)
+    scores = torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 1.0, 2.0, 1.0], [2.0, 0.0, 0.0, 1.0], [1.0, 2.0, 0.0, 0.0]])
+    floor_scores = scores.double().clone()
+    floor_scores[1, 3] += 1e-4  # the floor takes expert 3 over 1 at token 1
+    tensors = {
+        "output": golden,
+        FLOOR_KEY: ref,
+        "args.0": x,
+        f"routing.{ROUTER}.indices": torch.tensor([[0, 1], [2, 1], [0, 3], [1, 0]]),
+        f"routing.{ROUTER}.scores": scores,
+        f"floor.routing.{ROUTER}.scores": floor_scores,
+    }
+    runs = Envelope((1.0, 1.1), (1.0, 1.1), (0.0, 1.0), 0.0, golden_flips=(1,))
+    settings = make_settings()
+    routing = dict(routed([0, 1], [2, 1], [0, 3], [1, 0]))
+    for envelope, flips in ((runs, [1]), (None, [1]), (replace(runs, golden_flips=None), [])):
+        outcome = judge_golden(2, tensors, "output", golden, routing, settings, "float32", envelope=envelope)
+        assert outcome.golden_flip_tokens == flips
+
+
+def test_the_failure_text_names_the_golden_floor_flips():
+    from pytest_layerparity.report.text import failure_text
+
+    x, ref, golden = layer_like(tokens=64, width=64, noise=1e-3)
+    golden = golden.clone()
+    golden[5] = ref[5] + 0.5 * (ref[5] - x[5])
+    outcome = judge(
+        2, golden, golden + 1e-2 * (ref - x), make_settings(), "float32", floor=ref, hidden_in=x, golden_flips=[5]
+    )
+    assert "higher-precision evaluation): tokens [5]" in failure_text(outcome, "on cpu", "")
