@@ -527,7 +527,7 @@ def float64_effect(model, store, extra, plant, at):
     return ((outs[1] - outs[0]).norm() / outs[0].norm()).item()
 
 
-def extract(model, store, extra, dtype, layers, samples, golden_device="auto"):
+def extract(model, store, extra, dtype, layers, samples, golden_device="auto", seq_len=32):
     s = session(
         model,
         store,
@@ -536,7 +536,7 @@ def extract(model, store, extra, dtype, layers, samples, golden_device="auto"):
         gpu_golden=True,
         extract=True,
         dtype=dtype,
-        seq_len=32,
+        seq_len=seq_len,
         decode_steps=DECODE_STEPS,
         envelope_samples=samples,
         **({"prompt": extra["prompt"]} if "prompt" in extra else {}),
@@ -565,6 +565,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4, help="layers of each generated model")
     parser.add_argument("--samples", type=int, default=12, help="K, perturbed runs per layer")
+    parser.add_argument("--seq-len", type=int, default=32, help="prompt tokens of the goldens (default 32)")
     parser.add_argument("--dtypes", default="bfloat16,float32,float16")
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--skip-k", action="store_true", help="leave out the choice of K")
@@ -630,6 +631,7 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         "no_effect": [],
     }
     passed = [f"--layers={args.layers}", f"--samples={args.samples}", f"--dtypes={args.dtypes}"]
+    passed += [f"--seq-len={args.seq_len}"]
     passed += [f"--golden-device={args.golden_device}", f"--port-target={args.port_target}"]
     passed += [flag for flag, on in (("--skip-sweep", args.skip_sweep), ("--bug-chains", args.bug_chains)) if on]
     passed += [f"--envelope-seed={args.envelope_seed}"] if args.envelope_seed is not None else []
@@ -705,7 +707,8 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         mid = count // 2
         for dtype in args.dtypes.split(","):
             store = work / f"{name}-{dtype}".replace(" ", "_")
-            timing.append((name, dtype, extract(model, store, extra, dtype, layers, args.samples, args.golden_device)))
+            seconds = extract(model, store, extra, dtype, layers, args.samples, args.golden_device, args.seq_len)
+            timing.append((name, dtype, seconds))
             runs = {
                 f"isolated ({label})": session(model, store, extra, target=target),
                 "isolated (computed wider, CPU)": session(
