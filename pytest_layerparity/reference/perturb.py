@@ -39,9 +39,13 @@ which results a correct port's kernels legitimately give):
   variance and sum are perturbed on their own and their error is shared by the whole row;
 * a variance is computed half the time in one pass (E[x^2] - E[x]^2, ``one_pass_var_mean``),
   as fused norm kernels do, and otherwise as torch does (two passes);
-* a float16 layer norm is computed half the time in float16 itself (``OWN_DTYPE_NORMS``,
-  :func:`layer_norm_in_own_dtype`): its statistics rounded to float16, an error shared by the
-  row, as XLA's lowering to a batch norm in the operand's type computes it;
+* in half the runs, every float16 layer norm is computed in float16 itself
+  (``OWN_DTYPE_NORMS``, :func:`layer_norm_in_own_dtype`): its statistics rounded to float16,
+  an error shared by the row, as XLA's lowering to a batch norm in the operand's type
+  computes it; in half the runs (drawn apart), every 16-bit matmul with a bias rounds its
+  product before adding the bias (``PRODUCT_ROUNDED_ADDMM``), as XLA's dot-then-add does (a
+  systematic lean of that double rounding included). A backend lowers all such ops one way,
+  so a run takes an alternative for all of them or for none;
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
   (``SIXTEEN_BIT_ACCUMULATION``): tensor cores' float16-accumulate mode, cuBLAS's reduced-precision
   reductions (on by default in PyTorch), XLA's CPU backend (its float16 dot measured 12 times
@@ -70,7 +74,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .algorithms import OWN_DTYPE_NORMS, layer_norm_in_own_dtype, one_pass_var_mean
+from .algorithms import (
+    DECOMPOSED_OPS,
+    OWN_DTYPE_NORMS,
+    PRODUCT_ROUNDED_ADDMM,
+    VARIANCE_OPS,
+    addmm_product,
+    layer_norm_in_own_dtype,
+    one_pass_var_mean,
+)
 from .rounding import _UNIT_ROUNDOFF, _may_round, _rounds, another_rounding, sequential_sum_error_std
 from .wider import (
     FUSED_ATTENTION_OPS,
@@ -91,29 +103,6 @@ ERROR_SCALE = 2.0
 SIXTEEN_BIT_ACCUMULATION = frozenset({torch.float16})
 #: Matmul ops, by packet name, with the positions of their two factors (m x k and k x n).
 ACCUMULATING_OPS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
-
-
-def _decomposed_ops() -> dict[Any, Any]:
-    """Composite kernels whose per-row reductions (a norm's mean and variance, a softmax's sum)
-    a legitimate implementation computes its own way: under the perturbation they run as
-    their decomposition, so each reduction is perturbed on its own and its error is shared by
-    the whole row, as another kernel's (another rsqrt, another summation order) would be.
-    Perturbing only the fused kernel's output would give each element an independent error
-    and miss that coherent part."""
-    from torch._decomp import decomposition_table
-
-    aten = torch.ops.aten
-    ops = (
-        aten.native_layer_norm.default,
-        aten.native_group_norm.default,
-        aten._softmax.default,
-        aten._log_softmax.default,
-    )
-    return {op: decomposition_table[op] for op in ops if op in decomposition_table}
-
-
-DECOMPOSED_OPS = _decomposed_ops()
-VARIANCE_OPS = frozenset({torch.ops.aten.var_mean, torch.ops.aten.var})
 
 
 def _rounded_wide_result(func: Any, args: tuple, kwargs: dict, exact: list[Any] | None) -> torch.Tensor | None:
@@ -179,6 +168,7 @@ class PerturbedArithmetic(TorchDispatchMode):
         self.ops = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._tie_generators: dict[torch.device, torch.Generator] = {}  # the arithmetic's draws stay as they were
+        self._picks: dict[Any, torch.Tensor] = {}  # per alternative (its code) and device: which runs take it
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
@@ -236,12 +226,16 @@ class PerturbedArithmetic(TorchDispatchMode):
             x, lambda: self._one_pass_variance(func, args, kwargs), lambda: self._perturbed(func, args, kwargs)
         )
 
-    def _either(self, x: torch.Tensor, first: Callable[[], Any], second: Callable[[], Any]) -> Any:
+    def _either(
+        self, x: torch.Tensor, first: Callable[[], Any], second: Callable[[], Any], pick: torch.Tensor | None = None
+    ) -> Any:
         """``first()`` or ``second()`` (a tensor or a tuple of them), each with probability
-        1/2, drawn for each of the stacked runs (``samples``, more than one): each run's rows
-        taken from its own draw's result. Where the result's rows are not the runs' (a
-        reduction across them), the op's draw is the runs': ``second()``."""
-        pick = torch.rand(self.samples, generator=self._generator(x.device), device=x.device) < 0.5
+        1/2, drawn for each of the stacked runs (``samples``, more than one; or ``pick``, one
+        boolean per run, given): each run's rows taken from its own draw's result. Where the
+        result's rows are not the runs' (a reduction across them), the op's draw is the runs':
+        ``second()``."""
+        if pick is None:
+            pick = torch.rand(self.samples, generator=self._generator(x.device), device=x.device) < 0.5
         if bool(pick.all()):
             return first()
         two = second()
@@ -261,7 +255,7 @@ class PerturbedArithmetic(TorchDispatchMode):
 
     def _layer_norm(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A float16 layer norm as its decomposition, computed in float32 as torch's kernels
-        do, or (drawn as :meth:`_either` draws) in float16 itself (:func:`layer_norm_in_own_dtype`)."""
+        do, or (drawn) in float16 itself (:func:`layer_norm_in_own_dtype`)."""
         decomposition = DECOMPOSED_OPS[func]
 
         def standard() -> Any:
@@ -272,13 +266,39 @@ class PerturbedArithmetic(TorchDispatchMode):
             with self:
                 return layer_norm_in_own_dtype(*args, **kwargs)
 
+        return self._drawn(args, OWN_DTYPE_NORMS, own, standard)
+
+    def _addmm(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A 16-bit matmul with a bias as one kernel rounds it (once), or (drawn) with its
+        product rounded before the bias is added (:func:`addmm_product_rounded`)."""
+        if len(args) != 3 or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+            return self._perturbed(func, args, kwargs)
+
+        def rounded_first() -> Any:
+            with exact_fast_matmul(func, args, kwargs):
+                product = addmm_product(args[1], args[2])
+            with self:
+                return product + args[0]  # the bias added: a second rounding
+
+        return self._drawn(args, PRODUCT_ROUNDED_ADDMM, rounded_first, lambda: self._perturbed(func, args, kwargs))
+
+    def _drawn(self, args: tuple, dtypes: frozenset, other: Callable[[], Any], standard: Callable[[], Any]) -> Any:
+        """``other()`` or ``standard()`` where every floating operand in ``args`` is of
+        ``dtypes`` (else ``standard()``), chosen once per run for each alternative (``other``'s
+        code): an implementation lowers every such op one way, so a run takes it for all of
+        them or for none, half the runs each. The rows of the first operand with rows are the
+        stacked runs'."""
         floating = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        x = args[0]
-        if self.mode == "random" or x.dim() == 0 or any(a.dtype not in OWN_DTYPE_NORMS for a in floating):
+        x = next((a for a in floating if a.dim() > 1), floating[0] if floating else None)
+        if self.mode == "random" or x is None or x.dim() == 0 or any(a.dtype not in dtypes for a in floating):
             return standard()
+        key = (other.__code__, x.device)
+        if key not in self._picks:
+            self._picks[key] = torch.rand(self.samples, generator=self._generator(x.device), device=x.device) < 0.5
+        pick = self._picks[key]
         if self.samples == 1:
-            return own() if torch.rand((), generator=self._generator(x.device)).item() < 0.5 else standard()
-        return self._either(x, own, standard)
+            return other() if bool(pick[0]) else standard()
+        return self._either(x, other, standard, pick)
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``var`` or ``var_mean`` (any overload) computed by :func:`one_pass_var_mean`, its
@@ -321,6 +341,8 @@ class PerturbedArithmetic(TorchDispatchMode):
             return self._topk_ties_broken(func, args, kwargs)
         if func is torch.ops.aten.native_layer_norm.default and func in DECOMPOSED_OPS:
             return self._layer_norm(func, args, kwargs)
+        if func is torch.ops.aten.addmm.default:
+            return self._addmm(func, args, kwargs)
         decomposition = DECOMPOSED_OPS.get(func)
         if decomposition is not None:
             with self:  # each op of the decomposition dispatches here again

@@ -498,3 +498,56 @@ def test_layer_norm_in_own_dtype_is_the_layer_norm_within_float16_rounding():
     assert out.dtype == torch.float16 and mean.shape == ref_mean.shape and rstd.shape == ref_rstd.shape
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
     assert not torch.equal(out, ref.half())  # computed in float16: not the float32 result rounded
+
+
+class _AlwaysOther(PerturbedArithmetic):
+    """The perturbation with every drawn alternative taken (to test the alternatives)."""
+
+    def _drawn(self, args, dtypes, other, standard):
+        floating = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        return other() if all(a.dtype in dtypes for a in floating) else standard()
+
+
+def test_a_sixteen_bit_linear_with_a_bias_may_round_its_product_first():
+    """The alternative of a 16-bit addmm rounds the product to nearest and adds the bias (a
+    second rounding), as XLA's dot-then-add does: within the add's perturbation (1.5 ulp at
+    most) of that two-step result, where one-step rounding lands elsewhere; float32 operands
+    keep the one-step addmm. Half the runs draw it (as the other alternatives)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(256, 64, generator=gen).bfloat16()
+    w = torch.randn(32, 64, generator=gen).bfloat16()
+    b = torch.randn(32, generator=gen).bfloat16()
+    two_step = ((x.float() @ w.float().T).bfloat16().float() + b.float()).double()
+    one_step = (x.double() @ w.double().T + b.double()).bfloat16()
+    with _AlwaysOther(0):
+        out = torch.nn.functional.linear(x, w, b)
+    assert bool((ulps(out, two_step.bfloat16()) <= 2).all())  # 1.5 ulp from the exact sum, 2 from its rounding
+    assert (out != one_step).double().mean().item() > (two_step.bfloat16() != one_step).double().mean().item() / 2
+    with _AlwaysOther(0):
+        wide = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert (wide.double() - (x.double() @ w.double().T + b.double())).abs().max().item() < 1e-4
+    taken = []
+    for seed in range(8):
+        with PerturbedArithmetic(seed) as mode:
+            mode._drawn = lambda args, dtypes, other, standard: taken.append(1) or standard()
+            torch.nn.functional.linear(x, w, b)
+    assert len(taken) == 8  # every bfloat16 addmm goes through the draw
+
+
+def test_a_run_takes_an_alternative_for_every_such_op_or_for_none():
+    """A backend lowers every linear layer one way: a run draws each alternative once and
+    keeps it for all its ops (stacked runs, once each); over seeds both ways occur."""
+    gen = torch.Generator().manual_seed(6)
+    x, w, b = (torch.randn(*s, generator=gen).bfloat16() for s in ((8, 16), (16, 16), (16,)))
+    seen = set()
+    for seed in range(8):
+        with PerturbedArithmetic(seed) as mode:
+            torch.nn.functional.linear(torch.nn.functional.linear(x, w, b), w, b)
+        (pick,) = mode._picks.values()
+        assert pick.shape == (1,)
+        seen.add(bool(pick[0]))
+    assert seen == {True, False}
+    with PerturbedArithmetic(3, samples=4) as mode:
+        torch.nn.functional.linear(torch.nn.functional.linear(x.repeat(4, 1), w, b), w, b)
+    (pick,) = mode._picks.values()
+    assert pick.shape == (4,)
