@@ -270,7 +270,7 @@ class PerturbedArithmetic(TorchDispatchMode):
 
     def _addmm(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A 16-bit matmul with a bias as one kernel rounds it (once), or (drawn) with its
-        product rounded before the bias is added (:func:`addmm_product_rounded`)."""
+        product rounded (:func:`addmm_product`) before the bias is added."""
         if len(args) != 3 or kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
             return self._perturbed(func, args, kwargs)
 
