@@ -136,15 +136,16 @@ def golden_floor_flips(golden: dict[str, torch.Tensor]) -> tuple[int, ...]:
     tokens would differ) is left alone; so is a call where every token would go (a decode
     step's one token: its statistics would say nothing)."""
     out: set[int] = set()
+    rows = 0
     for name in router_names(golden):
         key = f"routing.{name}"
         kind = "scores" if f"{key}.scores" in golden and f"floor.routing.{name}.scores" in golden else "logits"
         exact, indices = golden.get(f"floor.routing.{name}.{kind}"), golden[f"{key}.indices"]
+        rows = indices.shape[0]
         if exact is None or exact.dim() != 2 or indices.dim() != 2 or exact.shape[0] != indices.shape[0]:
             continue
         chosen = exact.double().topk(min(indices.shape[-1], exact.shape[-1]), dim=-1).indices
         found = agreement(name, golden, {f"{key}.indices": chosen}, 0.0)
         if found is not None and 2 * found.flipped <= found.tokens:
             out.update(found.flipped_tokens)
-    rows = next((golden[f"routing.{n}.indices"].shape[0] for n in router_names(golden)), 0)
     return tuple(sorted(out)) if len(out) < rows else ()

@@ -123,23 +123,19 @@ def evaluate(
             _upper("noise_ratio", floor.noise_ratio, max_ratio),
             _upper("token_noise_ratio", floor.token_noise_ratio, max_token),
         ]
+        from_envelope = envelope is not None and settings.max_contribution_z is None
+        fixed = contribution_limit(settings)  # else: within this many noise units of the golden's own bias
         bias = floor.contribution_bias
         if bias is not None:
             assert floor.golden_contribution_z is not None
-            if envelope is not None and settings.max_contribution_z is None:
-                low, high = envelope.bias_low, envelope.bias_high
-            else:  # within a fixed number of noise units of the golden's own bias
-                low = floor.golden_contribution_z - contribution_limit(settings)
-                high = floor.golden_contribution_z + contribution_limit(settings)
+            golden = floor.golden_contribution_z
+            low, high = (envelope.bias_low, envelope.bias_high) if from_envelope else (golden - fixed, golden + fixed)
             checks.append(_within("contribution_bias", bias, low, high))
         for name, value in floor.branch_bias.items():  # the same along each branch's output
-            if envelope is not None and settings.max_contribution_z is None:
-                if name not in envelope.branch_bias:
-                    continue
-                low, high = envelope.branch_bias[name]
-            else:
-                golden = floor.golden_branch_z[name]
-                low, high = golden - contribution_limit(settings), golden + contribution_limit(settings)
+            if from_envelope and name not in envelope.branch_bias:
+                continue
+            golden = floor.golden_branch_z[name]
+            low, high = envelope.branch_bias[name] if from_envelope else (golden - fixed, golden + fixed)
             checks.append(_within(f"branch_bias_{name}", value, low, high))
         return checks
     return [

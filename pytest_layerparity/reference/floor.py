@@ -99,7 +99,8 @@ def contribution_branches(
         if tuple(branch.shape) != tuple(out.shape):
             continue
         v = branch.detach().to("cpu", torch.float64).flatten()
-        norms = float(v.norm()) * float(u.norm()), float(v.norm()) * float(o.norm())
+        size = float(v.norm())
+        norms = size * float(u.norm()), size * float(o.norm())
         if min(norms) <= 0:
             continue
         along, same = float(v @ u) / norms[0], float(v @ o) / norms[1]
