@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from pytest_layerparity.reference import perturb, wider
+from pytest_layerparity.reference import perturb, rounding, wider
 from pytest_layerparity.reference.plan import (
     BRANCH_OUTPUTS,
     FLOOR_OUTPUT,
@@ -182,8 +182,9 @@ def test_the_wider_passes_hold_a_block_of_tokens_and_widen_a_block_of_a_weight()
     wide = {**CONFIG, "hidden_size": 2048, "intermediate_size": 4096}
     assert widest_weight(wide) == 2**20  # the MLP's up projection, 8M elements: a block of its columns
     seq = 4096  # norms: 512 tokens of 2048 a block; the MLP: 256 tokens of 4096
-    norm = 2 * 512 * 2048 * 8 + 2**20 * (3 * 8 + 4 + 1)
-    mlp = 2 * 256 * 4096 * 4 + 2**20 * (3 * 4 + 2 + 1)
+    block = rounding.ROUNDING_BLOCK  # the rounding's temporaries: one block's
+    norm = 2 * 512 * 2048 * 8 + block * (3 * 8 + 4 + 1)
+    mlp = 2 * 256 * 4096 * 4 + block * (3 * 4 + 2 + 1)
     q, kv = seq * 4 * 16, seq * 2 * 16
     attention = (3 * q + 2 * kv) * 4 + 2 * 4 * query_block(seq, 16, seq) * seq * 4
     assert perturbed_op_peak(wide, 1, seq, 2, False) == max(norm, mlp, attention) + 2**20 * 4

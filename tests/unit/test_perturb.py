@@ -252,17 +252,33 @@ def _plain_another_rounding(result, wide, generator, jitter, scale):
     if jitter:
         u = rounding.unit_roundoff(result.dtype) * scale
         return (point * (1 + u * (uniform * 2 - 1))).to(result.dtype)
-    nearest = point.to(result.dtype)
+    narrow = result.dtype
+    nearest = point.to(narrow)
     back = nearest.to(point.dtype)
     toward = torch.where(back < point, torch.full_like(nearest, float("inf")), torch.full_like(nearest, -float("inf")))
     other = torch.nextafter(nearest, toward)
     p_other = ((point - back).abs() / (other.to(point.dtype) - back).abs()).nan_to_num(0.0).clamp(0, 1)
-    return torch.where((uniform < p_other) & torch.isfinite(other) & (back != point), other, nearest)
+    by_closeness = torch.where((uniform < p_other) & torch.isfinite(other) & (back != point), other, nearest)
+    # in dtype's normal range (and at zero): away from zero where the draw reaches past the
+    # point's distance from its neighbour toward zero
+    info = torch.finfo(narrow)
+    size = point.abs()
+    normal = (size <= info.max) & ((size >= info.tiny) | (size == 0) | (narrow == torch.bfloat16))
+    zero_ward = torch.where(back.abs() <= size, nearest, torch.nextafter(nearest, torch.zeros_like(nearest)))
+    away = torch.nextafter(zero_ward, torch.where(point < 0, -float("inf"), float("inf")).to(narrow))
+    fraction = (size - zero_ward.to(point.dtype).abs()) / (away.to(point.dtype) - zero_ward.to(point.dtype)).abs()
+    drop = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 29}[narrow]
+    draw = uniform if drop > 14 else (bits // 2 // 2 ** (14 - drop)).to(point.dtype) / 2**drop
+    by_bits = torch.where(draw >= 1 - fraction, away, zero_ward)
+    return torch.where(normal, by_bits, by_closeness)
+
+
+PAIRS = [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float64)]
 
 
 @pytest.mark.parametrize("block", [rounding.ROUNDING_BLOCK, 999, 1000])
 @pytest.mark.parametrize("jitter", [False, True])
-@pytest.mark.parametrize(("narrow", "wide"), [(torch.bfloat16, torch.float32), (torch.float32, torch.float64)])
+@pytest.mark.parametrize(("narrow", "wide"), PAIRS)
 def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, narrow, wide, jitter, block):
     """In place, and in blocks (the same draws as the whole, the generator left where the
     whole leaves it)."""
