@@ -282,8 +282,11 @@ class TargetSide:
         the CPU, and its noise envelope is K chains of the reference layers in the golden's
         dtype under Monte Carlo arithmetic: accumulated drift is judged against what
         legitimate arithmetic accumulates over the same layers. A token whose routing
-        flipped on a near tie leaves the statistics of the later layers too (in the target
-        and in each perturbed chain alike): what follows a legitimate flip is legitimate."""
+        flipped on a near tie (within the golden's rounding of the router's scores, or the
+        perturbed chains' drift of them) leaves the statistics of the later layers too (in
+        the target and in each perturbed chain alike): what follows a legitimate flip is
+        legitimate."""
+        from ..compare.routing import fold_drift
         from ..reference.envelope import envelope_from_runs, flipped_tokens
 
         indices = layers.layers() if isinstance(layers, LayerRange) else list(layers)
@@ -317,11 +320,13 @@ class TargetSide:
                     # held to the perturbed chains in the same state (all of them when too few are).
                     clean = [k for k in range(samples) if not sample_flipped[k]]
                     on_cpu = reference if self.perturbed.device == "cpu" else None
+                    drift: dict[str, torch.Tensor] = {}
                     for k, perturbed in enumerate(
                         self.perturbed.runs(index, spec, entry.tensors, sample_hidden, layer=on_cpu)
                     ):
                         sample_hidden[k] = perturbed.output
                         sample_flipped[k] |= flipped_tokens(entry.tensors, perturbed.routing)
+                        fold_drift(entry.tensors, perturbed.routing, drift)
                     chosen = clean if not tainted and len(clean) >= MIN_CLEAN_CHAINS else list(range(samples))
                     envelope = envelope_from_runs(
                         entry.tensors[primary_output_name(spec)],
@@ -331,6 +336,7 @@ class TargetSide:
                         [sample_flipped[k] for k in chosen],
                         branch_directions(entry.tensors),
                     )
+                    entry = replace(entry, tensors={**entry.tensors, **drift})  # the routers' near ties, in a chain
                 del reference
             outcome = self.judge(index, entry, run, hidden_in=ref_in, envelope=envelope, tainted=tainted)
             if local is not None:  # the layer's own computation, on the input the target gave it

@@ -305,6 +305,29 @@ def test_a_flip_without_a_near_tie_is_reported_as_one():
     assert routing.describe().endswith("1 flipped without a near tie (a routing bug?)")
 
 
+def test_a_chains_flip_within_the_perturbed_chains_drift_is_a_near_tie():
+    """In a chain the router's input has drifted: a flip whose exact margin is beyond four
+    times the golden's own rounding of the scores, but within four times what the perturbed
+    chains moved them, is a near tie; the drift of a chain that moved no score changes nothing."""
+    from pytest_layerparity.compare.routing import agreement, fold_drift
+
+    _, ref, output = layer_like(tokens=3, width=8)
+    golden = golden_tensors(output, ref)
+    key = f"routing.{ROUTER}.scores"
+    target = routed([0, 1], [2, 1], [0, 1])  # token 2: experts 3 and 1, exact scores 1.0 apart
+    assert agreement(ROUTER, golden, target, 0.0).near_tie_tokens == ()
+    drift: dict[str, torch.Tensor] = {}
+    still = {key: golden[key].clone()}
+    fold_drift(golden, still, drift)
+    assert agreement(ROUTER, {**golden, **drift}, target, 0.0).near_tie_tokens == ()
+    moved = golden[key].clone()
+    moved[2, 0] += 0.3  # one chain moved token 2's first score by 0.3: 4 x 0.3 >= 1.0
+    fold_drift(golden, {key: moved}, drift)
+    fold_drift(golden, still, drift)  # the largest over the chains is kept
+    assert drift[f"drift.{key}"].tolist() == pytest.approx([0.0, 0.0, 0.3])
+    assert agreement(ROUTER, {**golden, **drift}, target, 0.0).near_tie_tokens == (2,)
+
+
 def test_candidates_masked_out_are_no_flip():
     """A causal indexer's early queries have fewer candidates than its top-k: which of the
     masked-out (-inf) ones a top-k takes is no choice at all; a real choice still counts."""
