@@ -36,20 +36,41 @@ VARIANCE_OPS = frozenset({torch.ops.aten.var_mean, torch.ops.aten.var})
 #: Input dtypes whose layer norm a legitimate kernel may compute in that dtype itself: its mean,
 #: variance, 1/std, normalised values, scale and shift each rounded to it, so the row's
 #: statistics carry a float16 rounding error shared by the whole row. XLA lowers a layer
-#: norm to a batch norm in the operand's type: torch-xla's CPU float16 LayerNorm measured a
-#: per-row scale error of 0.75 float16 units of 2^-11 (sd; eager 0.09) and its bfloat16 one
-#: computed as eager (bench/README.md). Not bfloat16, as for the matmuls' accumulation.
+#: norm to a batch norm in the operand's type, which it expands to one-pass statistics
+#: (E[x^2] - E[x]^2) summed in that type. torch-xla's CPU float16 LayerNorm, each row's scale
+#: error in float16 units of 2^-11 (sd over 4096 rows; bench/README.md): 0.77 on rows of 64
+#: centred values (eager 0.09), 3.8 on rows of 128 of mean 2 and sd 1 (eager 0.07), where
+#: these statistics summed pairwise in float16 give 0.63 and 3.6, and a two-pass variance
+#: 0.5 and 0.5. Its bfloat16 one computes as eager. Not bfloat16, as for the matmuls'
+#: accumulation.
 OWN_DTYPE_NORMS = frozenset({torch.float16})
+
+
+def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum over ``x``'s last dimension by halves, each partial sum in ``x``'s dtype (an
+    odd element out carried to the next level)."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        pairs = x[..., :half] + x[..., half : 2 * half]
+        x = torch.cat((pairs, x[..., 2 * half :]), dim=-1) if x.shape[-1] % 2 else pairs
+    return x[..., 0]
 
 
 def layer_norm_in_own_dtype(
     x: torch.Tensor, normalized_shape: Any, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``native_layer_norm`` computed in ``x``'s dtype: each op's result in it (the
-    statistics too), the scale and the shift applied one after the other. The returned mean
-    and 1/std take the dtypes torch's own decomposition gives them."""
-    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
-    var, mean = torch.var_mean(x, dims, correction=0, keepdim=True)
+    """``native_layer_norm`` computed in ``x``'s dtype as XLA's batch-norm expansion computes
+    it: the mean and E[x^2] each summed pairwise in that dtype, the variance their
+    difference (at least 0), then 1/std, the normalised values, the scale and the shift, each
+    op's result in that dtype. The returned mean and 1/std take the dtypes torch's own
+    decomposition gives them."""
+    count = 1
+    for size in normalized_shape:
+        count *= int(size)
+    rows = x.reshape(*x.shape[: x.dim() - len(normalized_shape)], count)
+    mean = (_pairwise_sum(rows) / count).reshape(*rows.shape[:-1], *([1] * len(normalized_shape)))
+    square = (_pairwise_sum(rows * rows) / count).reshape(mean.shape)
+    var = (square - mean * mean).clamp_min(0)
     rstd = torch.rsqrt(var + eps)
     out = (x - mean) * rstd
     if weight is not None:

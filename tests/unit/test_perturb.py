@@ -516,6 +516,23 @@ def test_layer_norm_in_own_dtype_is_the_layer_norm_within_float16_rounding():
     assert not torch.equal(out, ref.half())  # computed in float16: not the float32 result rounded
 
 
+def test_layer_norm_in_own_dtype_takes_one_pass_statistics_summed_in_float16():
+    """As XLA's batch-norm expansion: on rows whose mean is large against their spread the
+    one-pass variance, summed pairwise in float16, cancels: each row's scale error is several
+    float16 units (XLA measured 3.8), where a two-pass variance keeps it within one (0.5)."""
+    from pytest_layerparity.reference.algorithms import _pairwise_sum, layer_norm_in_own_dtype
+
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(1024, 128, generator=gen, dtype=torch.float64) + 2).half()
+    out, _, _ = layer_norm_in_own_dtype(x, (128,), None, None, 1e-5)
+    exact = torch.nn.functional.layer_norm(x.double(), (128,), eps=1e-5)
+    scale = _row_scale_error(out.double(), exact) * 2**11
+    assert 2.0 < scale.std().item() < 6.0
+    assert torch.isfinite(out).all()
+    odd = torch.arange(7, dtype=torch.float16).expand(3, 7)
+    assert _pairwise_sum(odd).tolist() == [21.0, 21.0, 21.0]  # an odd element out is carried
+
+
 class _AlwaysOther(PerturbedArithmetic):
     """The perturbation with every drawn alternative taken (to test the alternatives)."""
 
