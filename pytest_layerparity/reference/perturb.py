@@ -86,6 +86,7 @@ from .algorithms import (
 from .rounding import _UNIT_ROUNDOFF, _may_round, _rounds, another_rounding, sequential_sum_error_std
 from .wider import (
     FUSED_ATTENTION_OPS,
+    WIDENED_ATTENTION_OPS,
     _named_arguments,
     _widen,
     attention_reference,
@@ -324,7 +325,8 @@ class PerturbedArithmetic(TorchDispatchMode):
     def _wider_results(self, func: Any, args: tuple, kwargs: dict) -> list[Any] | None:
         """The op's results computed from its inputs widened one step, or None when it
         cannot be (an op that insists on its dtypes)."""
-        if func.overloadpacket.__name__ in FUSED_ATTENTION_OPS:
+        name = func.overloadpacket.__name__
+        if name in FUSED_ATTENTION_OPS and name not in WIDENED_ATTENTION_OPS:
             return [attention_reference(func, args, kwargs)]
         try:
             with exact_fast_matmul(func, args, kwargs):

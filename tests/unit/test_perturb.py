@@ -208,6 +208,27 @@ def test_fused_attention_is_referenced_by_the_math_attention_one_precision_wider
     torch.testing.assert_close(wide, expected, rtol=1e-12, atol=1e-12)
 
 
+def test_the_cpu_flash_attention_is_its_own_wider_result(monkeypatch):
+    """The CPU flash kernel computes its wider result itself on widened inputs (no math
+    attention, no scores held): the perturbation rounds around that result."""
+    from pytest_layerparity.reference import perturb
+
+    def refused(*_):
+        raise AssertionError("the math attention was used")
+
+    monkeypatch.setattr(perturb, "attention_reference", refused)
+    q, k, v, mask = (t.bfloat16() for t in _attention_inputs(gqa=False))
+    func = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    wide = PerturbedArithmetic(seed=1)._wider_results(func, (q, k, v, 0.0, False), {"attn_mask": mask})
+    want = func(q.float(), k.float(), v.float(), 0.0, False, attn_mask=mask.float())
+    assert torch.equal(wide[0], want[0]) and wide[0].dtype == torch.float32
+    plain = func(q, k, v, 0.0, False, attn_mask=mask)[0]
+    with PerturbedArithmetic(seed=1) as mode:
+        out = func(q, k, v, 0.0, False, attn_mask=mask)[0]
+    assert mode.ops >= 1 and out.dtype == torch.bfloat16 and not torch.equal(out, plain)
+    assert ((out.float() - plain.float()).abs() <= 4 * 2**-8 * plain.float().abs().amax()).all()
+
+
 def test_perturbed_attention_stays_within_rounding_of_the_plain_one():
     q, k, v, mask = (t.bfloat16() for t in _attention_inputs(gqa=True))
     plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
