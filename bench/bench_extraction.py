@@ -2,12 +2,15 @@
 floor and writing cost.
 
     python bench/bench_extraction.py [--layers 8] [--seq-len 512] [--device cuda] [--ieee-matmul]
+                                     [--logits-topk 0]
 
 Model loading is timed separately and left out of every ratio. One process, on the CPU or
 (``--device cuda``) the model and the goldens' runs on the GPU; ``--ieee-matmul`` times the
 perturbed runs' wide matmuls of 16-bit operands in IEEE float32, as before they were computed
 in 16-bit arithmetic that holds such operands exactly (reference/wider.py's
-exact_fast_matmul: TF32 on CUDA, oneDNN's bfloat16 mode on the CPU).
+exact_fast_matmul: TF32 on CUDA, oneDNN's bfloat16 mode on the CPU). ``--logits-topk 0``
+extracts no whole-model golden (``layerparity_logits_topk = 0``), and so no whole-model
+envelope: per-layer verdicts alone.
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ def plain_forward(
     return times[0], min(times[1:])
 
 
-def extraction(model_dir: Path, store: Path, seq_len: int, floor: bool, device: str) -> tuple[float, float]:
+def extraction(
+    model_dir: Path, store: Path, seq_len: int, floor: bool, device: str, logits_topk: int = 16
+) -> tuple[float, float]:
     """(seconds for the whole extraction without model loading, loading seconds)."""
     session = LayerParitySession(
         settings(
@@ -78,6 +83,7 @@ def extraction(model_dir: Path, store: Path, seq_len: int, floor: bool, device: 
             golden_device="cpu" if device == "cpu" else "cuda",
             device_map=device,
             no_precision_floor=not floor,
+            logits_topk=logits_topk,
         ),
         ROOT,
     )
@@ -110,6 +116,9 @@ def main() -> None:
         action="store_true",
         help="the wide matmuls of 16-bit operands in IEEE float32 (no TF32, no oneDNN bfloat16 mode)",
     )
+    parser.add_argument(
+        "--logits-topk", type=int, default=16, help="0: no whole-model golden (per-layer verdicts alone)"
+    )
     args = parser.parse_args()
     if args.device == "cuda":
         args.device = "cuda:0"
@@ -127,13 +136,14 @@ def main() -> None:
     ids = torch.randint(0, WIDTH["vocab_size"], (1, args.seq_len), generator=torch.Generator().manual_seed(0))
     bf16_first, bf16 = plain_forward(model, torch.bfloat16, ids, args.repeats, args.device)
     fp32_first, fp32 = plain_forward(model, torch.float32, ids, args.repeats, args.device)
-    bare, _ = extraction(model, work / "no-floor", args.seq_len, floor=False, device=args.device)
-    full, load = extraction(model, work / "floor", args.seq_len, floor=True, device=args.device)
+    bare, _ = extraction(model, work / "no-floor", args.seq_len, False, args.device, args.logits_topk)
+    full, load = extraction(model, work / "floor", args.seq_len, True, args.device, args.logits_topk)
     print(
         f"model: llama, {args.layers} layers, hidden {WIDTH['hidden_size']}, {size:.2f} GB bf16; seq {args.seq_len}; "
         f"{torch.get_num_threads()} threads; {args.device}"
         + (f" ({torch.cuda.get_device_name(0)})" if args.device != "cpu" else "")
         + (", wide matmuls in IEEE float32" if args.ieee_matmul else "")
+        + (", no whole-model golden" if args.logits_topk == 0 else "")
     )
     print(f"{'what':<58} {'seconds':>8} {'ratio':>7}")
     print(f"{f'plain forward, bf16: first after loading / best of {args.repeats}':<58} {bf16_first:>8.2f} {bf16:>6.2f}")
