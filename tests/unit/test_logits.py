@@ -159,3 +159,9 @@ def test_the_whole_models_envelope_takes_another_choice_among_equal_top_k_candid
     assert not judge_logits(golden, other, "float32", tolerance, 0.01, None).passed  # rounding alone: hard flips
     wrong = judge_logits(golden, _tie_model(bug_at=0)(prompt, None)[0], "float32", tolerance, 0.01, envelope)
     assert not wrong.passed and wrong.hard_flips == [0]
+
+
+def test_the_whole_models_envelope_takes_two_thirds_of_a_layers_runs():
+    from pytest_layerparity.reference.extract import model_envelope_samples
+
+    assert [model_envelope_samples(k) for k in (0, 1, 2, 3, 6, 12, 13, 24)] == [0, 1, 2, 2, 4, 8, 9, 16]
