@@ -76,6 +76,18 @@ def _masked_out(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isneginf(picked), torch.full_like(indices, -1), indices)
 
 
+def _score_kind(golden: dict[str, torch.Tensor], router: str) -> str:
+    """Which of a router's records its near ties are judged on: its choice scores where the
+    golden holds them and their floor, else its logits."""
+    key = f"routing.{router}.scores"
+    return "scores" if key in golden and f"floor.{key}" in golden else "logits"
+
+
+def _largest_finite(distances: torch.Tensor) -> torch.Tensor:
+    """Per token (row), the largest finite distance (0 where there is none)."""
+    return torch.where(distances.isfinite(), distances, torch.zeros_like(distances)).amax(dim=-1)
+
+
 def agreement(
     router: str,
     golden: dict[str, torch.Tensor],
@@ -95,7 +107,7 @@ def agreement(
     g_idx, t_idx = golden[f"{key}.indices"], target[f"{key}.indices"]
     if g_idx.shape != t_idx.shape:
         return None
-    kind = "scores" if f"{key}.scores" in golden and f"floor.routing.{router}.scores" in golden else "logits"
+    kind = _score_kind(golden, router)
     g_logits = golden[f"{key}.{kind}"].double()
     if g_logits.shape[0] == g_idx.shape[0]:
         g_idx, t_idx = _masked_out(g_logits, g_idx), _masked_out(g_logits, t_idx)
@@ -107,7 +119,7 @@ def agreement(
     if ref_logits is not None and ref_logits.shape == g_logits.shape:
         ref_logits = ref_logits.double()
         error = (g_logits - ref_logits).abs()
-        noise = torch.where(error.isfinite(), error, torch.zeros_like(error)).amax(dim=-1)
+        noise = _largest_finite(error)
         drift = golden.get(f"drift.{key}.{kind}")
         if drift is not None and drift.shape == noise.shape:
             noise = torch.maximum(noise, drift.double())
@@ -144,7 +156,7 @@ def golden_floor_flips(golden: dict[str, torch.Tensor]) -> tuple[int, ...]:
     rows = 0
     for name in router_names(golden):
         key = f"routing.{name}"
-        kind = "scores" if f"{key}.scores" in golden and f"floor.routing.{name}.scores" in golden else "logits"
+        kind = _score_kind(golden, name)
         exact, indices = golden.get(f"floor.routing.{name}.{kind}"), golden[f"{key}.indices"]
         rows = indices.shape[0]
         if exact is None or exact.dim() != 2 or indices.dim() != 2 or exact.shape[0] != indices.shape[0]:
@@ -171,7 +183,6 @@ def fold_drift(
             mine, theirs = golden.get(key), routing.get(key)
             if mine is None or theirs is None or mine.shape != theirs.shape or mine.dim() != 2:
                 continue
-            gap = (theirs.double() - mine.double()).abs()
-            gap = torch.where(gap.isfinite(), gap, torch.zeros_like(gap)).amax(dim=-1)
+            gap = _largest_finite((theirs.double() - mine.double()).abs())
             before = drift.get(f"drift.{key}")
             drift[f"drift.{key}"] = gap if before is None else torch.maximum(before, gap)

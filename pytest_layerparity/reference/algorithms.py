@@ -5,6 +5,7 @@ is rounded before the bias is added."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -64,9 +65,7 @@ def layer_norm_in_own_dtype(
     difference (at least 0), then 1/std, the normalised values, the scale and the shift, each
     op's result in that dtype. The returned mean and 1/std take the dtypes torch's own
     decomposition gives them."""
-    count = 1
-    for size in normalized_shape:
-        count *= int(size)
+    count = math.prod(int(size) for size in normalized_shape)
     rows = x.reshape(*x.shape[: x.dim() - len(normalized_shape)], count)
     mean = (_pairwise_sum(rows) / count).reshape(*rows.shape[:-1], *([1] * len(normalized_shape)))
     square = (_pairwise_sum(rows * rows) / count).reshape(mean.shape)
@@ -90,9 +89,7 @@ def one_pass_var_mean(
     error is larger where a row's mean is large against its spread."""
     dims = list(range(x.dim())) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
     dims = [d % max(x.dim(), 1) for d in dims]
-    count = 1
-    for d in dims:
-        count *= x.shape[d]
+    count = math.prod(x.shape[d] for d in dims)
     mean = torch.mean(x, dims, keepdim=True)
     var = (torch.mean(x * x, dims, keepdim=True) - mean * mean).clamp_min(0)
     c = 1 if correction is None else float(correction)

@@ -296,10 +296,7 @@ class PerturbedArithmetic(TorchDispatchMode):
         key = (other.__code__, x.device)
         if key not in self._picks:
             self._picks[key] = torch.rand(self.samples, generator=self._generator(x.device), device=x.device) < 0.5
-        pick = self._picks[key]
-        if self.samples == 1:
-            return other() if bool(pick[0]) else standard()
-        return self._either(x, other, standard, pick)
+        return self._either(x, other, standard, self._picks[key])
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``var`` or ``var_mean`` (any overload) computed by :func:`one_pass_var_mean`, its

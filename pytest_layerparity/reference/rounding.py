@@ -280,6 +280,11 @@ def _another_rounding(
     return _round_away_at_random(point, result.dtype, steps)
 
 
+def _uniform(steps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The uniform numbers (steps + 0.5) / 2^UNIFORM_BITS in ``dtype``."""
+    return steps.to(dtype).add_(0.5).mul_(2.0**-UNIFORM_BITS)
+
+
 def _round_away_at_random(point: torch.Tensor, dtype: torch.dtype, steps: torch.Tensor) -> torch.Tensor:
     """``point`` (the wide dtype) stochastically rounded to ``dtype``, given each element's
     uniform draw as ``steps``, an integer in [0, 2^UNIFORM_BITS). Where ``dtype``'s normal
@@ -295,7 +300,7 @@ def _round_away_at_random(point: torch.Tensor, dtype: torch.dtype, steps: torch.
     ``point`` is overwritten."""
     drop = _DROPPED_BITS.get((dtype, point.dtype))
     if drop is None or point.device.type != "cpu":
-        return stochastic_round(point, dtype, None, steps.to(point.dtype).add_(0.5).mul_(2.0**-UNIFORM_BITS))
+        return stochastic_round(point, dtype, None, _uniform(steps, point.dtype))
     info = torch.finfo(dtype)
     size = point.abs()
     odd = size <= info.max
@@ -319,8 +324,7 @@ def _round_away_at_random(point: torch.Tensor, dtype: torch.dtype, steps: torch.
     out = point.to(dtype)  # exact: the point is on dtype's grid now
     if aside is not None:
         odd, values, their_steps = aside
-        uniform = their_steps.to(values.dtype).add_(0.5).mul_(2.0**-UNIFORM_BITS)
-        out[odd] = stochastic_round(values, dtype, None, uniform)
+        out[odd] = stochastic_round(values, dtype, None, _uniform(their_steps, values.dtype))
     return out
 
 
