@@ -30,10 +30,11 @@ from ..store.callspec import (
     replace_hidden_input,
     tensor_names,
 )
+from .batching import in_batches, samples_per_forward
 from .checkpoint import load_layer
 from .memory import give_back_memory
 from .model import eager_experts_skeleton
-from .perturb import PerturbedArithmetic, samples_per_forward
+from .perturb import PerturbedArithmetic
 from .source import ModelSource
 from .tokens import in_token_blocks
 
@@ -342,29 +343,29 @@ class PerturbedRunner:
         when given, for chains), in order (a chain keeps them: each run's output goes on),
         with the layer loaded once and given back after (or ``layer``, already loaded on the
         device, kept). Runs of a short call go through the layer together, as one batch of up
-        to ``perturb.BATCHED_TOKENS`` tokens (:meth:`run_together`), where the layer computes
-        the samples of a batch apart (:func:`runs_apart`, checked on the call); else one at
-        a time."""
+        to ``batching.BATCHED_TOKENS`` tokens on the CPU, all of them on an accelerator (half
+        as many after the device's memory runs out: :func:`.batching.fewer_fit`) with
+        :meth:`run_together`, where the layer computes the samples of a batch apart
+        (:func:`runs_apart`, checked on the call); else one at a time."""
         owned = layer is None
         if layer is None:
             layer = self.layer(index)
         given = list(hidden) if hidden is not None else [None] * self.samples
-        group = samples_per_forward(self.samples, call_tokens(spec, tensors))
+        group = samples_per_forward(self.samples, call_tokens(spec, tensors), self.device)
         if group > 1 and not runs_apart(layer, spec, tensors, self.device):
             group = 1
+
+        def batch(k: int, n: int) -> list[PerturbedRun]:
+            together = self.run_together(layer, spec, tensors, BASE_SEED + k, given[k : k + n]) if n > 1 else None
+            return together or [self.run(layer, spec, tensors, BASE_SEED + k, given[k])]
+
         with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
-            k = 0
-            while k < self.samples:
-                n = min(group, self.samples - k)
-                together = self.run_together(layer, spec, tensors, BASE_SEED + k, given[k : k + n]) if n > 1 else None
-                if together is None:
-                    together, n = [self.run(layer, spec, tensors, BASE_SEED + k, given[k])], 1
+            for together in in_batches(self.samples, group, batch):
                 give_back_memory()  # the runs' freed temporaries: the next ones' heap starts empty
                 for run in together:
                     bar.update(1)
                     yield run
                 del together
-                k += n
         if owned:
             del layer
             give_back_memory()

@@ -572,24 +572,27 @@ def whole_model_envelope(
     arithmetic that also breaks exact ties among top-k candidates its own way (another
     backend's top-k takes other equal candidates, and what follows in later layers and the
     logits is legitimate). Runs go through the model together as the samples of one batch
-    (``perturb.samples_per_forward``: the model computes them apart); ``done(n)`` after each
-    batch of ``n`` runs."""
-    from ..compare.logits import ModelEnvelope, logits_stats
+    (``batching.samples_per_forward``: the model computes them apart; half as many after the
+    device's memory runs out); ``done(n)`` after each batch of ``n`` runs."""
+    from ..compare.logits import LogitsStats, ModelEnvelope, logits_stats
     from ..target.model import teacher_forced
+    from .batching import in_batches, samples_per_forward
     from .envelope import BASE_SEED
-    from .perturb import PerturbedArithmetic, samples_per_forward
+    from .perturb import PerturbedArithmetic
 
     ids, decode_ids = golden["input_ids"], golden.get("decode_ids")
     batch = ids.shape[0]
     tokens = batch * (ids.shape[-1] + (decode_ids.shape[-1] if decode_ids is not None else 0))
-    group = samples_per_forward(samples, tokens)
-    stats = []
-    for k in range(0, samples, group):
-        n = min(group, samples - k)
+    group = samples_per_forward(samples, tokens, device if device is not None else "cpu")
+
+    def runs(k: int, n: int) -> list[LogitsStats]:
+        decoded = None if decode_ids is None else decode_ids.repeat(n, 1)
         with PerturbedArithmetic(BASE_SEED + k, samples=n, break_ties=True):
-            perturbed = teacher_forced(
-                step, ids.repeat(n, 1), None if decode_ids is None else decode_ids.repeat(n, 1), device
-            )
-        stats.extend(logits_stats(golden, part) for part in perturbed.split(batch))
-        done(n)
+            perturbed = teacher_forced(step, ids.repeat(n, 1), decoded, device)
+        return [logits_stats(golden, part) for part in perturbed.split(batch)]
+
+    stats = []
+    for made in in_batches(samples, group, runs):
+        stats.extend(made)
+        done(len(made))
     return ModelEnvelope.from_stats(stats)

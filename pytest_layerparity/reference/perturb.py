@@ -129,18 +129,6 @@ def _rounded_wide_result(func: Any, args: tuple, kwargs: dict, exact: list[Any] 
     return exact[0].to(dtype)
 
 
-#: Perturbed runs of a short call go through the layer (or the model) together, as the
-#: samples of one batch of up to this many tokens: a short call's work is mostly each op's
-#: overhead, paid once for all of them (the embedded model's 32-token prompt: 12 runs in
-#: one). A long one runs alone, as its memory was planned.
-BATCHED_TOKENS = 512
-
-
-def samples_per_forward(samples: int, tokens: int) -> int:
-    """How many of ``samples`` perturbed runs of a call of ``tokens`` tokens go together."""
-    return max(1, min(samples, BATCHED_TOKENS // max(tokens, 1)))
-
-
 class PerturbedArithmetic(TorchDispatchMode):
     """While active, rounded floating-point results are rounded another legitimate way (see
     the module's docstring for the two ``mode``s). ``systematic`` scales the per-op bias of

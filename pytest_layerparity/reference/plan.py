@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..store.tensorfile import SAFETENSORS_ITEMSIZE, SAFETENSORS_TORCH_DTYPE
+from .batching import samples_per_forward
 from .checkpoint import Checkpoint, split_by_conversion
 from .model import LAYER_LIST_CANDIDATES, hidden_size_from_config
-from .perturb import samples_per_forward
 from .rounding import ROUNDING_BLOCK
 from .source import ModelSource, checkpoint_conversions
 from .streaming import ROW_BLOCK_FRACTION
@@ -342,7 +342,8 @@ def stream_extraction_needs(
       op's work one precision wider: :func:`perturbed_op_peak`); one captured layer call
       (its hidden states in and out), read back to write its golden; the floor's output,
       which the envelope's runs are held against, and one run's output (each run's
-      statistics are taken as it ends: K does not change the peak).
+      statistics are taken as it ends: K does not change the peak). On the CPU; on an
+      accelerator the runs go together as many as its memory holds (more than planned).
     """
     size = itemsize(dtype_name)
     floor_size = wider_itemsize(size)
@@ -369,8 +370,9 @@ def stream_extraction_needs(
         widest += BRANCHES * output * floor_size
         held = {FLOOR_OUTPUT: output * floor_size, BRANCH_OUTPUTS: BRANCHES * output * size}
         if options.envelope:
-            # the perturbed runs that go together (perturb.samples_per_forward), one batch of
-            # them: its tensors in the run dtype, and one op's wider work at a time
+            # the perturbed runs that go together on the CPU (batching.samples_per_forward), one
+            # batch of them: its tensors in the run dtype, and one op's wider work at a time. On
+            # an accelerator more go together, as many as its free memory holds beside this.
             runs = samples_per_forward(options.envelope_samples, batch * seq)
             perturbed = layer_activations(cfg, runs * batch, seq, size, eager, True) + perturbed_op_peak(
                 cfg, runs * batch, seq, size, eager

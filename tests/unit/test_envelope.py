@@ -209,7 +209,9 @@ def test_the_envelope_takes_each_runs_statistics_as_it_ends(monkeypatch):
         return PerturbedRun(out, {})
 
     monkeypatch.setattr(PerturbedRunner, "run", run)
-    monkeypatch.setattr(reference_envelope, "samples_per_forward", lambda samples, tokens: 1)  # a long call's runs
+    monkeypatch.setattr(
+        reference_envelope, "samples_per_forward", lambda samples, tokens, device="cpu": 1
+    )  # a long call's runs
     runner = PerturbedRunner(model=None, golden_dtype=torch.float64, samples=6)
     spec = {"args": [{"t": "x"}], "kwargs": {}, "output": {"t": "out"}}
     env = runner.envelope(0, spec, {"x": x}, golden, ref, x, layer=torch.nn.Identity())
@@ -286,6 +288,40 @@ def test_runs_of_a_short_call_go_through_the_layer_together_each_its_own_run(mon
         assert (o - plain).abs().max() < 0.1 * plain.abs().max()
 
 
+class _SmallDevice(_Block):
+    """The block on a device whose memory holds at most ``room`` runs of the call at once."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room, self.batches = room, []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.batches.append(x.shape[0])
+        if x.shape[0] > self.room:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().forward(x)
+
+
+def test_on_an_accelerator_every_run_goes_together_or_as_many_as_its_memory_holds(monkeypatch):
+    from pytest_layerparity.reference.batching import samples_per_forward
+
+    assert samples_per_forward(12, 4096, "cuda:0") == 12  # each op's launches paid once for all
+    assert samples_per_forward(12, 4096, "cpu") == 1 and samples_per_forward(12, 32, "cpu") == 12
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    monkeypatch.setattr(reference_envelope, "samples_per_forward", lambda samples, tokens, device="cpu": samples)
+    small = _SmallDevice(room=3).bfloat16()
+    runs = [r.output for r in _runner(12).runs(0, CALL, {"x": x}, layer=small)]
+    # the check that runs go apart (2), then 12 and 6 out of memory, then 3 at a time
+    assert small.batches == [2, 1, 1, 12, 6, 3, 3, 3, 3]
+    monkeypatch.setattr(reference_envelope, "samples_per_forward", lambda samples, tokens, device="cpu": 3)
+    again = [r.output for r in _runner(12).runs(0, CALL, {"x": x}, layer=_SmallDevice(room=3).bfloat16())]
+    assert all(torch.equal(a, b) for a, b in zip(runs, again, strict=True))  # the same runs as 3 at a time
+    other = _SmallDevice(room=3).bfloat16()
+    other.forward = lambda x: (_ for _ in ()).throw(RuntimeError("shapes cannot be multiplied"))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):  # any other error is the layer's own
+        list(_runner(4).runs(0, CALL, {"x": x}, layer=other))
+
+
 def test_a_layer_that_mixes_the_samples_of_a_batch_runs_them_one_at_a_time():
     x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(1))
     assert runs_apart(_Block(), CALL, {"x": x}, "cpu")
@@ -332,7 +368,7 @@ def test_a_decode_steps_envelope_holds_each_runs_appended_keys_and_values(monkey
     from pytest_layerparity.capture.calls import capture_calls
 
     if not together:
-        monkeypatch.setattr(reference_envelope, "samples_per_forward", lambda samples, tokens: 1)
+        monkeypatch.setattr(reference_envelope, "samples_per_forward", lambda samples, tokens, device="cpu": 1)
     layer = _CachedBlock().bfloat16()
     cache = DynamicCache()
     past = torch.randn(1, 1, 5, 16, generator=torch.Generator().manual_seed(3)).bfloat16()

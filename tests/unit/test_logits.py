@@ -161,6 +161,28 @@ def test_the_whole_models_envelope_takes_another_choice_among_equal_top_k_candid
     assert not wrong.passed and wrong.hard_flips == [0]
 
 
+def test_the_whole_models_runs_go_together_as_many_as_the_devices_memory_holds(monkeypatch):
+    from pytest_layerparity.reference import batching
+    from pytest_layerparity.reference.extract import whole_model_envelope
+
+    prompt = torch.arange(1, 9).reshape(1, 8)
+    golden = compact_logits(_tie_model()(prompt, None)[0], 8)
+    golden["input_ids"] = prompt
+    batches = []
+
+    def small_device(input_ids, past):  # holds at most 4 runs at once
+        batches.append(input_ids.shape[0])
+        if input_ids.shape[0] > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+        return _tie_model()(input_ids, past)
+
+    monkeypatch.setattr(batching, "samples_per_forward", lambda samples, tokens, device="cpu": samples)
+    envelope = whole_model_envelope(small_device, golden, None, 8)
+    assert batches == [8, 4, 4]
+    monkeypatch.setattr(batching, "samples_per_forward", lambda samples, tokens, device="cpu": 4)
+    assert whole_model_envelope(_tie_model(), golden, None, 8) == envelope  # as if 4 at a time from the start
+
+
 def test_the_whole_models_envelope_takes_two_thirds_of_a_layers_runs():
     from pytest_layerparity.reference.extract import model_envelope_samples
 
