@@ -622,6 +622,7 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     merged: dict = {
         "correct": [],
         "caught": [],
+        "by_dtype": [],
         "chained": [],
         "misses": [],
         "alarms": [],
@@ -642,7 +643,7 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             if subprocess.run(command, check=False).returncode != 0 or not out.exists():
                 raise SystemExit(f"the {group} cases failed: {' '.join(command)}")
             part = json.loads(out.read_text())
-            for key in ("correct", "caught", "chained", "misses", "alarms", "timing", "reach", "no_effect"):
+            for key in ("correct", "caught", "by_dtype", "chained", "misses", "alarms", "timing", "reach", "no_effect"):
                 merged[key] += part[key]
             for dtype, per_model in part["sweep"].items():
                 merged["sweep"].setdefault(dtype, {}).update(per_model)
@@ -671,6 +672,7 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     started = time.time()
     correct = defaultdict(lambda: [0, 0])  # (split, kind) -> [tests, false alarms]
     caught = defaultdict(lambda: [0, 0])  # (split of the model, split of the bug kind) -> [bugs, caught]
+    by_dtype = defaultdict(lambda: [0, 0])  # (dtype, held-out bug kind) -> [bugs, caught]
     chained = defaultdict(lambda: [0, 0, 0])  # the same -> [bugs, chain failed, first failing layer the planted one]
     misses, alarms, sweep = [], [], defaultdict(dict)
     no_effect = set()  # planted changes that move no float64 output: left out
@@ -739,8 +741,9 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
                     no_effect.add(f"{name} {bug} (float64 output moved by {effect:.1e})")
                     continue
                 outcome = session(model, store, extra, planted(plant, mid), target=target).parity_layer(mid)
-                caught[(split, bug_split)][0] += 1
-                caught[(split, bug_split)][1] += not outcome.passed
+                for counts in (caught[(split, bug_split)], by_dtype[(dtype, bug_split != "calibration")]):
+                    counts[0] += 1
+                    counts[1] += not outcome.passed
                 if outcome.passed:
                     misses.append(f"{name} {dtype} {bug}")
                 if args.bug_chains:
@@ -761,8 +764,9 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
                     mid, steps
                 )
                 hit = any(not o.passed for o in bugged)
-                caught[(split, bug_split)][0] += 1
-                caught[(split, bug_split)][1] += hit
+                for counts in (caught[(split, bug_split)], by_dtype[(dtype, bug_split != "calibration")]):
+                    counts[0] += 1
+                    counts[1] += hit
                 if not hit:
                     for step, o in zip(steps, bugged, strict=True):
                         read = ", ".join(f"{c.name} {c.value:.3g} {c.op} {c.limit:.3g}" for c in o.checks[-4:])
@@ -782,6 +786,7 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     return {
         "correct": [[*key, *value] for key, value in correct.items()],
         "caught": [[*key, *value] for key, value in caught.items()],
+        "by_dtype": [[*key, *value] for key, value in by_dtype.items()],
         "chained": [[*key, *value] for key, value in chained.items()],
         "misses": misses,
         "alarms": alarms,
@@ -815,6 +820,10 @@ def report(tallies: dict, args: argparse.Namespace, label: str, elapsed: float) 
     print(f"{'models':<13} {'bug kinds':<12} {'bugs':>5} {'caught':>7}")
     for (split, bug_split), (n, hit) in sorted(caught.items()):
         print(f"{split:<13} {bug_split:<12} {n:>5} {hit:>7}  ({100 * hit / n:.0f}%)")
+    by_dtype = _sum_rows(tallies.get("by_dtype", []), 2)
+    for dtype in sorted({d for d, _ in by_dtype}):
+        held, calib = by_dtype.get((dtype, True), [0, 0]), by_dtype.get((dtype, False), [0, 0])
+        print(f"  {dtype:<9} held-out kinds {held[1]} of {held[0]}, calibration kinds {calib[1]} of {calib[0]}")
     if chained:
         print("\nplanted bugs in a chain over all layers (caught = the chain fails; named = its first failing layer)")
         print(f"{'models':<13} {'bug kinds':<12} {'bugs':>5} {'caught':>7} {'named':>6}")

@@ -148,13 +148,15 @@ class FloorEvaluator:
         ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
         routers' exact logits and scores (``floor.routing.*``), the output of each of the
         layer's branches in the golden's dtype (``floor.branch.*``, :func:`capture_branches`:
-        the directions ``branch_bias`` is measured along), and for a decode step the keys and
+        the directions ``branch_bias`` is measured along) and the attention temperature's
+        (``floor.branch.attention_temperature``, :mod:`.temperature`), and for a decode step the keys and
         values the layer appended to its KV cache (``floor.cache.new_keys``/``new_values``).
         ``layer``: the layer already loaded (by :meth:`load`), else it is loaded and given back.
         Without ``extras``, the output alone (a chain's floor step: the routers, branches and
         appended keys and values are not captured)."""
         import torch
 
+        from .temperature import TEMPERATURE_BRANCH, temperature_direction
         from .tokens import in_token_blocks
         from .wider import WiderArithmetic
 
@@ -180,6 +182,17 @@ class FloorEvaluator:
         for name, branch in contribution_branches(branches, out, hidden_in).items():  # directions: golden's dtype
             found[BRANCH_PREFIX + name] = branch.to("cpu", self.golden_dtype)
         del branches
+        if extras:
+
+            def again(call: Mapping[str, torch.Tensor] = upcast) -> torch.Tensor:
+                """The same call anew (a fresh KV cache), in the same arithmetic."""
+                args, kwargs = decode_call(spec, call, cache_name=cache_argument(layer))
+                with torch.no_grad(), in_token_blocks(layer), WiderArithmetic(self.dtype):
+                    return first_tensor(layer(*args, **kwargs))
+
+            direction = temperature_direction(again, out)
+            if direction is not None:
+                found[BRANCH_PREFIX + TEMPERATURE_BRANCH] = direction.to("cpu", self.golden_dtype)
         appended = appended_kv(args, kwargs, spec, upcast) if extras else None
         if appended is not None:
             found[FLOOR_NEW_KEYS], found[FLOOR_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)

@@ -312,10 +312,14 @@ LOAD_OR_WIDEST = "loading it, or one layer's activations (the widest pass: the f
 FORWARD = "the reference forward"
 GOLDENS = "each layer's goldens"
 FLOOR_OUTPUT = "the floor's output (the envelope's runs are held against it)"
-BRANCH_OUTPUTS = "the branches' outputs (the directions of branch_bias, in the golden's dtype)"
+BRANCH_OUTPUTS = "the branches' outputs and the attention temperature's (branch_bias's directions, golden's dtype)"
 #: Branches of a decoder layer the plan counts (``reference.floor.capture_branches``): its
-#: attention and its MLP or mixture of experts.
+#: attention and its MLP or mixture of experts, kept in the floor's dtype through its pass.
 BRANCHES = 2
+#: The directions a golden stores: the branches' and the attention temperature's
+#: (``reference.temperature``: its own pass holds one output beside the floor's, less than
+#: the branches the first pass holds).
+DIRECTIONS = BRANCHES + 1
 RUN_OUTPUT = "the output of the perturbed runs that go together (their statistics taken, they go)"
 
 
@@ -368,7 +372,7 @@ def stream_extraction_needs(
         output = batch * seq * hidden
         widest = layer_activations(cfg, batch, seq, floor_size, eager, True) + widest_weight(cfg) * floor_size
         widest += BRANCHES * output * floor_size
-        held = {FLOOR_OUTPUT: output * floor_size, BRANCH_OUTPUTS: BRANCHES * output * size}
+        held = {FLOOR_OUTPUT: output * floor_size, BRANCH_OUTPUTS: DIRECTIONS * output * size}
         if options.envelope:
             # the perturbed runs that go together on the CPU (batching.samples_per_forward), one
             # batch of them: its tensors in the run dtype, and one op's wider work at a time. On

@@ -218,3 +218,53 @@ def test_a_chains_floor_step_gives_the_same_output_without_the_extras():
     assert nothing == {}
     assert any(k.startswith("floor.branch.") for k in found) and any(k.startswith("floor.routing.") for k in found)
     assert torch.equal(out, bare)
+
+
+def test_softer_attention_scales_every_attentions_scores_and_no_routers():
+    from pytest_layerparity.reference.temperature import SofterAttention
+
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with SofterAttention(0.5) as softer:
+        default = sdpa(q, k, v, is_causal=True)
+        given = sdpa(q, k, v, is_causal=True, scale=0.25)
+        scores = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+        router = torch.nn.functional.softmax(q[0, 0], dim=-1)  # tokens x experts: left as it is
+    torch.testing.assert_close(default, sdpa(q, k, v, is_causal=True, scale=0.5 / math.sqrt(8)))
+    torch.testing.assert_close(given, sdpa(q, k, v, is_causal=True, scale=0.125))
+    torch.testing.assert_close(scores, torch.softmax(0.5 * (q @ k.transpose(-1, -2)), dim=-1))
+    torch.testing.assert_close(router, torch.softmax(q[0, 0], dim=-1))
+    assert softer.hits == 3
+
+
+def test_the_floors_pass_finds_the_attention_temperatures_direction_on_prompts_and_decode_steps():
+    """Along it lies what a port with its attention's temperature off does (the embedded
+    MiniMax-M2 layer, its scores scaled by 1.01: the effect's cosine with the stored
+    direction; at 1.05 its router picks other experts for a token, which the routing checks
+    judge), on the prompt and on a decode step, whose appended keys stay the first pass's."""
+    from pathlib import Path
+
+    from pytest_layerparity.reference.floor import FLOOR_NEW_KEYS, FloorEvaluator
+    from pytest_layerparity.reference.source import ModelSource
+    from pytest_layerparity.reference.temperature import TEMPERATURE_BRANCH, SofterAttention, temperature_direction
+    from pytest_layerparity.store.golden import GoldenStore
+
+    fixtures = Path(__file__).resolve().parents[2] / "fixtures"
+    store = GoldenStore(fixtures / "goldens" / "minimax_m2_tiny")
+    floor = FloorEvaluator(ModelSource(fixtures / "minimax_m2_tiny"), torch.bfloat16)
+    for key in ("layer_1", "layer_1.decode_0"):
+        entry = store.load(key)
+        spec = entry.metadata["call"]
+        out, found = floor.evaluate(1, spec, entry.tensors)
+        direction = found[BRANCH_PREFIX + TEMPERATURE_BRANCH].double().flatten()
+        with SofterAttention(1.01):
+            sharper, _ = floor.evaluate(1, spec, entry.tensors, extras=False)
+        effect = (sharper.double() - out.double()).flatten()
+        cosine = float(effect @ direction) / float(effect.norm() * direction.norm())
+        assert cosine < -0.99  # sharper is the other way from softer
+        if key.endswith("decode_0"):
+            torch.testing.assert_close(found[FLOOR_NEW_KEYS], entry.tensors[FLOOR_NEW_KEYS].to(found[FLOOR_NEW_KEYS]))
+    mlp = torch.nn.Linear(8, 8)
+    x = torch.randn(3, 8)
+    assert temperature_direction(lambda: mlp(x), mlp(x)) is None  # no attention: no direction
