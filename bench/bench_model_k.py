@@ -4,12 +4,14 @@ envelope of the first K runs of one extraction (K = 12 by default; the runs' see
 BASE_SEED + k, so the first K of twelve are what an extraction with K runs makes).
 
     PJRT_DEVICE=CPU python bench/bench_model_k.py [--dtypes bfloat16,float32,float16] [--ks 4,6,8,12]
-                                                  [--seq-len 32]
+                                                  [--seq-len 32] [--embedded-seeds 16]
 
 The greedy-flip check takes the largest near-tie margin over all twelve runs for every K (the
-envelope keeps the margins of all runs together); the KL limit is the envelope's own rule on
-the first K runs' median KLs. The decoders of bench_verdicts.py, 4 layers, 32 tokens (or
-``--seq-len``), 2 decode steps; each bug of bench_verdicts.BUGS planted in the middle layer. One process holds
+envelope keeps the margins of all runs together); the KL limit and the logit scale's range
+are the envelope's own rules on the first K runs (and, as "KL alone", the KL without the
+logit scale). The decoders of bench_verdicts.py, 4 layers, 32 tokens (or ``--seq-len``), 2
+decode steps; each bug of bench_verdicts.BUGS planted in the middle layer, and bugs after the
+last layer (``AFTER_LAST_LAYER``: the final norm's weight or the LM head scaled). One process holds
 every compiled program: at 128 tokens run the decoders in two halves (``--models``), as
 bench_verdicts.py does in processes of its own.
 """
@@ -50,9 +52,86 @@ def judged_at(ks: list[int], run) -> dict[int, bool]:
     golden, logits, dtype, tie, rate, envelope = seen[-1]
     out = {}
     for k in ks:
-        first = ModelEnvelope(envelope.kl_median[:k], envelope.flip_margins)
+        first = envelope.first(k)
+        kl_alone = ModelEnvelope(first.kl_median, first.flip_margins)  # without the logit scale
         out[k] = not original(golden, logits, dtype, tie, rate, first).passed
+        out[-k] = not original(golden, logits, dtype, tie, rate, kl_alone).passed
     return out
+
+
+def _final_norm(model):
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in ("norm", "final_layernorm", "final_layer_norm", "ln_f") and hasattr(module, "weight"):
+            return module
+    return None
+
+
+#: Bugs after the last layer (no layer test sees them): the model built with the change.
+AFTER_LAST_LAYER = {
+    "final norm weight x0.95": lambda m: _final_norm(m).weight.mul_(0.95),
+    "final norm weight x0.99": lambda m: _final_norm(m).weight.mul_(0.99),
+    "LM head x0.98": lambda m: m.get_output_embeddings().weight.mul_(0.98),
+}
+
+
+def judged_with(ks: list[int], session, entry, change) -> dict[int, bool]:
+    """The whole-model test judged at each K, the target's model (the model's own, as the
+    target runs it) with ``change`` made to it after it is built."""
+    from pytest_layerparity.target import model as target_model
+
+    original = target_model.hf_step
+
+    def changed(model):
+        with torch.no_grad():
+            change(model)
+        return original(model)
+
+    target_model.hf_step = changed
+    try:
+        return judged_at(ks, lambda: session.target.parity_model(entry))
+    finally:
+        target_model.hf_step = original
+
+
+def embedded_seeds(ks: list[int], seeds: int) -> None:
+    """The embedded model's committed whole-model golden, its envelope made anew with
+    ``seeds`` base seeds (1000, 2000, ...): how often each K catches the final norm's weight
+    x0.9, with the logit scale and by the KL alone, and the range of the KL's limit."""
+    from transformers import AutoModelForCausalLM
+
+    from pytest_layerparity.compare.logits import judge_logits
+    from pytest_layerparity.reference import envelope as reference_envelope
+    from pytest_layerparity.reference.extract import whole_model_envelope
+    from pytest_layerparity.target.model import hf_step, teacher_forced
+
+    model_dir = ROOT / "fixtures" / "minimax_m2_tiny"
+    golden = GoldenStore(ROOT / "fixtures" / "goldens" / "minimax_m2_tiny").load(MODEL_LOGITS_KEY).tensors
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    broken = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        _final_norm(broken).weight.mul_(0.9)
+    logits = teacher_forced(hf_step(broken), golden["input_ids"], golden.get("decode_ids"), "cpu")
+    caught = {k: [0, 0] for k in ks}
+    limits: dict[int, list[float]] = {k: [] for k in ks}
+    seed = reference_envelope.BASE_SEED
+    try:
+        for s in range(seeds):
+            reference_envelope.BASE_SEED = 1000 * (s + 1)
+            envelope = whole_model_envelope(hf_step(model), golden, "cpu", max(ks))
+            for k in ks:
+                first = envelope.first(k)
+                alone = ModelEnvelope(first.kl_median, first.flip_margins)
+                caught[k][0] += not judge_logits(golden, logits, "bfloat16", 0.01, 0.001, first).passed
+                caught[k][1] += not judge_logits(golden, logits, "bfloat16", 0.01, 0.001, alone).passed
+                limits[k].append(first.kl_limit(0.001))
+    finally:
+        reference_envelope.BASE_SEED = seed
+    print(f"\nthe embedded model, its final norm's weight x0.9, over {seeds} envelope seeds")
+    for k in ks:
+        print(
+            f"{k:>3}: caught {caught[k][0]} of {seeds} ({caught[k][1]} by the KL alone); "
+            f"KL limit {min(limits[k]):.2g} to {max(limits[k]):.2g}"
+        )
 
 
 def main() -> None:
@@ -61,13 +140,21 @@ def main() -> None:
     parser.add_argument("--ks", default="4,6,8,12")
     parser.add_argument("--models", default=",".join(bv.DECODERS))
     parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument(
+        "--embedded-seeds", type=int, default=0, help="only the embedded model's final-norm bug over N envelope seeds"
+    )
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
+    if args.embedded_seeds:
+        embedded_seeds(ks, args.embedded_seeds)
+        return
     work = Path(tempfile.mkdtemp(prefix="model-k-"))
     started = time.time()
-    alarms = {k: [] for k in ks}
-    caught = dict.fromkeys(ks, 0)
+    both = [*ks, *(-k for k in ks)]  # -K: the same envelope without the logit scale (the KL alone)
+    alarms = {k: [] for k in both}
+    caught = dict.fromkeys(both, 0)
     bugs_run = 0
+    after, after_run, passed_after = dict.fromkeys(both, 0), 0, {k: [] for k in both}
     for name, model, extra in bv.models(work, 4, tuple(args.models.split(","))):
         for dtype in args.dtypes.split(","):
             store = work / f"{name}-{dtype}"
@@ -75,7 +162,7 @@ def main() -> None:
             entry = GoldenStore(store).load(MODEL_LOGITS_KEY)
             port = bv.session(model, store, extra, target="xla")
             correct = judged_at(ks, lambda s=port, e=entry: s.target.parity_model(e))
-            for k in ks:
+            for k in both:
                 if correct[k]:
                     alarms[k].append(f"{name} {dtype}")
             for plant, _ in bv.BUGS.values():
@@ -86,14 +173,26 @@ def main() -> None:
                 bugs_run += 1
                 for k, failed in judged_at(ks, lambda s=session, e=entry: s.target.parity_model(e)).items():
                     caught[k] += failed
+            for label, change in AFTER_LAST_LAYER.items():
+                session = bv.session(model, store, extra, target="xla")
+                for k, failed in judged_with(ks, session, entry, change).items():
+                    after[k] += failed
+                    if not failed:
+                        passed_after[k].append(f"{name} {dtype} {label}")
+                after_run += 1
             so_far = ", ".join(f"K={k} {caught[k]}" for k in ks)
             print(f"{name} {dtype} done ({time.time() - started:.0f} s); bugs caught so far of {bugs_run}: {so_far}")
     elapsed = time.time() - started
     print(f"\nwhole-model test against the first K perturbed runs, {args.seq_len} tokens ({elapsed:.0f} s)")
-    print(f"{'K':>3} {'false alarms':>14} {'bugs caught':>14}")
+    print(f"{'K':>14} {'false alarms':>14} {'bugs caught':>14}")
     models = len(args.models.split(",")) * len(args.dtypes.split(","))
-    for k in ks:
-        print(f"{k:>3} {len(alarms[k]):>6} of {models:<5} {caught[k]:>6} of {bugs_run:<5}  {'; '.join(alarms[k])}")
+    for k in both:
+        label = f"{abs(k)}{' (KL alone)' if k < 0 else ''}"
+        print(f"{label:>14} {len(alarms[k]):>6} of {models:<5} {caught[k]:>6} of {bugs_run:<5}  {'; '.join(alarms[k])}")
+    print(f"\nbugs after the last layer ({', '.join(AFTER_LAST_LAYER)}), caught of {after_run}")
+    for k in both:
+        label = f"{abs(k)}{' (KL alone)' if k < 0 else ''}"
+        print(f"{label:>14} {after[k]:>6}  passed: {'; '.join(passed_after[k]) or '-'}")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,14 @@ fraction of a vocabulary-wide tensor. What the target is held to:
   an MoE router changes the few positions after it by orders of magnitude more than rounding
   does, while a bug after the last layer (a final norm or LM head off) moves every position.
   The mean and the maximum are reported.
+* **logit scale**: the slope of the target's logits on the golden's, over every position's
+  top-k tokens, each position's logits centred (a constant added to a position's logits
+  changes nothing): 1 for a target that computes what the golden does. A bug after the last
+  layer that scales the logits (a final norm's weight, the LM head, a logit scaling or
+  soft-capping left out) moves every position the same way, which the KL's median over
+  positions sees only in proportion to the logits' spread. Held to the range of {1, the
+  perturbed runs' mean} widened by the Student-t quantile times their spread (at least what
+  the golden dtype's rounding of the logits alone gives the slope), two-sided.
 * **top-k overlap** (reported): the mean share of the golden's top-k among the target's.
 * **first divergence** (reported): the first position whose greedy token differs, and
   whether it was a near tie.
@@ -67,6 +75,7 @@ class LogitsStats:
     topk_overlap: float
     flipped: list[int]  # flat positions whose greedy token is not the golden's
     margins: list[float]  # the golden's top-2 margin at each flipped position
+    logit_scale: float = 1.0  # the slope of the target's centred top-k logits on the golden's
 
     @property
     def first_divergence(self) -> int | None:
@@ -96,6 +105,10 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
     overlap = (target_top[:, :, None] == ids[:, None, :]).any(-1).double().mean(-1)
     margins = (top[:, 0] - top[:, 1]).tolist() if k > 1 else [math.inf] * ids.shape[0]
     kl = kl.clamp_min(0)
+    g = top.double() - top.double().mean(-1, keepdim=True)
+    t = target.gather(-1, ids)
+    t = t - t.mean(-1, keepdim=True)
+    spread = float((g * g).sum())
     return LogitsStats(
         positions=ids.shape[0],
         kl_median=float(kl.median()),
@@ -105,7 +118,19 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
         topk_overlap=float(overlap.mean()),
         flipped=flipped,
         margins=[margins[i] for i in flipped],
+        logit_scale=float((t * g).sum()) / spread if spread > 0 else 1.0,
     )
+
+
+def scale_rounding_sd(golden: Mapping[str, torch.Tensor], dtype: str) -> float:
+    """The standard deviation of :attr:`LogitsStats.logit_scale` from the golden dtype's
+    rounding of the logits alone (each logit off by a uniform error within half an ulp):
+    the least spread the scale's limits assume."""
+    u = {"bfloat16": 2.0**-8, "float16": 2.0**-11}.get(dtype, 2.0**-24)
+    top = golden[TOPK_LOGITS].double().reshape(-1, golden[TOPK_LOGITS].shape[-1])
+    g = top - top.mean(-1, keepdim=True)
+    spread = float((g * g).sum())
+    return u / math.sqrt(3) * math.sqrt(float((g * g * top * top).sum())) / spread if spread > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +140,8 @@ class ModelEnvelope:
 
     kl_median: tuple[float, ...]
     flip_margins: tuple[float, ...]
+    #: each run's logit scale (empty in an envelope made before it was kept)
+    logit_scale: tuple[float, ...] = ()
 
     @property
     def samples(self) -> int:
@@ -122,10 +149,19 @@ class ModelEnvelope:
 
     @classmethod
     def from_stats(cls, runs: Sequence[LogitsStats]) -> ModelEnvelope:
-        return cls(tuple(r.kl_median for r in runs), tuple(m for r in runs for m in r.margins))
+        return cls(
+            tuple(r.kl_median for r in runs),
+            tuple(m for r in runs for m in r.margins),
+            tuple(r.logit_scale for r in runs),
+        )
+
+    def first(self, k: int) -> ModelEnvelope:
+        """The envelope of the first ``k`` runs (the flip margins of all of them)."""
+        return ModelEnvelope(self.kl_median[:k], self.flip_margins, self.logit_scale[:k])
 
     def as_metadata(self) -> dict[str, Any]:
-        return {"kl_median": list(self.kl_median), "flip_margins": list(self.flip_margins)}
+        scale = {"logit_scale": list(self.logit_scale)} if self.logit_scale else {}
+        return {"kl_median": list(self.kl_median), "flip_margins": list(self.flip_margins), **scale}
 
     @classmethod
     def from_metadata(cls, data: Mapping[str, Any] | None) -> ModelEnvelope | None:
@@ -138,15 +174,36 @@ class ModelEnvelope:
             raise ValueError(f"malformed whole-model envelope ({exc!r})") from exc
         if len(kl) < 2 or any(not math.isfinite(v) or v < 0 for v in kl):
             raise ValueError("malformed whole-model envelope: needs 2 or more finite, non-negative KL samples")
-        return cls(kl, margins)
+        try:
+            scale = tuple(float(v) for v in data.get("logit_scale", ()))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"malformed whole-model envelope: logit_scale ({exc!r})") from exc
+        if scale and (len(scale) != len(kl) or not all(map(math.isfinite, scale))):
+            raise ValueError("malformed whole-model envelope: logit_scale does not match the runs")
+        return cls(kl, margins, scale)
+
+    def _rate(self, false_alarm_rate: float) -> float:
+        """The rate each statistic gets: the session's split over the KL and the logit scale."""
+        return false_alarm_rate / (2 if self.logit_scale else 1)
 
     def kl_limit(self, false_alarm_rate: float) -> float:
         """The prediction limit of a correct target's median KL (on the log scale, as the
         noise ratios' limits)."""
         k = self.samples
         mean, sd = _mean_sd([math.log(max(v, 1e-300)) for v in self.kl_median])
-        q = t_quantile(1 - false_alarm_rate, k - 1)
+        q = t_quantile(1 - self._rate(false_alarm_rate), k - 1)
         return math.exp(min(mean + q * sd * math.sqrt(1 + 1 / k), 700.0))
+
+    def scale_range(self, false_alarm_rate: float, least_sd: float) -> tuple[float, float] | None:
+        """The range a correct target's logit scale is held to (None without the runs' own):
+        {1, the runs' mean} widened on each side by the t quantile times their spread (at
+        least ``least_sd``: the golden's own rounding)."""
+        if len(self.logit_scale) < 2:
+            return None
+        k = len(self.logit_scale)
+        mean, sd = _mean_sd(list(self.logit_scale))
+        half = t_quantile(1 - self._rate(false_alarm_rate) / 2, k - 1) * max(sd, least_sd) * math.sqrt(1 + 1 / k)
+        return min(1.0, mean) - half, max(1.0, mean) + half
 
 
 @dataclass
@@ -159,6 +216,7 @@ class ModelOutcome:
     hard_flips: list[int] = field(default_factory=list)  # flipped positions outside it (failed)
     kl_limit: float | None = None
     kl_reached: float | None = None  # the largest median KL of a perturbed reference run
+    scale_range: tuple[float, float] | None = None  # what the logit scale is held to
     tie_margin: float = 0.0
     samples: int = 0
     generated: int = 0  # tokens the golden generated (the prompt's next token, then each decode step's)
@@ -204,10 +262,15 @@ def judge_logits(
         Check("logits_nan_inf", 0 if finite else 1, "==", 0, finite),
         Check("greedy_flips_outside_ties", len(hard), "==", 0, not hard),
     ]
-    kl_limit = None
+    kl_limit = scale_range = None
     if envelope is not None:
         kl_limit = envelope.kl_limit(false_alarm_rate)
         checks.append(Check("kl_divergence_median", stats.kl_median, "<=", kl_limit, stats.kl_median <= kl_limit))
+        scale_range = envelope.scale_range(false_alarm_rate, scale_rounding_sd(golden, dtype))
+    if scale_range is not None:
+        low, high = scale_range
+        ok = low <= stats.logit_scale <= high
+        checks.append(Check("logit_scale", stats.logit_scale, "in", high, ok, low=low))
     return ModelOutcome(
         stats=stats,
         checks=checks,
@@ -215,6 +278,7 @@ def judge_logits(
         hard_flips=hard,
         kl_limit=kl_limit,
         kl_reached=max(envelope.kl_median) if envelope is not None else None,
+        scale_range=scale_range,
         tie_margin=envelope_margin,
         samples=envelope.samples if envelope is not None else 0,
         **_generation(golden, stats),

@@ -73,6 +73,38 @@ def test_the_median_kl_is_held_to_the_envelope_of_perturbed_runs():
     assert not far.passed and [c.name for c in far.checks if not c.ok] == ["kl_divergence_median"]
 
 
+def test_the_logit_scale_is_the_slope_on_the_golden_whatever_each_positions_shift():
+    logits = _logits(6)
+    golden = compact_logits(logits, 8)
+    shift = torch.randn(1, 20, 1, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    assert logits_stats(golden, logits).logit_scale == pytest.approx(1.0, abs=1e-6)
+    assert logits_stats(golden, logits + shift).logit_scale == pytest.approx(1.0, abs=1e-6)  # softmax's own
+    assert logits_stats(golden, 0.9 * logits + shift).logit_scale == pytest.approx(0.9, abs=1e-6)
+
+
+def test_a_scale_of_every_positions_logits_fails_on_the_logit_scale_where_the_kl_is_within_its_limit():
+    """A final norm or an LM head off by 2% scales every logit: the median KL moves by a few
+    times its runs' (their spread on the log scale is wide), the slope by far more than the
+    runs' spread of it. An envelope made before the logit scale was kept judges the KL alone."""
+    logits = _logits(8)
+    golden = compact_logits(logits, 8)
+    kl = tuple(1e-5 * v for v in (1.0, 3.0, 0.5, 8.0, 2.0, 1.5))
+    runs = ModelEnvelope(kl, (), (1.0002, 0.9999, 1.0001, 0.9998, 1.0, 1.0003))
+    low, high = runs.scale_range(1e-3, 0.0)
+    assert low < 0.9998 and 1.0003 < high < 1.01
+    bug = judge_logits(golden, 0.98 * logits, "float32", 0.0, 1e-3, runs)
+    assert [c.name for c in bug.checks if not c.ok] == ["logit_scale"]
+    assert bug.stats.kl_median < bug.kl_limit and bug.scale_range == (low, high)
+    assert "logit_scale" in describe_model_outcome(bug, "on cpu")
+    assert judge_logits(golden, logits * (1 + 1e-5), "float32", 0.0, 1e-3, runs).passed
+    before = ModelEnvelope(kl, ())  # an envelope without the runs' scales: the KL alone, at the whole rate
+    assert judge_logits(golden, 0.98 * logits, "float32", 0.0, 1e-3, before).passed
+    assert before.kl_limit(1e-3) < runs.kl_limit(1e-3)  # the rate split over two statistics
+    # the golden dtype's rounding of the logits is the least spread of the scale
+    wide = runs.scale_range(1e-3, 0.01)
+    assert wide[0] < 0.98 < wide[1]
+
+
 def test_non_finite_target_logits_fail():
     logits = _logits(5)
     target = logits.clone()
@@ -84,6 +116,10 @@ def test_non_finite_target_logits_fail():
 def test_an_envelope_is_read_back_and_a_malformed_one_refused():
     env = ModelEnvelope((1e-4, 3e-4), (0.5,))
     assert ModelEnvelope.from_metadata(env.as_metadata()) == env
+    scaled = ModelEnvelope((1e-4, 3e-4), (0.5,), (1.0001, 0.9999))
+    assert ModelEnvelope.from_metadata(scaled.as_metadata()) == scaled
+    with pytest.raises(ValueError, match="logit_scale does not match the runs"):
+        ModelEnvelope.from_metadata({**scaled.as_metadata(), "logit_scale": [1.0]})
     assert ModelEnvelope.from_metadata(None) is None
     with pytest.raises(ValueError, match="malformed whole-model envelope"):
         ModelEnvelope.from_metadata({"kl_median": [1e-4], "flip_margins": []})
