@@ -20,12 +20,14 @@ fraction of a vocabulary-wide tensor. What the target is held to:
   an MoE router changes the few positions after it by orders of magnitude more than rounding
   does, while a bug after the last layer (a final norm or LM head off) moves every position.
   The mean and the maximum are reported.
-* **logit scale**: the slope of the target's logits on the golden's, over every position's
-  top-k tokens, each position's logits centred (a constant added to a position's logits
-  changes nothing): 1 for a target that computes what the golden does. A bug after the last
-  layer that scales the logits (a final norm's weight, the LM head, a logit scaling or
-  soft-capping left out) moves every position the same way, which the KL's median over
-  positions sees only in proportion to the logits' spread. Held to the range of {1, the
+* **logit scale**: the slope of the target's logits on the golden's at each position's
+  top-k tokens, centred (a constant added to a position's logits changes nothing), its mean
+  over the middle half of the positions (a router's near-tie flip moves the few positions
+  after it, not the rest, as for the KL's median): 1 for a target that computes what the
+  golden does. A bug after
+  the last layer that scales the logits (a final norm's weight, the LM head, a logit scaling
+  or soft-capping left out) moves every position the same way, which the KL sees only in
+  proportion to the logits' spread. Held to the range of {1, the
   perturbed runs' mean} widened by the Student-t quantile times their spread (at least what
   the golden dtype's rounding of the logits alone gives the slope), two-sided.
 * **top-k overlap** (reported): the mean share of the golden's top-k among the target's.
@@ -75,7 +77,7 @@ class LogitsStats:
     topk_overlap: float
     flipped: list[int]  # flat positions whose greedy token is not the golden's
     margins: list[float]  # the golden's top-2 margin at each flipped position
-    logit_scale: float = 1.0  # the slope of the target's centred top-k logits on the golden's
+    logit_scale: float = 1.0  # the slope of its centred top-k logits on the golden's, middle half of positions
 
     @property
     def first_divergence(self) -> int | None:
@@ -108,7 +110,8 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
     g = top.double() - top.double().mean(-1, keepdim=True)
     t = target.gather(-1, ids)
     t = t - t.mean(-1, keepdim=True)
-    spread = float((g * g).sum())
+    spread = (g * g).sum(-1)
+    slopes = ((t * g).sum(-1) / spread)[spread > 0]
     return LogitsStats(
         positions=ids.shape[0],
         kl_median=float(kl.median()),
@@ -118,19 +121,33 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
         topk_overlap=float(overlap.mean()),
         flipped=flipped,
         margins=[margins[i] for i in flipped],
-        logit_scale=float((t * g).sum()) / spread if spread > 0 else 1.0,
+        logit_scale=_middle_mean(slopes),
     )
+
+
+def _middle_mean(values: torch.Tensor) -> float:
+    """The mean of the middle half of ``values`` (1.0 where there are none)."""
+    if not values.numel():
+        return 1.0
+    ordered = values.sort().values
+    cut = values.numel() // 4
+    return float(ordered[cut : values.numel() - cut].mean())
 
 
 def scale_rounding_sd(golden: Mapping[str, torch.Tensor], dtype: str) -> float:
     """The standard deviation of :attr:`LogitsStats.logit_scale` from the golden dtype's
-    rounding of the logits alone (each logit off by a uniform error within half an ulp):
-    the least spread the scale's limits assume."""
+    rounding of the logits alone (each logit off by a uniform error within half an ulp),
+    taken as the positions' median's (a little more than their middle half's mean): the
+    least spread the scale's limits assume."""
     u = {"bfloat16": 2.0**-8, "float16": 2.0**-11}.get(dtype, 2.0**-24)
     top = golden[TOPK_LOGITS].double().reshape(-1, golden[TOPK_LOGITS].shape[-1])
     g = top - top.mean(-1, keepdim=True)
-    spread = float((g * g).sum())
-    return u / math.sqrt(3) * math.sqrt(float((g * g * top * top).sum())) / spread if spread > 0 else 0.0
+    spread = (g * g).sum(-1)
+    kept = spread > 0
+    if not bool(kept.any()):
+        return 0.0
+    each = u / math.sqrt(3) * (g * g * top * top).sum(-1)[kept].sqrt() / spread[kept]  # one position's slope
+    return float(each.median()) * math.sqrt(math.pi / 2) / math.sqrt(int(kept.sum()))
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,9 @@ def test_the_logit_scale_is_the_slope_on_the_golden_whatever_each_positions_shif
     assert logits_stats(golden, logits).logit_scale == pytest.approx(1.0, abs=1e-6)
     assert logits_stats(golden, logits + shift).logit_scale == pytest.approx(1.0, abs=1e-6)  # softmax's own
     assert logits_stats(golden, 0.9 * logits + shift).logit_scale == pytest.approx(0.9, abs=1e-6)
+    flipped = logits.clone()
+    flipped[0, 3:6] = _logits(9)[0, 3:6]  # a router's near-tie flip: the positions after it move
+    assert logits_stats(golden, flipped).logit_scale == pytest.approx(1.0, abs=1e-6)  # the middle half does not
 
 
 def test_a_scale_of_every_positions_logits_fails_on_the_logit_scale_where_the_kl_is_within_its_limit():
