@@ -24,10 +24,9 @@ fraction of a vocabulary-wide tensor. What the target is held to:
   top-k tokens, centred (a constant added to a position's logits changes nothing), its mean
   over the middle half of the positions (a router's near-tie flip moves the few positions
   after it, not the rest, as for the KL's median): 1 for a target that computes what the
-  golden does. A bug after
-  the last layer that scales the logits (a final norm's weight, the LM head, a logit scaling
-  or soft-capping left out) moves every position the same way, which the KL sees only in
-  proportion to the logits' spread. Held to the range of {1, the
+  golden does. A bug after the last layer that scales the logits (a final norm's weight,
+  the LM head, a logit scaling or soft-capping left out) moves every position the same way,
+  which the KL sees only in proportion to the logits' spread. Held to the range of {1, the
   perturbed runs' mean} widened by the Student-t quantile times their spread (at least what
   the golden dtype's rounding of the logits alone gives the slope), two-sided.
 * **top-k overlap** (reported): the mean share of the golden's top-k among the target's.
@@ -107,10 +106,8 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
     overlap = (target_top[:, :, None] == ids[:, None, :]).any(-1).double().mean(-1)
     margins = (top[:, 0] - top[:, 1]).tolist() if k > 1 else [math.inf] * ids.shape[0]
     kl = kl.clamp_min(0)
-    g = top.double() - top.double().mean(-1, keepdim=True)
-    t = target.gather(-1, ids)
-    t = t - t.mean(-1, keepdim=True)
-    spread = (g * g).sum(-1)
+    g, spread = _centred(top.double())
+    t, _ = _centred(target.gather(-1, ids))
     slopes = ((t * g).sum(-1) / spread)[spread > 0]
     return LogitsStats(
         positions=ids.shape[0],
@@ -123,6 +120,12 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
         margins=[margins[i] for i in flipped],
         logit_scale=_middle_mean(slopes),
     )
+
+
+def _centred(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row less its mean, and each centred row's sum of squares."""
+    centred = rows - rows.mean(-1, keepdim=True)
+    return centred, (centred * centred).sum(-1)
 
 
 def _middle_mean(values: torch.Tensor) -> float:
@@ -139,10 +142,9 @@ def scale_rounding_sd(golden: Mapping[str, torch.Tensor], dtype: str) -> float:
     rounding of the logits alone (each logit off by a uniform error within half an ulp),
     taken as the positions' median's (a little more than their middle half's mean): the
     least spread the scale's limits assume."""
-    u = {"bfloat16": 2.0**-8, "float16": 2.0**-11}.get(dtype, 2.0**-24)
+    u = float(torch.finfo(getattr(torch, dtype)).eps) / 2  # the unit roundoff
     top = golden[TOPK_LOGITS].double().reshape(-1, golden[TOPK_LOGITS].shape[-1])
-    g = top - top.mean(-1, keepdim=True)
-    spread = (g * g).sum(-1)
+    g, spread = _centred(top)
     kept = spread > 0
     if not bool(kept.any()):
         return 0.0

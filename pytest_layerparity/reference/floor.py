@@ -166,31 +166,30 @@ class FloorEvaluator:
         upcast = {k: (v.to(self.dtype) if torch.is_floating_point(v) else v) for k, v in tensors.items()}
         if hidden is not None:
             upcast = replace_hidden_input(spec, upcast, hidden)
-        args, kwargs = decode_call(spec, upcast, cache_name=cache_argument(layer))
+
+        def forward(*captures: Any, call: Mapping[str, torch.Tensor] = upcast) -> tuple[torch.Tensor, list, dict]:
+            """The layer on the call (its KV cache made anew) in the floor dtype, with
+            ``captures`` active: the output and the call's arguments."""
+            args, kwargs = decode_call(spec, call, cache_name=cache_argument(layer))
+            with ExitStack() as stack:
+                stack.enter_context(torch.no_grad())
+                for capture in captures:
+                    stack.enter_context(capture)
+                stack.enter_context(in_token_blocks(layer))
+                stack.enter_context(WiderArithmetic(self.dtype))
+                return first_tensor(layer(*args, **kwargs)), args, kwargs
+
         routing: dict[str, torch.Tensor] = {}
         branches: dict[str, torch.Tensor] = {}
-        with ExitStack() as stack:
-            stack.enter_context(torch.no_grad())
-            if extras:
-                stack.enter_context(capture_routing(layer, self.model.top_k, routing))
-                stack.enter_context(capture_branches(layer, branches))
-            stack.enter_context(in_token_blocks(layer))
-            stack.enter_context(WiderArithmetic(self.dtype))
-            out = first_tensor(layer(*args, **kwargs))
+        captures = (capture_routing(layer, self.model.top_k, routing), capture_branches(layer, branches))
+        out, args, kwargs = forward(*(captures if extras else ()))
         found = floor_routing(routing)
         hidden_in = upcast.get(hidden_input_name(spec))
         for name, branch in contribution_branches(branches, out, hidden_in).items():  # directions: golden's dtype
             found[BRANCH_PREFIX + name] = branch.to("cpu", self.golden_dtype)
         del branches
         if extras:
-
-            def again(call: Mapping[str, torch.Tensor] = upcast) -> torch.Tensor:
-                """The same call anew (a fresh KV cache), in the same arithmetic."""
-                args, kwargs = decode_call(spec, call, cache_name=cache_argument(layer))
-                with torch.no_grad(), in_token_blocks(layer), WiderArithmetic(self.dtype):
-                    return first_tensor(layer(*args, **kwargs))
-
-            direction = temperature_direction(again, out)
+            direction = temperature_direction(lambda: forward()[0], out, MAX_BRANCH_OUTPUT_COSINE)
             if direction is not None:
                 found[BRANCH_PREFIX + TEMPERATURE_BRANCH] = direction.to("cpu", self.golden_dtype)
         appended = appended_kv(args, kwargs, spec, upcast) if extras else None

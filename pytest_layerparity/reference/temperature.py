@@ -17,6 +17,8 @@ from torch.overrides import TorchFunctionMode
 #: it changes how the values are mixed, not how much of the attention is added.
 TEMPERATURE_BRANCH = "attention_temperature"
 TEMPERATURE_STEP = 1e-3
+#: The softmax functions whose 4-D input :class:`SofterAttention` scales.
+SOFTMAX_FUNCTIONS = frozenset({torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax})
 
 
 class SofterAttention(TorchFunctionMode):
@@ -41,15 +43,15 @@ class SofterAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-SOFTMAX_FUNCTIONS = frozenset({torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax})
-
-
-def temperature_direction(run: Callable[[], torch.Tensor], out: torch.Tensor) -> torch.Tensor | None:
+def temperature_direction(
+    run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
+) -> torch.Tensor | None:
     """How the layer's output ``out`` moves under a softer attention: ``run()`` (the same call
     made anew, in the same arithmetic) under :class:`SofterAttention`, minus ``out``, scaled
     to ``out``'s norm (a direction: its size is not used). None where no attention ran (no
-    softmax of scores), or the move is nil, not finite, or along the output itself (cosine
-    over ``MAX_OUTPUT_COSINE``: a scale of the whole output, not a mixing)."""
+    softmax of scores), or the move is nil, not finite, or along the output itself (a cosine
+    over ``max_output_cosine``, the branches' own bound: a scale of the whole output, not a
+    mixing)."""
     softer = SofterAttention(1 - TEMPERATURE_STEP)
     with softer:
         moved = run()
@@ -58,10 +60,6 @@ def temperature_direction(run: Callable[[], torch.Tensor], out: torch.Tensor) ->
     d = moved.detach().sub_(out)  # in the pass's own dtype: one more output-sized tensor
     size, out_size = float(d.norm()), float(out.norm())
     along = float((d.flatten() @ out.detach().flatten().to(d.dtype)).abs())
-    if not (0 < size < float("inf")) or out_size == 0 or along > MAX_OUTPUT_COSINE * size * out_size:
+    if not (0 < size < float("inf")) or out_size == 0 or along > max_output_cosine * size * out_size:
         return None
     return d.mul_(out_size / size)
-
-
-#: See :func:`temperature_direction` (the branches' own rule: ``floor.MAX_BRANCH_OUTPUT_COSINE``).
-MAX_OUTPUT_COSINE = 0.95

@@ -27,6 +27,7 @@ def test_model_parity(layerparity_session, layerparity_record):
     if failure is not None:
         pytest.fail(failure, pytrace=False)
     s = outcome.stats
+    low, high = outcome.scale_range or (None, None)
     layerparity_record("layers", "model")
     layerparity_record("verdict", "pass" if outcome.passed else "fail")
     for name, value in (
@@ -38,8 +39,8 @@ def test_model_parity(layerparity_session, layerparity_record):
         ("kl_divergence_max", s.kl_max),
         ("kl_divergence_limit", outcome.kl_limit),
         ("logit_scale", s.logit_scale),
-        ("logit_scale_low", outcome.scale_range[0] if outcome.scale_range else None),
-        ("logit_scale_high", outcome.scale_range[1] if outcome.scale_range else None),
+        ("logit_scale_low", low),
+        ("logit_scale_high", high),
         ("first_divergence", s.first_divergence),
         ("near_tie_flips", len(outcome.near_ties)),
         ("greedy_flips_outside_ties", len(outcome.hard_flips)),

@@ -267,4 +267,4 @@ def test_the_floors_pass_finds_the_attention_temperatures_direction_on_prompts_a
             torch.testing.assert_close(found[FLOOR_NEW_KEYS], entry.tensors[FLOOR_NEW_KEYS].to(found[FLOOR_NEW_KEYS]))
     mlp = torch.nn.Linear(8, 8)
     x = torch.randn(3, 8)
-    assert temperature_direction(lambda: mlp(x), mlp(x)) is None  # no attention: no direction
+    assert temperature_direction(lambda: mlp(x), mlp(x), 0.95) is None  # no attention: no direction
