@@ -148,15 +148,16 @@ class FloorEvaluator:
         ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
         routers' exact logits and scores (``floor.routing.*``), the output of each of the
         layer's branches in the golden's dtype (``floor.branch.*``, :func:`capture_branches`:
-        the directions ``branch_bias`` is measured along) and the attention temperature's
-        (``floor.branch.attention_temperature``, :mod:`.temperature`), and for a decode step the keys and
+        the directions ``branch_bias`` is measured along) and the attention temperature's and
+        the norms' epsilon's (``floor.branch.attention_temperature``, ``.norm_epsilon``,
+        :mod:`.directions`), and for a decode step the keys and
         values the layer appended to its KV cache (``floor.cache.new_keys``/``new_values``).
         ``layer``: the layer already loaded (by :meth:`load`), else it is loaded and given back.
         Without ``extras``, the output alone (a chain's floor step: the routers, branches and
         appended keys and values are not captured)."""
         import torch
 
-        from .temperature import TEMPERATURE_BRANCH, temperature_direction
+        from .directions import arithmetic_directions
         from .tokens import in_token_blocks
         from .wider import WiderArithmetic
 
@@ -189,9 +190,11 @@ class FloorEvaluator:
             found[BRANCH_PREFIX + name] = branch.to("cpu", self.golden_dtype)
         del branches
         if extras:
-            direction = temperature_direction(lambda: forward()[0], out, MAX_BRANCH_OUTPUT_COSINE)
-            if direction is not None:
-                found[BRANCH_PREFIX + TEMPERATURE_BRANCH] = direction.to("cpu", self.golden_dtype)
+            for name, direction in arithmetic_directions(
+                layer, hidden_in, lambda: forward()[0], out, MAX_BRANCH_OUTPUT_COSINE
+            ):
+                found[BRANCH_PREFIX + name] = direction.to("cpu", self.golden_dtype)
+                del direction  # one direction in the floor's dtype at a time
         appended = appended_kv(args, kwargs, spec, upcast) if extras else None
         if appended is not None:
             found[FLOOR_NEW_KEYS], found[FLOOR_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)

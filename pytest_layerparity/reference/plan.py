@@ -312,14 +312,14 @@ LOAD_OR_WIDEST = "loading it, or one layer's activations (the widest pass: the f
 FORWARD = "the reference forward"
 GOLDENS = "each layer's goldens"
 FLOOR_OUTPUT = "the floor's output (the envelope's runs are held against it)"
-BRANCH_OUTPUTS = "the branches' outputs and the attention temperature's (branch_bias's directions, golden's dtype)"
+BRANCH_OUTPUTS = "the directions branch_bias is measured along (the branches', two of arithmetic; golden's dtype)"
 #: Branches of a decoder layer the plan counts (``reference.floor.capture_branches``): its
 #: attention and its MLP or mixture of experts, kept in the floor's dtype through its pass.
 BRANCHES = 2
-#: The directions a golden stores: the branches' and the attention temperature's
-#: (``reference.temperature``: its own pass holds one output beside the floor's, less than
-#: the branches the first pass holds).
-DIRECTIONS = BRANCHES + 1
+#: The directions a golden stores: the branches', the attention temperature's and the norms'
+#: epsilon's (``reference.directions``: each pass of its own holds one output beside the
+#: floor's, less than the branches the first pass holds).
+DIRECTIONS = BRANCHES + 2
 RUN_OUTPUT = "the output of the perturbed runs that go together (their statistics taken, they go)"
 
 

@@ -135,9 +135,10 @@ def test_goldens_hold_each_branch_and_a_bug_inside_one_fails_along_it(pytester, 
         "floor.branch.self_attn",
         "floor.branch.mlp",
         "floor.branch.attention_temperature",
+        "floor.branch.norm_epsilon",
     }
     assert entry.tensors["floor.branch.self_attn"].dtype == torch.bfloat16
-    assert set(entry.envelope.branch_bias) == {"self_attn", "mlp", "attention_temperature"}
+    assert set(entry.envelope.branch_bias) == {"self_attn", "mlp", "attention_temperature", "norm_epsilon"}
     assert entry.envelope.samples == 12
     _plant_in_layer_2(pytester, "scaled_out_proj(1.02)")
     _ini(pytester, DEFAULT_MODEL, bf16_store)

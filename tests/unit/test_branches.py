@@ -221,7 +221,7 @@ def test_a_chains_floor_step_gives_the_same_output_without_the_extras():
 
 
 def test_softer_attention_scales_every_attentions_scores_and_no_routers():
-    from pytest_layerparity.reference.temperature import SofterAttention
+    from pytest_layerparity.reference.directions import SofterAttention
 
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
@@ -245,9 +245,9 @@ def test_the_floors_pass_finds_the_attention_temperatures_direction_on_prompts_a
     judge), on the prompt and on a decode step, whose appended keys stay the first pass's."""
     from pathlib import Path
 
+    from pytest_layerparity.reference.directions import TEMPERATURE_BRANCH, SofterAttention, temperature_direction
     from pytest_layerparity.reference.floor import FLOOR_NEW_KEYS, FloorEvaluator
     from pytest_layerparity.reference.source import ModelSource
-    from pytest_layerparity.reference.temperature import TEMPERATURE_BRANCH, SofterAttention, temperature_direction
     from pytest_layerparity.store.golden import GoldenStore
 
     fixtures = Path(__file__).resolve().parents[2] / "fixtures"
@@ -268,3 +268,59 @@ def test_the_floors_pass_finds_the_attention_temperatures_direction_on_prompts_a
     mlp = torch.nn.Linear(8, 8)
     x = torch.randn(3, 8)
     assert temperature_direction(lambda: mlp(x), mlp(x), 0.95) is None  # no attention: no direction
+
+
+def test_raised_norm_epsilon_raises_every_norms_epsilon_in_the_layer_and_puts_it_back():
+    from pytest_layerparity.reference.directions import raised_norm_epsilon
+
+    class RMSNorm(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.variance_epsilon = 1e-6
+
+    layer = torch.nn.Module()
+    layer.input_layernorm = RMSNorm()
+    layer.attn = torch.nn.Module()
+    layer.attn.q_norm = torch.nn.LayerNorm(4, eps=1e-5)  # nested: raised too
+    layer.attn.proj = torch.nn.Linear(4, 4)
+    layer.final_norm = torch.nn.RMSNorm(4)  # its eps None: torch's default, left alone
+    with raised_norm_epsilon(layer, 0.5) as norms:
+        assert norms == 2
+        assert layer.input_layernorm.variance_epsilon == 0.5 + 1e-6 and layer.attn.q_norm.eps == 0.5 + 1e-5
+        assert layer.final_norm.eps is None
+    assert layer.input_layernorm.variance_epsilon == 1e-6 and layer.attn.q_norm.eps == 1e-5
+
+
+def test_the_floors_pass_finds_the_norms_epsilon_direction_on_prompts_and_decode_steps():
+    """Along it lies what a port that reads another epsilon for the layer's norms does (the
+    embedded MiniMax-M2 layer, every norm's epsilon 1e-2 where the model's is 1e-6: the
+    effect's cosine with the stored direction), on the prompt and on a decode step; a layer
+    without norms has none."""
+    from pathlib import Path
+
+    from pytest_layerparity.reference.directions import NORM_EPSILON_BRANCH, norm_epsilon_direction
+    from pytest_layerparity.reference.floor import FloorEvaluator
+    from pytest_layerparity.reference.source import ModelSource
+    from pytest_layerparity.store.golden import GoldenStore
+
+    fixtures = Path(__file__).resolve().parents[2] / "fixtures"
+    store = GoldenStore(fixtures / "goldens" / "minimax_m2_tiny")
+    floor = FloorEvaluator(ModelSource(fixtures / "minimax_m2_tiny"), torch.bfloat16)
+    layer = floor.load(1)
+    for key in ("layer_1", "layer_1.decode_0"):
+        entry = store.load(key)
+        spec = entry.metadata["call"]
+        out, found = floor.evaluate(1, spec, entry.tensors, layer=layer)
+        direction = found[BRANCH_PREFIX + NORM_EPSILON_BRANCH].double().flatten()
+        norms = [m for m in layer.modules() if hasattr(m, "variance_epsilon")]
+        assert len(norms) >= 2 and all(m.variance_epsilon == 1e-6 for m in norms)  # put back
+        for m in norms:
+            m.variance_epsilon = 1e-2
+        wrong, _ = floor.evaluate(1, spec, entry.tensors, layer=layer, extras=False)
+        for m in norms:
+            m.variance_epsilon = 1e-6
+        effect = (wrong.double() - out.double()).flatten()
+        assert float(effect @ direction) / float(effect.norm() * direction.norm()) > 0.99  # raised, as the step
+    mlp = torch.nn.Linear(8, 8)
+    x = torch.randn(3, 8)
+    assert norm_epsilon_direction(mlp, x, lambda: mlp(x), mlp(x), 0.95) is None

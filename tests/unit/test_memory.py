@@ -242,7 +242,8 @@ def test_the_widest_pass_is_the_floors_or_one_perturbed_op_at_a_time():
     _, goldens = stream_extraction_needs(small, CONFIG, "bfloat16", 1, 8, RunOptions())
     # 8 tokens: the 12 runs go through the layer together (96 tokens), their outputs held
     assert goldens[FLOOR_OUTPUT] == 8 * 64 * 4 and goldens[RUN_OUTPUT] == 12 * 8 * 64 * 2
-    assert goldens[BRANCH_OUTPUTS] == 3 * 8 * 64 * 2  # the attention's, the MLP's, the temperature's, bf16
+    # the attention's, the MLP's, the temperature's, the norms' epsilon's, bf16
+    assert goldens[BRANCH_OUTPUTS] == 4 * 8 * 64 * 2
     # the floor's pass keeps the two branches' outputs in float32 beside its own tensors
     floor_pass = layer_activations(CONFIG, 1, 8, 4, False, True) + 128 * 64 * 4 + 2 * 8 * 64 * 4
     perturbed_pass = layer_activations(CONFIG, 12, 8, 2, False, True) + perturbed_op_peak(CONFIG, 12, 8, 2, False)

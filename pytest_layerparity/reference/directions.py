@@ -1,0 +1,149 @@
+"""Directions of a layer's output that ``branch_bias`` is measured along beside the
+branches', each the output's move under one small change of the layer's arithmetic, made in
+the precision floor's pass (:mod:`.floor`): the attention's temperature
+(:func:`temperature_direction`) and the norms' epsilon (:func:`norm_epsilon_direction`). A
+port that gets one of them wrong moves its output along that direction, and along no
+branch's output."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .tokens import is_norm
+
+#: The attention's temperature (``floor.branch.attention_temperature``): what the layer's
+#: output does when every attention score is scaled by ``1 - TEMPERATURE_STEP`` before its
+#: softmax. A port's attention scaled wrong (another softmax scale, a temperature,
+#: soft-capping dropped) moves the output along it: it changes how the values are mixed, not
+#: how much of the attention is added.
+TEMPERATURE_BRANCH = "attention_temperature"
+TEMPERATURE_STEP = 1e-3
+#: The norms' epsilon (``floor.branch.norm_epsilon``): what the layer's output does when the
+#: epsilon of every norm in it is raised by ``NORM_EPSILON_STEP`` times the median over tokens
+#: of the variance of the layer's input (one step for all its norms, as a port that reads
+#: another ``rms_norm_eps`` has: large enough to show in the floor's precision, small enough
+#: to stay linear). Such a port scales each token's normalised states by a factor that
+#: depends on the token's own variance: not a scale of any branch.
+NORM_EPSILON_BRANCH = "norm_epsilon"
+NORM_EPSILON_STEP = 1e-3
+#: The attributes a norm keeps its epsilon in (Llama's and most RMSNorms', torch's norms',
+#: a few others').
+EPSILON_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
+#: The softmax functions whose 4-D input :class:`SofterAttention` scales.
+SOFTMAX_FUNCTIONS = frozenset({torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax})
+
+
+class SofterAttention(TorchFunctionMode):
+    """While active, every attention's scores are scaled by ``factor`` before their softmax:
+    the ``scale`` of ``scaled_dot_product_attention``, and the input of a softmax over a 4-D
+    tensor (batch, heads, queries, keys; a router's softmax is over tokens and experts).
+    ``hits`` counts them."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor, self.hits = factor, 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.nn.functional.scaled_dot_product_attention:  # its scale is keyword-only
+            scale = kwargs.get("scale")
+            kwargs["scale"] = (scale if scale is not None else args[0].shape[-1] ** -0.5) * self.factor
+            self.hits += 1
+        elif func in SOFTMAX_FUNCTIONS and args and getattr(args[0], "dim", lambda: 0)() == 4:
+            args = (args[0] * self.factor, *args[1:])
+            self.hits += 1
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def raised_norm_epsilon(layer: torch.nn.Module, step: float) -> Iterator[int]:
+    """While active, the epsilon of every norm in ``layer`` (a module named ``*norm`` or of a
+    class ``*Norm``, its epsilon a number in one of ``EPSILON_ATTRIBUTES``) is ``step`` higher;
+    yields how many norms that is, and puts each epsilon back."""
+    raised: list[tuple[torch.nn.Module, str, float]] = []
+    for name, module in layer.named_modules():
+        if not is_norm(name.rsplit(".", 1)[-1], module):
+            continue
+        for attribute in EPSILON_ATTRIBUTES:
+            value = getattr(module, attribute, None)
+            if isinstance(value, float) and not isinstance(value, bool):
+                raised.append((module, attribute, value))
+                setattr(module, attribute, value + step)
+                break
+    try:
+        yield len(raised)
+    finally:
+        for module, attribute, value in raised:
+            setattr(module, attribute, value)
+
+
+def _direction(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float) -> torch.Tensor | None:
+    """``moved - out`` scaled to ``out``'s norm (a direction: its size is not used); None where
+    the move is nil, not finite, or along the output itself (a cosine over
+    ``max_output_cosine``, the branches' own bound: a scale of the whole output)."""
+    d = moved.detach().sub_(out)  # in the pass's own dtype: one more output-sized tensor
+    size, out_size = float(d.norm()), float(out.norm())
+    along = float((d.flatten() @ out.detach().flatten().to(d.dtype)).abs())
+    if not (0 < size < float("inf")) or out_size == 0 or along > max_output_cosine * size * out_size:
+        return None
+    return d.mul_(out_size / size)
+
+
+def temperature_direction(
+    run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
+) -> torch.Tensor | None:
+    """How the layer's output ``out`` moves under a softer attention: ``run()`` (the same call
+    made anew, in the same arithmetic) under :class:`SofterAttention`, as :func:`_direction`;
+    None where no attention ran (no softmax of scores)."""
+    softer = SofterAttention(1 - TEMPERATURE_STEP)
+    with softer:
+        moved = run()
+    return _direction(moved, out, max_output_cosine) if softer.hits else None
+
+
+def norm_epsilon_direction(
+    layer: torch.nn.Module,
+    hidden_in: torch.Tensor | None,
+    run: Callable[[], torch.Tensor],
+    out: torch.Tensor,
+    max_output_cosine: float,
+) -> torch.Tensor | None:
+    """How the layer's output ``out`` moves with its norms' epsilon raised
+    (:data:`NORM_EPSILON_STEP`, :func:`raised_norm_epsilon`): ``run()`` so, as
+    :func:`_direction`. None without the layer's input ``hidden_in``, or where the layer has
+    no norm whose epsilon it keeps."""
+    if hidden_in is None or hidden_in.dim() < 1 or hidden_in.shape[-1] < 2:
+        return None
+    spread = float(hidden_in.detach().reshape(-1, hidden_in.shape[-1]).var(-1, unbiased=False).median())
+    if not 0 < spread < float("inf"):
+        return None
+    with raised_norm_epsilon(layer, NORM_EPSILON_STEP * spread) as norms:
+        if not norms:
+            return None
+        moved = run()
+    return _direction(moved, out, max_output_cosine)
+
+
+def arithmetic_directions(
+    layer: torch.nn.Module,
+    hidden_in: torch.Tensor | None,
+    run: Callable[[], torch.Tensor],
+    out: torch.Tensor,
+    max_output_cosine: float,
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, direction) of each direction the layer has, one made at a time: the attention
+    temperature's and the norms' epsilon's (``run()`` makes the call anew, ``out`` is its
+    output)."""
+    for name, direction in (
+        (TEMPERATURE_BRANCH, lambda: temperature_direction(run, out, max_output_cosine)),
+        (NORM_EPSILON_BRANCH, lambda: norm_epsilon_direction(layer, hidden_in, run, out, max_output_cosine)),
+    ):
+        found = direction()
+        if found is not None:
+            yield name, found
+        del found
