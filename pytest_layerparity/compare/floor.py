@@ -32,8 +32,9 @@ BRANCH_PREFIX = FLOOR_PREFIX + "branch."
 
 
 def branch_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The branch outputs a golden holds, by branch name."""
-    return {k[len(BRANCH_PREFIX) :]: v for k, v in tensors.items() if k.startswith(BRANCH_PREFIX)}
+    """The branch outputs a golden holds, by branch name (in the names' order: a failure's table
+    and JUnit list them the same way in every run)."""
+    return {k[len(BRANCH_PREFIX) :]: v for k, v in sorted(tensors.items()) if k.startswith(BRANCH_PREFIX)}
 
 
 @dataclass(frozen=True)

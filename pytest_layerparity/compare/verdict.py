@@ -51,12 +51,13 @@ class Check:
     ok: bool
     low: float | None = None  # op "in": the value must lie in [low, limit]
 
-    def describe(self) -> str:
+    def describe(self, width: int = 22) -> str:
+        """One row of a failure's table, the name in a column ``width`` wide."""
         verdict = "ok" if self.ok else "FAIL"
         if self.low is not None:
             bounds = f"[{_fmt(self.low)}, {_fmt(self.limit)}]"
-            return f"{self.name:<22} {_fmt(self.value):>14}   in {bounds:<20} {verdict}"
-        return f"{self.name:<22} {_fmt(self.value):>14}   {self.op} {_fmt(self.limit):<10} {verdict}"
+            return f"{self.name:<{width}} {_fmt(self.value):>14}   in {bounds:<20} {verdict}"
+        return f"{self.name:<{width}} {_fmt(self.value):>14}   {self.op} {_fmt(self.limit):<10} {verdict}"
 
 
 def _fmt(value: float) -> str:

@@ -22,12 +22,13 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
     """What a failing layer says: the layer, each metric against its threshold, shape and
     dtype, the worst element, and the next command to run."""
     m = outcome.metrics
+    width = max([22] + [len(check.name) for check in outcome.checks])  # a branch_bias_<direction> may be longer
     lines = [
         f"layer {outcome.layer} {where}: output differs from the golden",
         f"  shape {outcome.shape}, golden {outcome.golden_dtype}, target {outcome.target_dtype}",
-        f"  {'metric':<22} {'value':>14}   threshold",
+        f"  {'metric':<{width}} {'value':>14}   threshold",
     ]
-    lines += [f"  {check.describe()}" for check in outcome.checks]
+    lines += [f"  {check.describe(width)}" for check in outcome.checks]
     lines.append(
         f"  worst element: index {tuple(m.worst_index)}: golden {_value(m.worst_golden)}, target "
         f"{_value(m.worst_target)}"
