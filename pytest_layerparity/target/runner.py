@@ -84,22 +84,33 @@ class TargetSide:
         self.perturbed = perturbed  # the perturbed reference runs that make a chain's noise envelope
         self.progress = progress
         self.port = port
+        #: The layers whose module under test the port or the hook made (or may have changed).
+        self.ported: set[int] = set()
 
     def build(self, index: int) -> torch.nn.Module:
         """Layer ``index`` as the port builds it (the NxDI port under --port nxdi, else the
         hook), else the model's own layer, on the target device."""
-        import torch
 
         if self.port is not None:
+            self.ported.add(index)
             return self._build_port(index)
-        reference = self.model.load_layer(index, getattr(torch, self.dtype_name))
+        reference = self.own_layer(index, on_device=False)
         device = self.backend.device
         module = None
-        if self.build_hook is not None:
+        if self.build_hook is not None:  # which may change the reference layer in place and return None
+            self.ported.add(index)
             module = self.build_hook(
                 layer_idx=index, reference_layer=reference, model_config=self.model.layer_config, device=device
             )
         return reference.to(device) if module is None else module
+
+    def own_layer(self, index: int, on_device: bool = True) -> torch.nn.Module:
+        """The model's own layer ``index`` from the checkpoint in the goldens' dtype (on the
+        target device unless not ``on_device``): what a port is held beside in a control."""
+        import torch
+
+        layer = self.model.load_layer(index, getattr(torch, self.dtype_name))
+        return layer.to(self.backend.device) if on_device else layer
 
     @cached_property
     def _port_shape(self) -> tuple[int, int]:
@@ -159,20 +170,23 @@ class TargetSide:
             tainted=sorted(tainted or ()),
         )
 
-    def parity_layer(self, index: int) -> LayerOutcome:
+    def parity_layer(self, index: int, control: bool = False) -> LayerOutcome:
+        """Layer ``index`` on its golden call, judged; with ``control``, the model's own
+        layer in its place (:meth:`own_layer`; its output is not saved)."""
         entry = self.load_golden(index)
-        run = self.run(self.build(index), entry)
-        if self.settings.save_outputs:
+        run = self.run(self.own_layer(index) if control else self.build(index), entry)
+        if self.settings.save_outputs and not control:
             self.save_output(index, entry, run)
         return self.judge(index, entry, run)
 
-    def parity_decode(self, index: int, steps: list[int]) -> list[LayerOutcome]:
+    def parity_decode(self, index: int, steps: list[int], control: bool = False) -> list[LayerOutcome]:
         """Layer ``index`` in each decode step: fed the step's golden call (the one-token
         hidden state and the layer's past keys and values as a KV cache), judged on its
-        output like a prompt test, and on the keys and values it appended to the cache."""
+        output like a prompt test, and on the keys and values it appended to the cache;
+        with ``control``, the model's own layer in its place."""
         from ..compare.judge import judge_appended_kv
 
-        module = self.build(index)
+        module = self.own_layer(index) if control else self.build(index)
         outcomes = []
         for step in steps:
             entry = self.load_golden(decode_key(index, step))

@@ -104,6 +104,58 @@ def test_planted_bug_fails_exactly_that_layer_on_xla(project):
     )
 
 
+def test_a_failing_port_is_held_beside_the_models_own_layer_on_the_same_device(project):
+    """The port's failure says whether the model's own layer passes on the same device and
+    call (the hook changed the layer: it does) or fails too (limits
+    set tighter than the device's arithmetic: the port is the model's layer, unchanged);
+    JUnit carries control_passed. Without a hook there is nothing to hold the layer beside."""
+    project.makeconftest(PLANT_EPSILON)
+    result = project.runpytest("--target", "cpu", "--layers", "3", "--junitxml=out.xml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_layer_parity?layer_3? _*",
+            "  control: the model's own layer on cpu*, on the same call, passes: the difference is the port's",
+        ]
+    )
+    root = ET.parse(project.path / "out.xml").getroot()
+    assert [p.get("value") for p in root.iter("property") if p.get("name") == "control_passed"] == ["True"]
+    tight = ["--target", "cpu", "--layers", "2", "-k", "test_layer_parity", "-o", "layerparity_max_noise_ratio=0.1"]
+    result = project.runpytest(*tight)  # layer 2 through the hook unchanged
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["  control: the model's own layer on cpu*, on the same call, fails too (noise_ratio *): the device's *"]
+    )
+    project.makeconftest("")
+    result = project.runpytest(*tight)
+    result.assert_outcomes(failed=1)
+    assert "control:" not in result.stdout.str()
+
+
+def test_a_control_that_cannot_run_on_the_device_says_so_and_the_port_still_fails(project):
+    """A stand-in for a device the model's own layer does not run on (its build raises)."""
+    project.makeconftest(
+        PLANT_EPSILON
+        + """
+from pytest_layerparity.target.runner import TargetSide
+
+def _no_own_layer(self, index, on_device=True):
+    if on_device:
+        raise RuntimeError("an op this device does not have")
+    return _own(self, index, on_device)
+
+_own, TargetSide.own_layer = TargetSide.own_layer, _no_own_layer
+"""
+    )
+    result = project.runpytest("--target", "cpu", "--layers", "3", "--junitxml=out.xml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["  control: the model's own layer could not run on cpu*: RuntimeError: an op this device does not have"]
+    )
+    root = ET.parse(project.path / "out.xml").getroot()
+    assert not [p for p in root.iter("property") if p.get("name") == "control_passed"]
+
+
 def test_swapped_rotary_halves_fail_that_layer(project):
     project.makeconftest(SWAP_ROTARY)
     result = project.runpytest("--target", "cpu")

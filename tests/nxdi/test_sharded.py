@@ -115,6 +115,7 @@ def test_a_sharding_bug_passes_unsharded_and_fails_sharded_in_its_layer(pytester
     assert sharded.ret == pytest.ExitCode.TESTS_FAILED
     sharded.stdout.fnmatch_lines(
         [
+            "  control: the model's own layer on cpu*, on the same call, passes: the difference is the port's",
             "  unsharded (--tp-degree 1, run once more in one process) this test passes: the difference appears only "
             "sharded over 2 ranks (how the port splits or joins its weights, KV heads or partial sums)",
             "test_layer_parity[[]layer_0[]] * pass *",
