@@ -198,9 +198,10 @@ class TargetSide:
             outcomes.append(outcome)
         return outcomes
 
-    def parity_model(self, entry: GoldenEntry) -> ModelOutcome:
+    def parity_model(self, entry: GoldenEntry, control: bool = False) -> ModelOutcome:
         """The whole model on the target, teacher-forced through the golden's prompt and decode
-        tokens, against the golden's next-token distributions (see ``compare.logits``)."""
+        tokens, against the golden's next-token distributions (see ``compare.logits``); with
+        ``control``, the model's own transformers model (no hook, no port)."""
         import torch
 
         from ..compare.judge import tie_tolerance
@@ -209,11 +210,11 @@ class TargetSide:
 
         device = self.backend.device
         step = None
-        if self.build_model_hook is not None:
+        if self.build_model_hook is not None and not control:
             step = self.build_model_hook(model_config=self.model.layer_config, device=device, settings=self.settings)
         if step is None:
-            build = self.build_hook
-            if self.port is not None:
+            build = None if control else self.build_hook
+            if self.port is not None and not control:
 
                 def build(layer_idx: int, **_: Any) -> torch.nn.Module:
                     return self._build_port(layer_idx)

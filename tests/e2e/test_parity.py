@@ -139,12 +139,16 @@ def test_a_control_that_cannot_run_on_the_device_says_so_and_the_port_still_fail
         + """
 from pytest_layerparity.target.runner import TargetSide
 
-def _no_own_layer(self, index, on_device=True):
-    if on_device:
-        raise RuntimeError("an op this device does not have")
-    return _own(self, index, on_device)
+@pytest.fixture(autouse=True)
+def no_own_layer_on_the_device(monkeypatch):  # undone after each test: pytester runs in this process
+    own = TargetSide.own_layer
 
-_own, TargetSide.own_layer = TargetSide.own_layer, _no_own_layer
+    def no_own_layer(self, index, on_device=True):
+        if on_device:
+            raise RuntimeError("an op this device does not have")
+        return own(self, index, on_device)
+
+    monkeypatch.setattr(TargetSide, "own_layer", no_own_layer)
 """
     )
     result = project.runpytest("--target", "cpu", "--layers", "3", "--junitxml=out.xml")
