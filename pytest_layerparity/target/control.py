@@ -15,6 +15,13 @@ if TYPE_CHECKING:
     from ..store.golden import GoldenEntry
 
 
+#: What a failure of the model's own layer (no port, no hook) says in place of a control.
+OWN_LAYER_NOTE = (
+    "  the layer under test is the model's own transformers layer (no port): what differs is how this device "
+    "runs it (its kernels or its compiler)"
+)
+
+
 def _failing(checks: Iterable[Check]) -> str:
     return ", ".join(f"{c.name} {c.value:.3g}" for c in checks if not c.ok)
 
@@ -43,13 +50,13 @@ def _held_beside(
 
 def control_note(session: LayerParitySession, index: int, steps: list[int] | None = None) -> tuple[str, bool | None]:
     """The control of layer ``index``'s prompt test, or with ``steps`` its decode steps (see
-    :func:`_held_beside`); ("", None) where the layer under test was the model's own, no port
-    or hook having made it (nothing to hold it beside). A hook that returned the model's
+    :func:`_held_beside`); (:data:`OWN_LAYER_NOTE`, None) where the layer under test was the
+    model's own, no port or hook having made it (nothing to hold it beside). A hook that returned the model's
     layer unchanged gets a control that fails as it did: which is what it says (the device,
     not the port)."""
     target = session.target
     if index not in target.ported:
-        return "", None
+        return OWN_LAYER_NOTE, None
 
     def run() -> str | None:
         outcomes = (

@@ -108,7 +108,8 @@ def test_a_failing_port_is_held_beside_the_models_own_layer_on_the_same_device(p
     """The port's failure says whether the model's own layer passes on the same device and
     call (the hook changed the layer: it does) or fails too (limits
     set tighter than the device's arithmetic: the port is the model's layer, unchanged);
-    JUnit carries control_passed. Without a hook there is nothing to hold the layer beside."""
+    JUnit carries control_passed. Without a hook there is nothing to hold the layer beside: the
+    failure says the difference is the device's."""
     project.makeconftest(PLANT_EPSILON)
     result = project.runpytest("--target", "cpu", "--layers", "3", "--junitxml=out.xml")
     result.assert_outcomes(failed=1)
@@ -130,6 +131,9 @@ def test_a_failing_port_is_held_beside_the_models_own_layer_on_the_same_device(p
     result = project.runpytest(*tight)
     result.assert_outcomes(failed=1)
     assert "control:" not in result.stdout.str()
+    result.stdout.fnmatch_lines(
+        ["  the layer under test is the model's own transformers layer (no port): what differs is how this device *"]
+    )
 
 
 def test_a_control_that_cannot_run_on_the_device_says_so_and_the_port_still_fails(project):
