@@ -8,7 +8,7 @@ import pytest
 
 from ..report.properties import properties
 from ..report.text import failure_text
-from ..target.control import control_note
+from ..target.control import control_note, recorded
 from . import record_outcome
 
 CASES = "layers"
@@ -58,9 +58,7 @@ def test_layer_decode_parity(layerparity_case, layerparity_session, layerparity_
             failure_text(outcomes[step], f"decode step {step} on {session.backend.describe()}", rerun)
             for step in failing
         ]
-        control, control_passed = control_note(session, layerparity_case, failing)
-        if control_passed is not None:
-            layerparity_record("control_passed", control_passed)
+        control = recorded(layerparity_record, control_note(session, layerparity_case, failing))
         texts += [control] if control else []
         if session.port is not None and session.port.sharded:
             from ..target.unsharded import unsharded_note

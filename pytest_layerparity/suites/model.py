@@ -50,10 +50,8 @@ def test_model_parity(layerparity_session, layerparity_record):
     ):
         layerparity_record(name, value)
     if not outcome.passed:
-        from ..target.control import model_control_note
+        from ..target.control import model_control_note, recorded
 
         text = describe_model_outcome(outcome, f"on {session.backend.describe()}")
-        control, control_passed = model_control_note(session, session.load_golden(MODEL_LOGITS_KEY))
-        if control_passed is not None:
-            layerparity_record("control_passed", control_passed)
+        control = recorded(layerparity_record, model_control_note(session, session.load_golden(MODEL_LOGITS_KEY)))
         pytest.fail(text + ("\n" + control if control else ""), pytrace=False)

@@ -6,7 +6,7 @@ import pytest
 
 from ..report.properties import properties
 from ..report.text import failure_text
-from ..target.control import control_note
+from ..target.control import control_note, recorded
 from . import record_outcome
 
 CASES = "layers"
@@ -23,9 +23,7 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
     if not outcome.passed:
         rerun = session.commands.rerun(str(layerparity_case), f"layer_{layerparity_case}")
         text = failure_text(outcome, f"on {session.backend.describe()}", rerun)
-        control, control_passed = control_note(session, layerparity_case)
-        if control_passed is not None:
-            layerparity_record("control_passed", control_passed)
+        control = recorded(layerparity_record, control_note(session, layerparity_case))
         text += "\n" + control if control else ""
         if session.port is not None and session.port.sharded:
             from ..target.unsharded import unsharded_note

@@ -22,6 +22,15 @@ OWN_LAYER_NOTE = (
 )
 
 
+def recorded(record: Callable[[str, object], None], found: tuple[str, bool | None]) -> str:
+    """The line of a control ``found`` (:func:`control_note`, :func:`model_control_note`), its
+    verdict recorded (JUnit ``control_passed``) where it ran."""
+    line, passed = found
+    if passed is not None:
+        record("control_passed", passed)
+    return line
+
+
 def _failing(checks: Iterable[Check]) -> str:
     return ", ".join(f"{c.name} {c.value:.3g}" for c in checks if not c.ok)
 
