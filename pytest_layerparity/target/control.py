@@ -60,11 +60,11 @@ def _held_beside(
 def control_note(session: LayerParitySession, index: int, steps: list[int] | None = None) -> tuple[str, bool | None]:
     """The control of layer ``index``'s prompt test, or with ``steps`` its decode steps (see
     :func:`_held_beside`); (:data:`OWN_LAYER_NOTE`, None) where the layer under test was the
-    model's own, no port or hook having made it (nothing to hold it beside). A hook that returned the model's
-    layer unchanged gets a control that fails as it did: which is what it says (the device,
-    not the port)."""
+    model's own, no port or hook having made it (nothing to hold it beside). A hook that
+    returned the model's layer unchanged gets a control that fails as it did: which is what
+    it says (the device, not the port)."""
     target = session.target
-    if index not in target.ported:
+    if not target.ported:
         return OWN_LAYER_NOTE, None
 
     def run() -> str | None:
@@ -84,7 +84,7 @@ def model_control_note(session: LayerParitySession, entry: GoldenEntry) -> tuple
     """The control of the whole-model test: the model's own transformers model, every layer
     its own (see :func:`_held_beside`); ("", None) where no port or hook made any of it."""
     target = session.target
-    if target.port is None and target.build_hook is None and target.build_model_hook is None:
+    if not target.ported and target.build_model_hook is None:
         return "", None
 
     def run() -> str | None:

@@ -84,21 +84,22 @@ class TargetSide:
         self.perturbed = perturbed  # the perturbed reference runs that make a chain's noise envelope
         self.progress = progress
         self.port = port
-        #: The layers whose module under test the port or the hook made (or may have changed).
-        self.ported: set[int] = set()
+
+    @property
+    def ported(self) -> bool:
+        """Whether the layers under test are a port's: the NxDI port's, or a build hook's (which
+        may also change the model's layer in place and return None)."""
+        return self.port is not None or self.build_hook is not None
 
     def build(self, index: int) -> torch.nn.Module:
         """Layer ``index`` as the port builds it (the NxDI port under --port nxdi, else the
         hook), else the model's own layer, on the target device."""
-
         if self.port is not None:
-            self.ported.add(index)
             return self._build_port(index)
         reference = self.own_layer(index, on_device=False)
         device = self.backend.device
         module = None
-        if self.build_hook is not None:  # which may change the reference layer in place and return None
-            self.ported.add(index)
+        if self.build_hook is not None:
             module = self.build_hook(
                 layer_idx=index, reference_layer=reference, model_config=self.model.layer_config, device=device
             )
