@@ -7,7 +7,7 @@ branch's output."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -127,23 +127,3 @@ def norm_epsilon_direction(
             return None
         moved = run()
     return _direction(moved, out, max_output_cosine)
-
-
-def arithmetic_directions(
-    layer: torch.nn.Module,
-    hidden_in: torch.Tensor | None,
-    run: Callable[[], torch.Tensor],
-    out: torch.Tensor,
-    max_output_cosine: float,
-) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, direction) of each direction the layer has, one made at a time: the attention
-    temperature's and the norms' epsilon's (``run()`` makes the call anew, ``out`` is its
-    output)."""
-    for name, direction in (
-        (TEMPERATURE_BRANCH, lambda: temperature_direction(run, out, max_output_cosine)),
-        (NORM_EPSILON_BRANCH, lambda: norm_epsilon_direction(layer, hidden_in, run, out, max_output_cosine)),
-    ):
-        found = direction()
-        if found is not None:
-            yield name, found
-        del found

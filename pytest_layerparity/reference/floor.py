@@ -157,7 +157,12 @@ class FloorEvaluator:
         appended keys and values are not captured)."""
         import torch
 
-        from .directions import arithmetic_directions
+        from .directions import (
+            NORM_EPSILON_BRANCH,
+            TEMPERATURE_BRANCH,
+            norm_epsilon_direction,
+            temperature_direction,
+        )
         from .tokens import in_token_blocks
         from .wider import WiderArithmetic
 
@@ -190,10 +195,20 @@ class FloorEvaluator:
             found[BRANCH_PREFIX + name] = branch.to("cpu", self.golden_dtype)
         del branches
         if extras:
-            for name, direction in arithmetic_directions(
-                layer, hidden_in, lambda: forward()[0], out, MAX_BRANCH_OUTPUT_COSINE
+
+            def again() -> torch.Tensor:
+                return forward()[0]
+
+            for name, move in (
+                (TEMPERATURE_BRANCH, lambda: temperature_direction(again, out, MAX_BRANCH_OUTPUT_COSINE)),
+                (
+                    NORM_EPSILON_BRANCH,
+                    lambda: norm_epsilon_direction(layer, hidden_in, again, out, MAX_BRANCH_OUTPUT_COSINE),
+                ),
             ):
-                found[BRANCH_PREFIX + name] = direction.to("cpu", self.golden_dtype)
+                direction = move()
+                if direction is not None:
+                    found[BRANCH_PREFIX + name] = direction.to("cpu", self.golden_dtype)
                 del direction  # one direction in the floor's dtype at a time
         appended = appended_kv(args, kwargs, spec, upcast) if extras else None
         if appended is not None:
