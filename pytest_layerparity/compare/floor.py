@@ -119,23 +119,53 @@ class _Sums:
         x: torch.Tensor | None,
         branches: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        """One block's sums, each written into one tensor and read back from its device at
+        once (one wait, not one a sum; on the CPU no small tensor outlives its sum, which would
+        make the next block's temporaries fresh pages)."""
         self.err_g.append((g - r).norm(dim=-1))
         self.err_t.append((t - r).norm(dim=-1))
-        self.ref_sq += float(r.pow(2).sum())
-        for name, v in (branches or {}).items():
+        found = torch.empty(1 + 3 * len(branches or {}) + 6 * (x is not None), dtype=g.dtype, device=g.device)
+        into = iter(found)
+
+        def dot(a: torch.Tensor, b: torch.Tensor) -> None:
+            torch.sum(a * b, dim=None, out=next(into))
+
+        dot(r, r)
+        for v in (branches or {}).values():
+            dot(v, v)
+            dot(t - g, v)
+            dot(g - r, v)
+        if x is not None:
+            dg, dt, u = g - x, t - x, r - x
+            for a, b in ((dg, dt), (dg, dg), (dt, dt), (u, u)):
+                dot(a, b)
+            dot(t - g, u)
+            dot(g - r, u)
+        values = found.tolist()
+        self.ref_sq += values[0]
+        for i, name in enumerate(branches or {}):
             sums = self.branches.setdefault(name, [0.0, 0.0, 0.0])
-            sums[0] += float(v.pow(2).sum())
-            sums[1] += float(((t - g) * v).sum())
-            sums[2] += float(((g - r) * v).sum())
-        if x is None:
-            return
-        dg, dt, u = g - x, t - x, r - x
-        self.dg_dt += float((dg * dt).sum())
-        self.dg_sq += float(dg.pow(2).sum())
-        self.dt_sq += float(dt.pow(2).sum())
-        self.u_sq += float(u.pow(2).sum())
-        self.tg_u += float(((t - g) * u).sum())
-        self.gr_u += float(((g - r) * u).sum())
+            for j in range(3):
+                sums[j] += values[1 + 3 * i + j]
+        if x is not None:
+            dg_dt, dg_sq, dt_sq, u_sq, tg_u, gr_u = values[-6:]
+            self.dg_dt += dg_dt
+            self.dg_sq += dg_sq
+            self.dt_sq += dt_sq
+            self.u_sq += u_sq
+            self.tg_u += tg_u
+            self.gr_u += gr_u
+
+
+def statistics_device(*tensors: torch.Tensor | None) -> torch.device:
+    """Where the float64 statistics of ``tensors`` are computed: a CUDA device that holds one
+    of them (a GPU's float64 sums are fast, and its tensors need not cross to the host; on an
+    H200 the host's float64 sums were a third of a perturbed run's cost), else the CPU (MPS
+    has no float64; an XLA device would compile a program for each block)."""
+    for t in tensors:
+        if t is not None and t.device.type == "cuda":
+            return t.device
+    return torch.device("cpu")
 
 
 def _sums(
@@ -147,23 +177,30 @@ def _sums(
     directions: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[_Sums, int, int]:
     """The sums over the kept tokens, a block of tokens at a time in float64 (never a
-    float64 copy of the whole tensors); with the number of tokens and of elements kept."""
+    float64 copy of the whole tensors) on :func:`statistics_device`; with the number of
+    tokens and of elements kept."""
     g, t, r = _rows(golden), _rows(target), _rows(reference)
     x = _rows(hidden_in) if hidden_in is not None and hidden_in.shape == golden.shape else None
     v = {name: _rows(d) for name, d in (directions or {}).items() if d.shape == golden.shape}
+    device = statistics_device(g, t, r, x)
+    if keep_tokens is not None:
+        keep_tokens = keep_tokens.to(device)
     sums = _Sums([], [])
     step = max(1, BLOCK_ELEMENTS // max(1, g.shape[-1]))
     kept = 0
     for start in range(0, g.shape[0], step):
         block = slice(start, start + step)
-        parts = [a[block] if a is not None else None for a in (g, t, r, x)]
-        if keep_tokens is not None:
-            parts = [a[keep_tokens[block]] if a is not None else None for a in parts]
-        wide = [a.to("cpu", torch.float64) if a is not None else None for a in parts]
-        along = {name: d[block] if keep_tokens is None else d[block][keep_tokens[block]] for name, d in v.items()}
-        kept += parts[0].shape[0]
-        sums.add(*wide, {name: d.to("cpu", torch.float64) for name, d in along.items()})
+        rows = keep_tokens[block] if keep_tokens is not None else None
+        wide = [None if a is None else _wide(a[block], device, rows) for a in (g, t, r, x)]
+        kept += wide[0].shape[0]
+        sums.add(*wide, {name: _wide(d[block], device, rows) for name, d in v.items()})
     return sums, kept, kept * g.shape[-1]
+
+
+def _wide(rows: torch.Tensor, device: torch.device, keep: torch.Tensor | None) -> torch.Tensor:
+    """A block of rows in float64 on ``device``, only the ``keep`` ones where given."""
+    rows = rows.to(device, torch.float64)
+    return rows if keep is None else rows[keep]
 
 
 def floor_stats(

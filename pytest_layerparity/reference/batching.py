@@ -3,10 +3,20 @@ together, as the samples of one batch, on each kind of device."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import torch
+
+from ..store.callspec import (
+    cache_argument,
+    call_cache_node,
+    decode_call,
+    entry_nodes,
+    first_tensor,
+    hidden_input_name,
+    tensor_names,
+)
 
 T = TypeVar("T")
 
@@ -56,3 +66,65 @@ def in_batches(samples: int, group: int, batch: Callable[[int, int], list[T]]) -
             continue
         yield made
         k += len(made)
+
+
+def call_tokens(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> int:
+    """Tokens a stored call holds: its hidden states' rows, and in a decode step its past's
+    (what its memory grows with)."""
+    hidden = tensors[hidden_input_name(spec)]
+    tokens = hidden.numel() // max(hidden.shape[-1], 1) if hidden.dim() else 1
+    cache = call_cache_node(spec)
+    for entry in entry_nodes(cache) if cache is not None else ():
+        if "keys" in entry:
+            keys = tensors[entry["keys"]]
+            tokens += keys.shape[0] * keys.shape[-2] if keys.dim() >= 2 else 0
+    return tokens
+
+
+def stacked_call(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """The tensors of a stored call for ``n`` samples of its batch: each argument of two or
+    more dimensions whose first is the batch (the hidden states', masks, positions, rotary
+    tables, the cache's past) repeated ``n`` times along it; the rest as stored (a 1-D
+    ``cache_position`` is positions, not a batch)."""
+    batch = tensors[hidden_input_name(spec)].shape[0]
+    names = set(tensor_names({"args": spec["args"], "kwargs": spec["kwargs"]}))
+    cache = call_cache_node(spec)
+    for entry in entry_nodes(cache) if cache is not None else ():
+        if "keys" in entry:
+            names |= {entry["keys"], entry["values"]}
+    out = dict(tensors)
+    for name in names:
+        t = tensors[name]
+        if t.dim() >= 2 and t.shape[0] == batch:
+            out[name] = t.repeat(n, *([1] * (t.dim() - 1)))
+    return out
+
+
+def runs_apart(
+    layer: torch.nn.Module, spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: str
+) -> bool:
+    """Whether ``layer`` computes the samples of a batch apart on this call, as a decoder
+    layer does: two different inputs (the golden's, and it halved) run as one batch give
+    what each gives alone, to well within the rounding of another batch size (relative
+    difference under 1e-2). Checked in plain arithmetic before runs are stacked: a layer or
+    an argument that mixes samples would mix the runs."""
+    name = hidden_input_name(spec)
+    first = tensors[name]
+    second = first * 0.5
+    cache_name = cache_argument(layer)
+
+    def forward(call: dict[str, torch.Tensor]) -> torch.Tensor:
+        args, kwargs = decode_call(spec, call, device, cache_name)
+        with torch.no_grad():
+            return first_tensor(layer(*args, **kwargs)).detach().to("cpu", torch.float64)
+
+    try:
+        both = stacked_call(spec, tensors, 2)
+        both[name] = torch.cat([first, second])
+        together = forward(both)
+        alone = torch.cat([forward({**tensors, name: first}), forward({**tensors, name: second})])
+    except (RuntimeError, ValueError, IndexError):
+        return False
+    if together.shape != alone.shape:
+        return False
+    return bool(torch.linalg.vector_norm(together - alone) <= 1e-2 * torch.linalg.vector_norm(alone))

@@ -22,15 +22,12 @@ from ..report.progress import SILENT, Progress
 from ..store.callspec import (
     appended_kv,
     cache_argument,
-    call_cache_node,
     decode_call,
-    entry_nodes,
     first_tensor,
     hidden_input_name,
     replace_hidden_input,
-    tensor_names,
 )
-from .batching import in_batches, samples_per_forward
+from .batching import call_tokens, in_batches, runs_apart, samples_per_forward, stacked_call
 from .checkpoint import load_layer
 from .memory import give_back_memory
 from .model import eager_experts_skeleton
@@ -163,70 +160,6 @@ def appended_ratios(
     return ratios[0], ratios[1]
 
 
-def call_tokens(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> int:
-    """Tokens a stored call holds: its hidden states' rows, and in a decode step its past's
-    (what its memory grows with)."""
-    hidden = tensors[hidden_input_name(spec)]
-    tokens = hidden.numel() // max(hidden.shape[-1], 1) if hidden.dim() else 1
-    cache = call_cache_node(spec)
-    for entry in entry_nodes(cache) if cache is not None else ():
-        if "keys" in entry:
-            keys = tensors[entry["keys"]]
-            tokens += keys.shape[0] * keys.shape[-2] if keys.dim() >= 2 else 0
-    return tokens
-
-
-def stacked_call(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
-    """The tensors of a stored call for ``n`` samples of its batch: each argument of two or
-    more dimensions whose first is the batch (the hidden states', masks, positions, rotary
-    tables, the cache's past) repeated ``n`` times along it; the rest as stored (a 1-D
-    ``cache_position`` is positions, not a batch)."""
-    batch = tensors[hidden_input_name(spec)].shape[0]
-    names = set(tensor_names({"args": spec["args"], "kwargs": spec["kwargs"]}))
-    cache = call_cache_node(spec)
-    for entry in entry_nodes(cache) if cache is not None else ():
-        if "keys" in entry:
-            names |= {entry["keys"], entry["values"]}
-    out = dict(tensors)
-    for name in names:
-        t = tensors[name]
-        if t.dim() >= 2 and t.shape[0] == batch:
-            out[name] = t.repeat(n, *([1] * (t.dim() - 1)))
-    return out
-
-
-def runs_apart(
-    layer: torch.nn.Module, spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], device: str
-) -> bool:
-    """Whether ``layer`` computes the samples of a batch apart on this call, as a decoder
-    layer does: two different inputs (the golden's, and it halved) run as one batch give
-    what each gives alone, to well within the rounding of another batch size (relative
-    difference under 1e-2). Checked in plain arithmetic before runs are stacked: a layer or
-    an argument that mixes samples would mix the runs."""
-    import torch
-
-    name = hidden_input_name(spec)
-    first = tensors[name]
-    second = first * 0.5
-    cache_name = cache_argument(layer)
-
-    def forward(call: dict[str, torch.Tensor]) -> torch.Tensor:
-        args, kwargs = decode_call(spec, call, device, cache_name)
-        with torch.no_grad():
-            return first_tensor(layer(*args, **kwargs)).detach().to("cpu", torch.float64)
-
-    try:
-        both = stacked_call(spec, tensors, 2)
-        both[name] = torch.cat([first, second])
-        together = forward(both)
-        alone = torch.cat([forward({**tensors, name: first}), forward({**tensors, name: second})])
-    except (RuntimeError, ValueError, IndexError):
-        return False
-    if together.shape != alone.shape:
-        return False
-    return bool(torch.linalg.vector_norm(together - alone) <= 1e-2 * torch.linalg.vector_norm(alone))
-
-
 class PerturbedRunner:
     """Runs the layers of one model in the golden's dtype under Monte Carlo arithmetic, K
     times each, on ``device``."""
@@ -269,12 +202,14 @@ class PerturbedRunner:
         tensors: Mapping[str, torch.Tensor],
         seed: int,
         hidden: torch.Tensor | None = None,
+        on_device: bool = False,
     ) -> PerturbedRun:
         """One perturbed run of ``layer`` on the call ``spec``/``tensors`` (hidden states
-        replaced by ``hidden`` when given)."""
+        replaced by ``hidden`` when given); its output on the CPU, or left where it was
+        computed (``on_device``)."""
         call = dict(tensors) if hidden is None else replace_hidden_input(spec, dict(tensors), hidden)
         out, routing, appended = self._forward(layer, spec, call, seed, 1)
-        return PerturbedRun(out.to("cpu", copy=True), routing, appended)
+        return PerturbedRun(out.to(out.device if on_device else "cpu", copy=True), routing, appended)
 
     def _forward(
         self, layer: torch.nn.Module, spec: Mapping[str, Any], call: dict[str, torch.Tensor], seed: int, samples: int
@@ -302,11 +237,13 @@ class PerturbedRunner:
         tensors: Mapping[str, torch.Tensor],
         seed: int,
         hidden: Sequence[torch.Tensor | None],
+        on_device: bool = False,
     ) -> list[PerturbedRun] | None:
         """``len(hidden)`` perturbed runs of ``layer`` as the samples of one batch (run j on
         ``hidden[j]``, None: the golden's input), each its own legitimate run (every draw is
         per element; a variance's algorithm is drawn per run); None where the layer's
-        outputs cannot be split back into runs (its first dimension is not the batch)."""
+        outputs cannot be split back into runs (its first dimension is not the batch). Outputs
+        as :meth:`run`'s."""
         import torch
 
         n = len(hidden)
@@ -314,7 +251,7 @@ class PerturbedRunner:
         name = hidden_input_name(spec)
         call[name] = torch.cat([tensors[name] if h is None else h for h in hidden])
         out, routing, appended = self._forward(layer, spec, call, seed, n)
-        out = out.to("cpu")
+        out = out if on_device else out.to("cpu")
         if out.shape[0] != call[name].shape[0] or any(t.shape[0] % n for t in routing.values()):
             return None
         if appended is not None and any(t.shape[0] != out.shape[0] for t in appended):
@@ -338,6 +275,7 @@ class PerturbedRunner:
         tensors: Mapping[str, torch.Tensor],
         hidden: Sequence[torch.Tensor | None] | None = None,
         layer: torch.nn.Module | None = None,
+        on_device: bool = False,
     ) -> Iterator[PerturbedRun]:
         """The K perturbed runs of layer ``index`` on its golden call (run k on ``hidden[k]``
         when given, for chains), in order (a chain keeps them: each run's output goes on),
@@ -346,7 +284,7 @@ class PerturbedRunner:
         to ``batching.BATCHED_TOKENS`` tokens on the CPU, all of them on an accelerator (half
         as many after the device's memory runs out: :func:`.batching.fewer_fit`) with
         :meth:`run_together`, where the layer computes the samples of a batch apart
-        (:func:`runs_apart`, checked on the call); else one at a time."""
+        (:func:`runs_apart`, checked on the call); else one at a time. Outputs as :meth:`run`'s."""
         owned = layer is None
         if layer is None:
             layer = self.layer(index)
@@ -356,8 +294,9 @@ class PerturbedRunner:
             group = 1
 
         def batch(k: int, n: int) -> list[PerturbedRun]:
-            together = self.run_together(layer, spec, tensors, BASE_SEED + k, given[k : k + n]) if n > 1 else None
-            return together or [self.run(layer, spec, tensors, BASE_SEED + k, given[k])]
+            seed = BASE_SEED + k
+            together = self.run_together(layer, spec, tensors, seed, given[k : k + n], on_device) if n > 1 else None
+            return together or [self.run(layer, spec, tensors, seed, given[k], on_device)]
 
         with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
             for together in in_batches(self.samples, group, batch):
@@ -382,13 +321,21 @@ class PerturbedRunner:
     ) -> Envelope | None:
         """The envelope of layer ``index`` on its golden call (what extraction stores; None
         when fewer than two runs kept a token). Each run's output is dropped once its
-        statistics are taken: the memory does not grow with K."""
+        statistics are taken: the memory does not grow with K. On a CUDA device the runs'
+        outputs stay there and the statistics are taken there (``floor.statistics_device``),
+        the golden, its floor and its directions moved there once."""
+        import torch
+
         stats, appended = [], []
         branches = branch_directions(tensors)
         fixed = golden_floor_flips(dict(tensors))  # left out of every run, as the target's test leaves them out
-        for run in self.runs(index, spec, tensors, layer=layer):
+        on_device = torch.device(self.device).type == "cuda"
+        there = (lambda t: t.to(self.device)) if on_device else (lambda t: t)
+        held = [None if t is None else there(t) for t in (golden, reference, hidden_in)]
+        along = {name: there(v) for name, v in branches.items()}
+        for run in self.runs(index, spec, tensors, layer=layer, on_device=on_device):
             drop = flipped_tokens(tensors, run.routing) | set(fixed)
-            stats.append(run_stats(golden, run.output, reference, hidden_in, drop, branches))
+            stats.append(run_stats(held[0], run.output, held[1], held[2], drop, along))
             appended.append(appended_ratios(tensors, run.appended))
         envelope = envelope_from_stats(golden, reference, hidden_in, stats, branches, fixed)
         kept = [ratios for ratios, s in zip(appended, stats, strict=True) if s is not None]

@@ -20,12 +20,12 @@ from pytest_layerparity.compare.metrics import Metrics
 from pytest_layerparity.compare.verdict import evaluate
 from pytest_layerparity.options import make_settings
 from pytest_layerparity.reference import envelope as reference_envelope
+from pytest_layerparity.reference.batching import runs_apart
 from pytest_layerparity.reference.envelope import (
     BASE_SEED,
     PerturbedRun,
     PerturbedRunner,
     envelope_from_runs,
-    runs_apart,
 )
 from pytest_layerparity.reference.perturb import PerturbedArithmetic
 from pytest_layerparity.report.properties import properties
@@ -202,7 +202,7 @@ def test_the_envelope_takes_each_runs_statistics_as_it_ends(monkeypatch):
     outputs = other_roundings(ref, 6)
     made, alive = [], []
 
-    def run(self, layer, spec, tensors, seed, hidden=None):
+    def run(self, layer, spec, tensors, seed, hidden=None, on_device=False):
         out = outputs[seed - BASE_SEED].clone()
         made.append(weakref.ref(out))
         alive.append(sum(r() is not None for r in made))
@@ -320,6 +320,28 @@ def test_on_an_accelerator_every_run_goes_together_or_as_many_as_its_memory_hold
     other.forward = lambda x: (_ for _ in ()).throw(RuntimeError("shapes cannot be multiplied"))
     with pytest.raises(RuntimeError, match="cannot be multiplied"):  # any other error is the layer's own
         list(_runner(4).runs(0, CALL, {"x": x}, layer=other))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_envelope_keeps_its_runs_there_and_its_statistics_equal_the_cpus(monkeypatch):
+    import copy
+    from types import SimpleNamespace
+
+    from pytest_layerparity.compare import floor
+
+    layer = _Block().bfloat16().cuda()
+    x = torch.randn(1, 64, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    golden = layer(x.cuda()).cpu()
+    reference = copy.deepcopy(layer).float()(x.float().cuda()).cpu()
+    runner = PerturbedRunner(model=SimpleNamespace(top_k=None), golden_dtype=torch.bfloat16, samples=4, device="cuda")
+    assert {r.output.device.type for r in runner.runs(0, CALL, {"x": x}, layer=layer, on_device=True)} == {"cuda"}
+    assert {r.output.device.type for r in runner.runs(0, CALL, {"x": x}, layer=layer)} == {"cpu"}
+    there = runner.envelope(0, CALL, {"x": x}, golden, reference, x, layer=layer).as_metadata()
+    monkeypatch.setattr(floor, "statistics_device", lambda *tensors: torch.device("cpu"))
+    here = runner.envelope(0, CALL, {"x": x}, golden, reference, x, layer=layer).as_metadata()
+    assert set(there) == set(here)
+    for name, value in here.items():
+        assert there[name] == pytest.approx(value, rel=1e-9), name
 
 
 def test_a_layer_that_mixes_the_samples_of_a_batch_runs_them_one_at_a_time():

@@ -448,23 +448,46 @@ def test_a_decode_steps_envelope_keeps_the_appended_keys_and_values_ratios():
         Envelope.from_metadata({**data, "new_values_noise_ratio": [1.0]})
 
 
-@pytest.mark.parametrize("drop", [[], [3, 150, 299]])
-def test_floor_stats_in_blocks_of_tokens_equal_one_block(monkeypatch, drop):
-    from pytest_layerparity.compare import floor
-
+def _block_case() -> tuple[torch.Tensor, ...]:
+    """A layer's input, its float32 output, a bfloat16 golden, a target 1% off, a branch."""
     g0 = torch.Generator().manual_seed(0)
     x = torch.randn(1, 300, 64, generator=g0)
     ref = x + 0.3 * torch.randn(x.shape, generator=g0)
     golden = (ref + 1e-3 * torch.randn(x.shape, generator=g0)).bfloat16()
     target = (1.01 * ref + 1e-3 * torch.randn(x.shape, generator=g0)).bfloat16()
+    return x.bfloat16(), ref, golden, target, (0.1 * torch.randn(x.shape, generator=g0)).bfloat16()
+
+
+@pytest.mark.parametrize("drop", [[], [3, 150, 299]])
+def test_floor_stats_in_blocks_of_tokens_equal_one_block(monkeypatch, drop):
+    from pytest_layerparity.compare import floor
+
+    x, ref, golden, target, branch = _block_case()
     keep = floor.token_mask(300, drop)
-    whole = floor_stats(golden, target, ref, x.bfloat16(), keep).as_dict()
+    whole = floor_stats(golden, target, ref, x, keep, {"mlp": branch}).as_dict()
     monkeypatch.setattr(floor, "BLOCK_ELEMENTS", 64 * 7)  # 43 blocks of 7 tokens
-    blocked = floor_stats(golden, target, ref, x.bfloat16(), keep).as_dict()
+    blocked = floor_stats(golden, target, ref, x, keep, {"mlp": branch}).as_dict()
     assert blocked["tokens"] == 300 - len(drop) and blocked["worst_token"] == whole["worst_token"]
     assert whole["contribution_z"] > 1  # the 1% scale is seen along the contribution
     for name, value in whole.items():
         assert blocked[name] == pytest.approx(value, rel=1e-12), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("golden_on", ["cuda", "cpu"])
+def test_floor_stats_of_cuda_tensors_are_taken_there_and_equal_the_cpus(monkeypatch, golden_on):
+    from pytest_layerparity.compare import floor
+
+    x, ref, golden, target, branch = _block_case()
+    keep = floor.token_mask(300, [3, 150])
+    on_cpu = floor_stats(golden, target, ref, x, keep, {"mlp": branch}).as_dict()
+    monkeypatch.setattr(floor, "BLOCK_ELEMENTS", 64 * 7)
+    taken, wide = [], floor._wide
+    monkeypatch.setattr(floor, "_wide", lambda rows, device, k: taken.append(device) or wide(rows, device, k))
+    on_gpu = floor_stats(golden.to(golden_on), target.cuda(), ref.to(golden_on), x, keep, {"mlp": branch})
+    assert {d.type for d in taken} == {"cuda"}
+    for name, value in on_cpu.items():
+        assert on_gpu.as_dict()[name] == pytest.approx(value, rel=1e-9), name
 
 
 def test_a_sparse_attention_indexer_is_recorded_one_row_per_query():
