@@ -2,7 +2,7 @@
 floor and writing cost.
 
     python bench/bench_extraction.py [--layers 8] [--seq-len 512] [--device cuda] [--ieee-matmul]
-                                     [--logits-topk 0]
+                                     [--logits-topk 0] [--one-at-a-time]
 
 Model loading is timed separately and left out of every ratio. One process, on the CPU or
 (``--device cuda``) the model and the goldens' runs on the GPU; ``--ieee-matmul`` times the
@@ -10,7 +10,9 @@ perturbed runs' wide matmuls of 16-bit operands in IEEE float32, as before they 
 in 16-bit arithmetic that holds such operands exactly (reference/wider.py's
 exact_fast_matmul: TF32 on CUDA, oneDNN's bfloat16 mode on the CPU). ``--logits-topk 0``
 extracts no whole-model golden (``layerparity_logits_topk = 0``), and so no whole-model
-envelope: per-layer verdicts alone.
+envelope: per-layer verdicts alone. ``--one-at-a-time`` runs each call's perturbed runs one
+after the other, as the CPU does for a long call (reference/batching.py), to time what running
+them together as one batch saves on an accelerator.
 """
 
 from __future__ import annotations
@@ -119,7 +121,15 @@ def main() -> None:
     parser.add_argument(
         "--logits-topk", type=int, default=16, help="0: no whole-model golden (per-layer verdicts alone)"
     )
+    parser.add_argument(
+        "--one-at-a-time", action="store_true", help="each call's perturbed runs one after the other, not as one batch"
+    )
     args = parser.parse_args()
+    if args.one_at_a_time:
+        from pytest_layerparity.reference import batching, envelope, plan
+
+        for module in (batching, envelope, plan):
+            module.samples_per_forward = lambda *_args, **_kw: 1
     if args.device == "cuda":
         args.device = "cuda:0"
     if args.ieee_matmul:
@@ -144,6 +154,7 @@ def main() -> None:
         + (f" ({torch.cuda.get_device_name(0)})" if args.device != "cpu" else "")
         + (", wide matmuls in IEEE float32" if args.ieee_matmul else "")
         + (", no whole-model golden" if args.logits_topk == 0 else "")
+        + (", perturbed runs one at a time" if args.one_at_a_time else "")
     )
     print(f"{'what':<58} {'seconds':>8} {'ratio':>7}")
     print(f"{f'plain forward, bf16: first after loading / best of {args.repeats}':<58} {bf16_first:>8.2f} {bf16:>6.2f}")
