@@ -712,7 +712,8 @@ OPTIONS = (
     Option(
         "attn_implementation",
         "--attn-implementation",
-        "Attention implementation of the reference model (eager, sdpa, ...). Default: the model's.",
+        "Attention implementation of the reference model (eager, sdpa, ...). Default: the model's, but eager where "
+        "attention logits are soft-capped (Gemma-2: SDPA leaves the capping out under transformers before 5.24).",
         default=None,
         ini=True,
         cli=False,

@@ -63,7 +63,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     if not config.getoption("layerparity_plan", False):
         return None
     from .reference.devices import resolve_golden_device
-    from .reference.model import ModelError
+    from .reference.model import ModelError, capped_attention
     from .reference.plan import RunOptions
     from .reference.plan_text import plan_lines
     from .session import LayerParitySession
@@ -78,7 +78,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
             settings.seq_len,
             resolve_golden_device(settings.golden_device),
             RunOptions(
-                attn_implementation=settings.attn_implementation,
+                attn_implementation=settings.attn_implementation or capped_attention(session.model.hf_config),
                 precision_floor=not settings.no_precision_floor,
                 envelope=settings.envelope_samples > 1,
                 envelope_samples=settings.envelope_samples,

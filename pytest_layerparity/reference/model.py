@@ -144,6 +144,16 @@ def load_hf_config(model_dir: str | Path, trust_remote_code: bool = False):
     return AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, **overrides)
 
 
+def capped_attention(config: Any) -> str | None:
+    """The attention implementation a model whose attention logits are soft-capped
+    (Gemma-2's ``attn_logit_softcapping``) is run with where none is asked for: ``eager``, the
+    one that caps them. Transformers before 5.24 gave such a model SDPA by default, which
+    leaves the capping out (a golden of another model, with no error); later ones refuse SDPA
+    for it themselves. None for any other model: the library's default."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return "eager" if getattr(text, "attn_logit_softcapping", None) else None
+
+
 def model_class_for(hf_config: PretrainedConfig, trust_remote_code: bool = False) -> type[Any]:
     """The class the checkpoint was saved from (config.architectures), else the causal-LM
     class of its model type, else the base model: so module names match checkpoint keys."""

@@ -12,6 +12,7 @@ from .checkpoint import Checkpoint, load_layer
 from .model import (
     ModelError,
     build_skeleton,
+    capped_attention,
     config_sha256,
     find_layer_list,
     hidden_size_from_config,
@@ -39,9 +40,11 @@ def model_dir_of(model: str | None) -> Path:
 class ModelSource:
     """One model folder: its config, checkpoint, decoder-layer list and per-layer builds.
 
-    ``attn_implementation`` applies to the reference model; ``experts_implementation`` to
-    the layers built for the target (``layer_config``). Skeletons are weightless (meta
-    device) and built once per dtype.
+    ``attn_implementation`` applies to the reference model (None: the library's default, but
+    eager for the reference and the target's layers alike where attention logits are
+    soft-capped: :func:`.model.capped_attention`); ``experts_implementation`` to the layers
+    built for the target (``layer_config``). Skeletons are weightless (meta device) and built
+    once per dtype.
     """
 
     def __init__(
@@ -67,8 +70,9 @@ class ModelSource:
     @cached_property
     def hf_config(self) -> PretrainedConfig:
         config = load_hf_config(self.model_dir, self.trust_remote_code)
-        if self.attn_implementation:
-            config._attn_implementation = self.attn_implementation
+        implementation = self.attn_implementation or capped_attention(config)
+        if implementation:
+            config._attn_implementation = implementation
         return config
 
     @cached_property

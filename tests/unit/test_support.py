@@ -196,3 +196,52 @@ def test_transformers_recurrent_depth_models_are_refused_up_front(model_type, lo
     model = _looped_model(owner, f"{type(owner).__name__}ForCausalLM")
     with pytest.raises(ModelError, match=rf"runs decoder layer {looped} of model\.layers .* --layers {once}$"):
         check_recurrent_depth(model, list(range(len(owner.layers))))
+
+
+def _gemma2(out, softcapping):
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        attn_logit_softcapping=softcapping,
+    )
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(config)
+    with torch.no_grad():  # attention logits of order 10, where a cap of 5 bites
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)
+            layer.self_attn.k_proj.weight.mul_(30)
+    model.save_pretrained(out)
+    return out
+
+
+def test_a_soft_capped_attention_runs_eager_so_that_the_capping_is_computed(tmp_path):
+    """Transformers before 5.24 ran Gemma-2 through SDPA by default, which leaves its logit
+    soft-capping out: the reference and the target's own layers would compute another model."""
+    import torch
+
+    from pytest_layerparity.reference.model import capped_attention, load_hf_config, model_class_for
+    from pytest_layerparity.reference.source import ModelSource
+
+    source = ModelSource(_gemma2(tmp_path / "capped", 5.0))
+    assert source.hf_config._attn_implementation == "eager"
+    assert source.layer_config._attn_implementation == "eager"
+    assert ModelSource(source.model_dir, attn_implementation="sdpa").hf_config._attn_implementation == "sdpa"
+    model = model_class_for(source.hf_config).from_pretrained(str(source.model_dir), config=source.hf_config).eval()
+    ids = torch.arange(12).unsqueeze(0)
+    with torch.no_grad():
+        capped = model(ids).logits
+        for layer in model.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        uncapped = model(ids).logits
+    assert (capped - uncapped).abs().max() > 1e-3  # the capping is in what the model computes
+    plain = ModelSource(_gemma2(tmp_path / "plain", None))  # no capping: the library's default
+    assert plain.hf_config._attn_implementation == load_hf_config(plain.model_dir)._attn_implementation
+    assert capped_attention(source.hf_config) == "eager" and capped_attention(plain.hf_config) is None  # --plan's
