@@ -172,12 +172,14 @@ def test_the_math_attention_over_blocks_of_queries_does_not_grow_the_heap():
     """Few heads and a long prompt make many small blocks: each block's output kept in a list
     until the end left small tensors between the freed scores, and the process grew by
     about 60 MB over three calls whose output is 1 MB (a miniature's seq-2048 layer). How
-    much a list fragments varies from run to run (11-53 MB alone, measured): a run where it
-    does not goes unnoticed here; one output filled as the blocks come grew 12-19 MB."""
+    much a list fragments varies from run to run (11-53 MB alone, measured; 37-43 MB in 3 of 5
+    runs of it emulated later, 13 MB in the other 2): a run where it does not goes unnoticed
+    here. One output filled as the blocks come grew 11-20 MB in 17 runs alone, and 31.5 MB
+    once while benches ran beside the suite: the limit is 35 MB."""
     grown = int(
         subprocess.run([sys.executable, "-c", ATTENTION_HEAP_PROBE], capture_output=True, text=True, check=True).stdout
     )
-    assert grown < 30e6, grown
+    assert grown < 35e6, grown
 
 
 EXPERTS_PROBE = """
