@@ -330,12 +330,13 @@ class PerturbedRunner:
         branches = branch_directions(tensors)
         fixed = golden_floor_flips(dict(tensors))  # left out of every run, as the target's test leaves them out
         on_device = torch.device(self.device).type == "cuda"
-        there = (lambda t: t.to(self.device)) if on_device else (lambda t: t)
-        held = [None if t is None else there(t) for t in (golden, reference, hidden_in)]
-        along = {name: there(v) for name, v in branches.items()}
+        if on_device:  # the statistics where the runs are
+            golden, reference = golden.to(self.device), reference.to(self.device)
+            hidden_in = hidden_in.to(self.device) if hidden_in is not None else None
+            branches = {name: v.to(self.device) for name, v in branches.items()}
         for run in self.runs(index, spec, tensors, layer=layer, on_device=on_device):
             drop = flipped_tokens(tensors, run.routing) | set(fixed)
-            stats.append(run_stats(held[0], run.output, held[1], held[2], drop, along))
+            stats.append(run_stats(golden, run.output, reference, hidden_in, drop, branches))
             appended.append(appended_ratios(tensors, run.appended))
         envelope = envelope_from_stats(golden, reference, hidden_in, stats, branches, fixed)
         kept = [ratios for ratios, s in zip(appended, stats, strict=True) if s is not None]
