@@ -159,9 +159,9 @@ class _Sums:
 
 def statistics_device(*tensors: torch.Tensor | None) -> torch.device:
     """Where the float64 statistics of ``tensors`` are computed: a CUDA device that holds one
-    of them (a GPU's float64 sums are fast, and its tensors need not cross to the host; on an
-    H200 the host's float64 sums were a third of a perturbed run's cost), else the CPU (MPS
-    has no float64; an XLA device would compile a program for each block)."""
+    of them (a GPU's float64 sums are fast, and its tensors need not cross to the host: on an
+    H200 the host's sums were half of an envelope's time), else the CPU (MPS has no float64;
+    an XLA device would compile a program for each block)."""
     for t in tensors:
         if t is not None and t.device.type == "cuda":
             return t.device
