@@ -676,15 +676,23 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     chained = defaultdict(lambda: [0, 0, 0])  # the same -> [bugs, chain failed, first failing layer the planted one]
     misses, alarms, sweep = [], [], defaultdict(dict)
     no_effect = set()  # planted changes that move no float64 output: left out
-    reach = []  # (dtype, kind, the perturbed runs' largest noise_ratio, the correct port's)
+    reach = []  # (dtype, kind, the runs' largest noise_ratio, the correct port's, the runs' median or None)
 
-    def tally(key, outcome, what):
+    def tally(key, outcome, what, golden=None):
         """One correct-port test: counted, and a false alarm where it failed; for a torch-xla
-        port, how far the envelope's runs reached against what the port shows."""
+        port, how far the envelope's runs reached against what the port shows (and where the
+        golden ``golden`` of the store holds the runs, their median)."""
         kind = key[1]
         if outcome.envelope is not None and outcome.floor is not None and "torch-xla" in kind:
+            held = Envelope.from_metadata(GoldenStore(store).load(golden).metadata.get("envelope")) if golden else None
             reach.append(
-                [dtype, kind.split(" (")[0], outcome.envelope.reached["noise_ratio"], outcome.floor.noise_ratio]
+                [
+                    dtype,
+                    kind.split(" (")[0],
+                    outcome.envelope.reached["noise_ratio"],
+                    outcome.floor.noise_ratio,
+                    statistics.median(held.noise_ratio) if held is not None else None,
+                ]
             )
         correct[key][0] += 1
         if not outcome.passed:
@@ -720,14 +728,14 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             for kind, s in runs.items():
                 for i in layers:
                     outcome = s.parity_layer(i)
-                    tally((split, kind), outcome, f"{name} {dtype} layer {i} {kind}: {failing(outcome)}")
+                    tally((split, kind), outcome, f"{name} {dtype} layer {i} {kind}: {failing(outcome)}", layer_key(i))
             stored = GoldenStore(store).read_manifest()["files"]
             target_side = runs[f"isolated ({label})"].target
             for i in layers:  # each decode step of each layer (none for an encoder), with the keys and values appended
                 steps = [step for step in range(DECODE_STEPS) if decode_key(i, step) in stored]
                 for step, outcome in zip(steps, target_side.parity_decode(i, steps), strict=True):
                     what = f"{name} {dtype} layer {i} decode step {step}: {failing(outcome)}"
-                    tally((split, f"decode step ({label})"), outcome, what)
+                    tally((split, f"decode step ({label})"), outcome, what, decode_key(i, step))
             chain = runs[f"isolated ({label})"].parity_range(layers)
             first = next((o for o in chain if not o.passed), chain[-1])  # the first failing layer, if any
             tally((split, f"chain ({label})"), first, f"{name} {dtype} chain: layer {first.layer} {failing(first)}")
@@ -849,17 +857,30 @@ def report(tallies: dict, args: argparse.Namespace, label: str, elapsed: float) 
     if tallies.get("reach"):
         print(
             "\nthe envelope's reach against real correct ports (torch-xla): per test, the largest noise_ratio of the"
-            " perturbed runs over the port's own; quartiles and the largest correct port's noise_ratio"
+            " perturbed runs over the port's own, and their median over it (a chain's runs are not stored);"
+            " quartiles, and the largest correct port's noise_ratio"
         )
         groups = defaultdict(list)
-        for dtype, kind, reached, port in tallies["reach"]:
-            groups[(dtype, kind)].append((reached / port if port > 0 else math.inf, port))
+        for dtype, kind, reached, port, median in tallies["reach"]:
+            groups[(dtype, kind)].append(
+                (
+                    reached / port if port > 0 else math.inf,
+                    port,
+                    median / port if median is not None and port > 0 else None,
+                )
+            )
+
+        def quartiles(values):
+            values = sorted(values)
+            q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+            return " ".join(f"{v:.2f}" for v in q)
+
         for (dtype, kind), rows in sorted(groups.items()):
-            ratios = sorted(r for r, _ in rows)
-            q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+            medians = [m for _, _, m in rows if m is not None]
             print(
-                f"  {dtype:<9} {kind:<12} {len(rows):>4} tests  reach/port {q[0]:.2f} {q[1]:.2f} {q[2]:.2f}"
-                f"  (largest port noise_ratio {max(p for _, p in rows):.2f})"
+                f"  {dtype:<9} {kind:<12} {len(rows):>4} tests  reach/port {quartiles(r for r, _, _ in rows)}"
+                + (f"  median/port {quartiles(medians)}" if medians else "")
+                + f"  (largest port noise_ratio {max(p for _, p, _ in rows):.2f})"
             )
     print("\nextraction time with the envelope (K perturbed runs per layer), per model and dtype")
     for name, dtype, seconds in timing:
