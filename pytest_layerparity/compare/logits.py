@@ -56,12 +56,39 @@ TOPK_LOGITS = "topk_logits"
 LOGSUMEXP = "logsumexp"
 
 
+#: Elements of logits widened at a time, a block of positions' rows of the vocabulary (in
+#: float64 32 MB): a long prompt's logits are compacted and held to the golden's a block at a
+#: time, not as a float64 copy of every position's (2048 positions of a 128k vocabulary: 2 GB,
+#: and as much again for their log-softmax, beside logits the memory plan counts once).
+BLOCK_ELEMENTS = 1 << 22
+
+
+def _position_blocks(logits: torch.Tensor) -> tuple[torch.Tensor, list[slice]]:
+    """``logits`` as rows [positions, vocab] and the blocks of rows to take at a time."""
+    rows = logits.detach().reshape(-1, logits.shape[-1])
+    step = max(1, BLOCK_ELEMENTS // max(rows.shape[-1], 1))
+    return rows, [slice(start, start + step) for start in range(0, rows.shape[0], step)]
+
+
 def compact_logits(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """``logits`` [..., vocab] kept as the top-k ids (int32) and logits (float32) and the
-    log-sum-exp (float32) per position."""
-    wide = logits.detach().float()
-    values, ids = wide.topk(min(k, wide.shape[-1]), dim=-1)
-    return {TOPK_IDS: ids.to(torch.int32), TOPK_LOGITS: values, LOGSUMEXP: torch.logsumexp(wide, dim=-1)}
+    log-sum-exp (float32) per position (a block of positions at a time)."""
+    rows, blocks = _position_blocks(logits)
+    k = min(k, rows.shape[-1])
+    values, ids, lse = [], [], []
+    for block in blocks:
+        wide = rows[block].float()
+        top = wide.topk(k, dim=-1)
+        values.append(top.values)
+        ids.append(top.indices.to(torch.int32))
+        lse.append(torch.logsumexp(wide, dim=-1))
+        del wide, top
+    lead = tuple(logits.shape[:-1])
+    return {
+        TOPK_IDS: torch.cat(ids).reshape(*lead, k),
+        TOPK_LOGITS: torch.cat(values).reshape(*lead, k),
+        LOGSUMEXP: torch.cat(lse).reshape(lead),
+    }
 
 
 @dataclass(frozen=True)
@@ -84,30 +111,35 @@ class LogitsStats:
 
 
 def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> LogitsStats:
-    """``logits`` [..., vocab] (any device, any float dtype) against the compact ``golden``."""
+    """``logits`` [..., vocab] (any device, any float dtype) against the compact ``golden``,
+    a block of positions at a time in float64 on the CPU."""
     ids = golden[TOPK_IDS].long().reshape(-1, golden[TOPK_IDS].shape[-1])
     top = golden[TOPK_LOGITS].float().reshape(ids.shape)
     lse = golden[LOGSUMEXP].float().reshape(-1)
-    target = logits.detach().to("cpu", torch.float64).reshape(ids.shape[0], -1)
-    if target.shape[0] != ids.shape[0]:
-        raise ValueError(f"the target gave logits for {target.shape[0]} positions, the golden holds {ids.shape[0]}")
-    log_q_all = torch.log_softmax(target, dim=-1)
+    rows, blocks = _position_blocks(logits)
+    if rows.shape[0] != ids.shape[0]:
+        raise ValueError(f"the target gave logits for {rows.shape[0]} positions, the golden holds {ids.shape[0]}")
     log_p = top.double() - lse.double()[:, None]
-    log_q = log_q_all.gather(-1, ids)
-    p_rest = (1 - log_p.exp().sum(-1)).clamp_min(0)
-    q_rest = (1 - log_q.exp().sum(-1)).clamp_min(1e-300)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1) + torch.where(
-        p_rest > 0, p_rest * (p_rest.clamp_min(1e-300).log() - q_rest.log()), torch.zeros_like(p_rest)
-    )
-    greedy = target.argmax(-1)
-    flipped = (greedy != ids[:, 0]).nonzero().flatten().tolist()
     k = ids.shape[-1]
-    target_top = target.topk(k, dim=-1).indices
-    overlap = (target_top[:, :, None] == ids[:, None, :]).any(-1).double().mean(-1)
+    kl_parts, greedy_parts, overlap_parts, at_topk = [], [], [], []
+    for block in blocks:
+        target, want, lp = rows[block].to("cpu", torch.float64), ids[block], log_p[block]
+        log_q = torch.log_softmax(target, dim=-1).gather(-1, want)
+        p_rest = (1 - lp.exp().sum(-1)).clamp_min(0)
+        q_rest = (1 - log_q.exp().sum(-1)).clamp_min(1e-300)
+        rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-300).log() - q_rest.log()), 0.0)
+        kl_parts.append((lp.exp() * (lp - log_q)).sum(-1) + rest)
+        greedy_parts.append(target.argmax(-1))
+        target_top = target.topk(k, dim=-1).indices
+        overlap_parts.append((target_top[:, :, None] == want[:, None, :]).any(-1).double().mean(-1))
+        at_topk.append(target.gather(-1, want))
+        del target, log_q
+    kl, greedy, overlap = torch.cat(kl_parts), torch.cat(greedy_parts), torch.cat(overlap_parts)
+    flipped = (greedy != ids[:, 0]).nonzero().flatten().tolist()
     margins = (top[:, 0] - top[:, 1]).tolist() if k > 1 else [math.inf] * ids.shape[0]
     kl = kl.clamp_min(0)
     g, spread = _centred(top.double())
-    t, _ = _centred(target.gather(-1, ids))
+    t, _ = _centred(torch.cat(at_topk))
     slopes = ((t * g).sum(-1) / spread)[spread > 0]
     return LogitsStats(
         positions=ids.shape[0],

@@ -30,6 +30,22 @@ def test_compact_logits_keep_top_k_and_log_sum_exp():
     assert torch.equal(golden["topk_ids"][..., 0].long(), logits.argmax(-1))
 
 
+def test_long_prompts_logits_are_taken_a_block_of_positions_at_a_time_to_the_same_figures(monkeypatch):
+    from pytest_layerparity.compare import logits as module
+
+    golden_logits, target = _logits(1, positions=40).bfloat16(), (_logits(1, positions=40) + _logits(2, positions=40))
+    golden = compact_logits(golden_logits, 10)
+    whole = logits_stats(golden, target)
+    widened = []
+    monkeypatch.setattr(module, "BLOCK_ELEMENTS", 50 * 3)  # 14 blocks of 3 positions
+    monkeypatch.setattr(module.torch, "log_softmax", lambda x, dim: widened.append(x.shape[0]) or x.log_softmax(dim))
+    blocked = compact_logits(golden_logits, 10)
+    assert all(torch.equal(blocked[key], golden[key]) for key in golden)
+    assert blocked["topk_ids"].shape == (1, 40, 10) and blocked["logsumexp"].shape == (1, 40)
+    assert logits_stats(golden, target) == whole and whole.flipped  # the same figures, a flip among them
+    assert max(widened) == 3 and sum(widened) == 40  # no more than a block's float64 rows at once
+
+
 def test_kl_on_the_top_k_is_a_lower_bound_of_the_full_kl_and_zero_for_the_same_logits():
     golden_logits, target = _logits(1), _logits(1) + 0.3 * _logits(2)
     golden = compact_logits(golden_logits, 10)
