@@ -5,7 +5,8 @@
 # the main job in $OUT/goldens-cuda.tar.gz (test them here with `pytest --xla --golden-dir
 # DIR`), each pytest run's JUnit XML beside them, a cProfile of a batched extraction in
 # $OUT/extract.prof.
-#   bash bench/gpu_checks.sh [seconds for all of it, default 500]
+#   bash bench/gpu_checks.sh [seconds for all of it, default 500] [the verdict bench's dtypes,
+#       default bfloat16 (173 s on an H200; all three took 262 s)]
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
@@ -48,9 +49,8 @@ step "CUDA unit tests (TF32 wide matmuls, metrics, decode steps)"
 within 60 python3 -m pytest -q "${PLUGIN[@]}" tests/unit/test_perturb.py tests/unit/test_metrics.py \
     tests/unit/test_step_inputs.py -k "tf32 or cuda"
 
-# bfloat16 alone (173 s on an H200) fits a session's device time; all three dtypes took 262 s
-step "bench_verdicts: goldens on the CPU, correct ports and planted bugs on CUDA, bfloat16"
+step "bench_verdicts: goldens on the CPU, correct ports and planted bugs on CUDA, ${2:-bfloat16}"
 within 600 python3 bench/bench_verdicts.py --golden-device cpu --port-target cuda \
-    --dtypes bfloat16 --skip-k --skip-sweep
+    --dtypes "${2:-bfloat16}" --skip-k --skip-sweep
 step done
 } 2>&1 | tee "$OUT/log"
