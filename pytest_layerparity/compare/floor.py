@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .metrics import STATISTICS_DEVICES
+
 #: A golden stores the precision floor of its tensor ``X`` (the layer evaluated in higher
 #: precision) as ``floor.X``: the output, the routers' scores, a decode step's appended keys
 #: and values. Stores of schema 1 named them ``ref_X`` (read as ``floor.X``).
@@ -157,14 +159,14 @@ class _Sums:
             self.gr_u += gr_u
 
 
-def statistics_device(*tensors: torch.Tensor | None) -> torch.device:
-    """Where the float64 statistics of ``tensors`` are computed: a CUDA device that holds one
-    of them (a GPU's float64 sums are fast, and its tensors need not cross to the host: on an
-    H200 the host's sums were half of an envelope's time), else the CPU (MPS has no float64;
-    an XLA device would compile a program for each block)."""
-    for t in tensors:
-        if t is not None and t.device.type == "cuda":
-            return t.device
+def statistics_device(*devices: torch.device | str) -> torch.device:
+    """Where the float64 statistics of tensors on ``devices`` are computed: the first of them
+    that is an accelerator of ``metrics.STATISTICS_DEVICES`` (a GPU's float64 sums are fast,
+    and its tensors need not cross to the host: on an H200 the host's sums were half of an
+    envelope's time), else the CPU."""
+    for device in map(torch.device, devices):
+        if device.type != "cpu" and device.type in STATISTICS_DEVICES:
+            return device
     return torch.device("cpu")
 
 
@@ -182,7 +184,7 @@ def _sums(
     g, t, r = _rows(golden), _rows(target), _rows(reference)
     x = _rows(hidden_in) if hidden_in is not None and hidden_in.shape == golden.shape else None
     v = {name: _rows(d) for name, d in (directions or {}).items() if d.shape == golden.shape}
-    device = statistics_device(g, t, r, x)
+    device = statistics_device(*(a.device for a in (g, t, r, x) if a is not None))
     if keep_tokens is not None:
         keep_tokens = keep_tokens.to(device)
     sums = _Sums([], [])

@@ -69,8 +69,10 @@ _CPU_CHUNK = 1 << 18
 # GPU: five float64 buffers of 1 Mi elements is 40 MiB, few kernel launches.
 _GPU_CHUNK = 1 << 20
 
-# Devices computed on in place, chunk by chunk; any other device is copied to the CPU.
-_CHUNKED_DEVICES = ("cpu", "cuda")
+#: Devices whose tensors' float64 statistics are computed where they are (here chunk by
+#: chunk, and ``floor.statistics_device``'s); any other device's go to the CPU (an XLA device
+#: would compile a graph per chunk; MPS has no float64).
+STATISTICS_DEVICES = ("cpu", "cuda")
 
 # The one-pass Pearson formula is used only when its worst-case relative error is far
 # below 1e-9; see _pearson_needs_two_pass.
@@ -174,7 +176,7 @@ class _Chunks:
         # Compute where golden lives when that is the CPU or a CUDA device. Other devices
         # (XLA and other lazy or float64-less backends) are brought to the CPU whole, once:
         # slicing them chunk by chunk would run (and on XLA compile) one graph per chunk.
-        tensors = [t if t.device.type in _CHUNKED_DEVICES else t.cpu() for t in tensors]
+        tensors = [t if t.device.type in STATISTICS_DEVICES else t.cpu() for t in tensors]
         self.device = tensors[0].device
         self.flat = [t.reshape(-1) for t in tensors]
         self.numel = self.flat[0].numel()

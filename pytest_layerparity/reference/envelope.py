@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing
 from ..compare.envelope import Envelope
-from ..compare.floor import FloorStats, branch_directions, floor_stats, token_mask
+from ..compare.floor import FloorStats, branch_directions, floor_stats, statistics_device, token_mask
 from ..compare.routing import agreement, golden_floor_flips, router_names
 from ..report.progress import SILENT, Progress
 from ..store.callspec import (
@@ -324,12 +324,10 @@ class PerturbedRunner:
         statistics are taken: the memory does not grow with K. On a CUDA device the runs'
         outputs stay there and the statistics are taken there (``floor.statistics_device``),
         the golden, its floor and its directions moved there once."""
-        import torch
-
         stats, appended = [], []
         branches = branch_directions(tensors)
         fixed = golden_floor_flips(dict(tensors))  # left out of every run, as the target's test leaves them out
-        on_device = torch.device(self.device).type == "cuda"
+        on_device = statistics_device(self.device).type != "cpu"
         if on_device:  # the statistics where the runs are
             golden, reference = golden.to(self.device), reference.to(self.device)
             hidden_in = hidden_in.to(self.device) if hidden_in is not None else None

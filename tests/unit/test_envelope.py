@@ -337,7 +337,7 @@ def test_a_cuda_envelope_keeps_its_runs_there_and_its_statistics_equal_the_cpus(
     assert {r.output.device.type for r in runner.runs(0, CALL, {"x": x}, layer=layer, on_device=True)} == {"cuda"}
     assert {r.output.device.type for r in runner.runs(0, CALL, {"x": x}, layer=layer)} == {"cpu"}
     there = runner.envelope(0, CALL, {"x": x}, golden, reference, x, layer=layer).as_metadata()
-    monkeypatch.setattr(floor, "statistics_device", lambda *tensors: torch.device("cpu"))
+    monkeypatch.setattr(floor, "statistics_device", lambda *devices: torch.device("cpu"))
     here = runner.envelope(0, CALL, {"x": x}, golden, reference, x, layer=layer).as_metadata()
     assert set(there) == set(here)
     for name, value in here.items():

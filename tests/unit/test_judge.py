@@ -473,6 +473,14 @@ def test_floor_stats_in_blocks_of_tokens_equal_one_block(monkeypatch, drop):
         assert blocked[name] == pytest.approx(value, rel=1e-12), name
 
 
+def test_statistics_are_summed_on_a_cuda_device_among_the_tensors_and_else_on_the_cpu():
+    from pytest_layerparity.compare.floor import statistics_device
+
+    assert statistics_device("cpu", "cuda:1", "cuda:0") == torch.device("cuda:1")
+    assert statistics_device("xla:0", "cpu") == torch.device("cpu")  # a graph per block there: the CPU
+    assert statistics_device("mps") == statistics_device() == torch.device("cpu")  # no float64 there
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("golden_on", ["cuda", "cpu"])
 def test_floor_stats_of_cuda_tensors_are_taken_there_and_equal_the_cpus(monkeypatch, golden_on):
