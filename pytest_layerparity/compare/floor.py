@@ -92,6 +92,13 @@ def token_mask(rows: int, left_out: Iterable[int]) -> torch.Tensor | None:
 BLOCK_ELEMENTS = 1 << 18
 
 
+def row_blocks(rows: torch.Tensor, elements: int) -> list[slice]:
+    """Blocks of the rows of ``rows`` [n, width], each at most ``elements`` elements (at least
+    one row): what a statistic takes at a time."""
+    step = max(1, elements // max(1, rows.shape[-1]))
+    return [slice(start, start + step) for start in range(0, rows.shape[0], step)]
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x = x.detach()
     return x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
@@ -188,10 +195,8 @@ def _sums(
     if keep_tokens is not None:
         keep_tokens = keep_tokens.to(device)
     sums = _Sums([], [])
-    step = max(1, BLOCK_ELEMENTS // max(1, g.shape[-1]))
     kept = 0
-    for start in range(0, g.shape[0], step):
-        block = slice(start, start + step)
+    for block in row_blocks(g, BLOCK_ELEMENTS):
         rows = keep_tokens[block] if keep_tokens is not None else None
         wide = [None if a is None else _wide(a[block], device, rows) for a in (g, t, r, x)]
         kept += wide[0].shape[0]

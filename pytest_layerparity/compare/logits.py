@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from .envelope import _mean_sd, t_quantile
+from .floor import row_blocks
 from .verdict import Check
 
 TOPK_IDS = "topk_ids"
@@ -66,8 +67,7 @@ BLOCK_ELEMENTS = 1 << 22
 def _position_blocks(logits: torch.Tensor) -> tuple[torch.Tensor, list[slice]]:
     """``logits`` as rows [positions, vocab] and the blocks of rows to take at a time."""
     rows = logits.detach().reshape(-1, logits.shape[-1])
-    step = max(1, BLOCK_ELEMENTS // max(rows.shape[-1], 1))
-    return rows, [slice(start, start + step) for start in range(0, rows.shape[0], step)]
+    return rows, row_blocks(rows, BLOCK_ELEMENTS)
 
 
 def compact_logits(logits: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
