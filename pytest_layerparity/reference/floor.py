@@ -199,17 +199,14 @@ class FloorEvaluator:
             def again() -> torch.Tensor:
                 return forward()[0]
 
-            for name, move in (
-                (TEMPERATURE_BRANCH, lambda: temperature_direction(again, out, MAX_BRANCH_OUTPUT_COSINE)),
-                (
-                    NORM_EPSILON_BRANCH,
-                    lambda: norm_epsilon_direction(layer, hidden_in, again, out, MAX_BRANCH_OUTPUT_COSINE),
-                ),
-            ):
-                direction = move()
+            def keep(name: str, direction: torch.Tensor | None) -> None:
+                """A direction stored in the golden's dtype; the floor's copy goes with the call
+                (one at a time)."""
                 if direction is not None:
                     found[BRANCH_PREFIX + name] = direction.to("cpu", self.golden_dtype)
-                del direction  # one direction in the floor's dtype at a time
+
+            keep(TEMPERATURE_BRANCH, temperature_direction(again, out, MAX_BRANCH_OUTPUT_COSINE))
+            keep(NORM_EPSILON_BRANCH, norm_epsilon_direction(layer, hidden_in, again, out, MAX_BRANCH_OUTPUT_COSINE))
         appended = appended_kv(args, kwargs, spec, upcast) if extras else None
         if appended is not None:
             found[FLOOR_NEW_KEYS], found[FLOOR_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)
