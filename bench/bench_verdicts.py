@@ -32,6 +32,12 @@ the planted layer's decode steps. Then the sensitivity sweep (the smallest scale
 attention output projection that fails, per dtype, on the prompt test and on the decode
 steps) and the choice of K (the spread of the limits over K, and the extraction time with
 the envelope against a plain forward).
+
+The generated models are 64 wide (a decode step's row: 64 elements); ``--hidden-size 512``
+(a multiple of 128) widens every generated model, heads of 64: the same cases at a width
+nearer a real model's, whose every statistic has that many more elements. The sweep prints
+beside it what each scale leaves in the weights stored in the dtype (a bfloat16 weight
+scaled by 0.1% rounds back to itself).
 """
 
 from __future__ import annotations
@@ -83,16 +89,16 @@ DECODE_STEPS = 2
 # -- models -------------------------------------------------------------------------------------
 
 
-def generated_bert(out: Path, layers: int) -> Path:
+def generated_bert(out: Path, layers: int, hidden: int = 64) -> Path:
     from make_default_model import realistic_
     from transformers import BertConfig, BertModel
 
     config = BertConfig(
         vocab_size=1024,
-        hidden_size=64,
+        hidden_size=hidden,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        intermediate_size=256,
+        num_attention_heads=4 if hidden == 64 else hidden // 64,
+        intermediate_size=4 * hidden,
         max_position_embeddings=128,
     )
     torch.manual_seed(0)
@@ -116,12 +122,41 @@ def trained_minilm() -> Path | None:
 MODEL_GROUPS = (*DECODERS, "bert", "minilm")
 
 
-def models(work: Path, layers: int, only: tuple[str, ...] = MODEL_GROUPS) -> list[tuple[str, Path, dict]]:
+def widths(kind: str, hidden: int) -> dict:
+    """Config overrides that widen a generated model to ``hidden`` (64: the models as they are):
+    heads of 64 (rotary dimensions scaled with them), half as many key/value heads, every
+    MLP and expert as many times wider as the model."""
+    from tiny_models import ARCHITECTURES
+
+    if hidden == 64:
+        return {}
+    _, config = ARCHITECTURES[kind]
+    heads = hidden // 64
+    out = {"hidden_size": hidden, "num_attention_heads": heads}
+    if "head_dim" in config:
+        out["head_dim"] = 64
+        out["rotary_dim"] = config["rotary_dim"] * 64 // config["head_dim"] if "rotary_dim" in config else None
+    if "num_key_value_heads" in config:
+        grouped = config["num_key_value_heads"] < config["num_attention_heads"]
+        out["num_key_value_heads"] = max(1, heads // 2) if grouped else heads
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        if key in config:
+            out[key] = config[key] * hidden // 64
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def models(
+    work: Path, layers: int, only: tuple[str, ...] = MODEL_GROUPS, hidden: int = 64
+) -> list[tuple[str, Path, dict]]:
     from tiny_models import make
 
-    out = [(kind, make(kind, work / kind, num_layers=layers), {}) for kind in DECODERS if kind in only]
+    out = [
+        (kind, make(kind, work / kind, num_layers=layers, **widths(kind, hidden)), {})
+        for kind in DECODERS
+        if kind in only
+    ]
     if "bert" in only:
-        out.append(("bert", generated_bert(work / "bert", layers), {"layer_module": "encoder.layer"}))
+        out.append(("bert", generated_bert(work / "bert", layers, hidden), {"layer_module": "encoder.layer"}))
     minilm = trained_minilm() if "minilm" in only else False
     if minilm is False:
         return out
@@ -458,6 +493,20 @@ def one_token_temperature(scale):
 DECODE_BUGS = {"softmax temperature x1.3, one-token path only": (one_token_temperature(1.3), "decode path")}
 
 
+#: The scales of the sensitivity sweep, less one.
+SWEEP = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+
+
+def carried_scales(model, store, extra, at, dtype):
+    """What each scale of the sweep leaves of itself in layer ``at``'s attention output
+    projection stored in ``dtype``, as (scale, the weights' scale after rounding): a bfloat16
+    weight scaled by less than about a quarter of its ulp (0.1-0.2%) rounds back to itself."""
+    probe = session(model, store, extra, target="cpu", experts_implementation="eager")
+    weight = _out_proj(probe.model.load_layer(at, getattr(torch, dtype))).weight.detach()
+    wide = weight.double()
+    return [(eps, float((weight * (1 + eps)).double().mul(wide).sum() / wide.square().sum()) - 1) for eps in SWEEP]
+
+
 def scaled_out_proj(scale):
     def plant(layer, config):
         proj = _out_proj(layer)
@@ -566,6 +615,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="layers of each generated model")
     parser.add_argument("--samples", type=int, default=12, help="K, perturbed runs per layer")
     parser.add_argument("--seq-len", type=int, default=32, help="prompt tokens of the goldens (default 32)")
+    parser.add_argument(
+        "--hidden-size",
+        type=int,
+        default=64,
+        help="width of the generated models (default 64; a multiple of 128 widens them with heads of 64)",
+    )
     parser.add_argument("--dtypes", default="bfloat16,float32,float16")
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--skip-k", action="store_true", help="leave out the choice of K")
@@ -595,6 +650,8 @@ def main() -> None:
     )
     parser.add_argument("--tallies-out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.hidden_size != 64 and (args.hidden_size < 128 or args.hidden_size % 128):
+        parser.error(f"--hidden-size {args.hidden_size}: 64, or a multiple of 128")
     label = target_label(args.port_target)
     started = time.time()
     groups = tuple(g for g in MODEL_GROUPS if not args.models or g in args.models.split(","))
@@ -627,12 +684,13 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         "misses": [],
         "alarms": [],
         "sweep": {},
+        "carried": {},
         "timing": [],
         "reach": [],
         "no_effect": [],
     }
     passed = [f"--layers={args.layers}", f"--samples={args.samples}", f"--dtypes={args.dtypes}"]
-    passed += [f"--seq-len={args.seq_len}"]
+    passed += [f"--seq-len={args.seq_len}", f"--hidden-size={args.hidden_size}"]
     passed += [f"--golden-device={args.golden_device}", f"--port-target={args.port_target}"]
     passed += [flag for flag, on in (("--skip-sweep", args.skip_sweep), ("--bug-chains", args.bug_chains)) if on]
     passed += [f"--envelope-seed={args.envelope_seed}"] if args.envelope_seed is not None else []
@@ -647,6 +705,8 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
                 merged[key] += part[key]
             for dtype, per_model in part["sweep"].items():
                 merged["sweep"].setdefault(dtype, {}).update(per_model)
+            for dtype, scales in part["carried"].items():
+                merged["carried"].setdefault(dtype, scales)
     return merged
 
 
@@ -675,15 +735,16 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     by_dtype = defaultdict(lambda: [0, 0])  # (dtype, held-out bug kind) -> [bugs, caught]
     chained = defaultdict(lambda: [0, 0, 0])  # the same -> [bugs, chain failed, first failing layer the planted one]
     misses, alarms, sweep = [], [], defaultdict(dict)
+    carried = {}  # per dtype: what each scale of the sweep leaves in the weights (the first model's)
     no_effect = set()  # planted changes that move no float64 output: left out
     reach = []  # (dtype, kind, the runs' largest noise_ratio, the correct port's, the runs' median or None)
 
     def tally(key, outcome, what, golden=None):
-        """One correct-port test: counted, and a false alarm where it failed; for a torch-xla
-        port, how far the envelope's runs reached against what the port shows (and where the
+        """One correct-port test: counted, and a false alarm where it failed; for a port on the
+        target (torch-xla, CUDA), how far the envelope's runs reached against what the port shows (and where the
         golden ``golden`` of the store holds the runs, their median)."""
         kind = key[1]
-        if outcome.envelope is not None and outcome.floor is not None and "torch-xla" in kind:
+        if outcome.envelope is not None and outcome.floor is not None and "computed wider" not in kind:
             held = Envelope.from_metadata(GoldenStore(store).load(golden).metadata.get("envelope")) if golden else None
             reach.append(
                 [
@@ -700,7 +761,7 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             alarms.append(what)
 
     timing = []
-    for name, model, extra in models(work, args.layers, groups):
+    for name, model, extra in models(work, args.layers, groups, args.hidden_size):
         split = (
             "calibration"
             if name in CALIBRATION_MODELS
@@ -783,7 +844,9 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
                 effect = float64_effect(model, store, extra, scaled_out_proj(1.05), mid)
                 if effect < NO_EFFECT:
                     no_effect.add(f"{name} sensitivity sweep (o_proj x1.05: float64 output moved by {effect:.1e})")
-                for eps in (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05) if effect >= NO_EFFECT else ():
+                if effect >= NO_EFFECT and dtype not in carried:
+                    carried[dtype] = carried_scales(model, store, extra, mid, dtype)
+                for eps in SWEEP if effect >= NO_EFFECT else ():
                     outcome = session(model, store, extra, planted(scaled_out_proj(1 + eps), mid), target=target)
                     sweep[dtype].setdefault(name, []).append((eps, not outcome.parity_layer(mid).passed))
                     if steps:
@@ -799,6 +862,7 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         "misses": misses,
         "alarms": alarms,
         "sweep": sweep,
+        "carried": carried,
         "timing": timing,
         "reach": reach,
         "no_effect": sorted(no_effect),
@@ -854,9 +918,14 @@ def report(tallies: dict, args: argparse.Namespace, label: str, elapsed: float) 
                     f"  {dtype:<9} {name:<12} {f'{smallest:.2%}' if smallest else 'none up to 5%':>8}  "
                     + " ".join(f"{eps:.2%}:{'caught' if hit else 'missed'}" for eps, hit in rows)
                 )
+            if dtype in tallies.get("carried", {}):
+                print(
+                    f"  {dtype:<9} the scale its weights carry (the projection scaled and stored in {dtype}): "
+                    + " ".join(f"{eps:.2%}->{kept:.2%}" for eps, kept in tallies["carried"][dtype])
+                )
     if tallies.get("reach"):
         print(
-            "\nthe envelope's reach against real correct ports (torch-xla): per test, the largest noise_ratio of the"
+            f"\nthe envelope's reach against real correct ports ({label}): per test, the largest noise_ratio of the"
             " perturbed runs over the port's own, and their median over it (a chain's runs are not stored);"
             " quartiles, and the largest correct port's noise_ratio"
         )

@@ -6,7 +6,8 @@
 # DIR`), each pytest run's JUnit XML beside them, a cProfile of a batched extraction in
 # $OUT/extract.prof.
 #   bash bench/gpu_checks.sh [seconds for all of it, default 500] [the verdict bench's dtypes,
-#       default bfloat16 (173 s on an H200; all three took 262 s)]
+#       default bfloat16 (173 s on an H200; all three took 262 s)] [the verdict bench's
+#       --hidden-size, default 64 (512 with five models: 91 s for bfloat16 on an H200)]
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
@@ -49,8 +50,8 @@ step "CUDA unit tests (TF32 wide matmuls, metrics, decode steps)"
 within 60 python3 -m pytest -q "${PLUGIN[@]}" tests/unit/test_perturb.py tests/unit/test_metrics.py \
     tests/unit/test_step_inputs.py -k "tf32 or cuda"
 
-step "bench_verdicts: goldens on the CPU, correct ports and planted bugs on CUDA, ${2:-bfloat16}"
+step "bench_verdicts: goldens on the CPU, correct ports and planted bugs on CUDA, ${2:-bfloat16}, width ${3:-64}"
 within 600 python3 bench/bench_verdicts.py --golden-device cpu --port-target cuda \
-    --dtypes "${2:-bfloat16}" --skip-k --skip-sweep
+    --dtypes "${2:-bfloat16}" --hidden-size "${3:-64}" --skip-k --skip-sweep
 step done
 } 2>&1 | tee "$OUT/log"
