@@ -42,7 +42,8 @@ which results a correct port's kernels legitimately give):
 * in half the runs, every float16 layer norm is computed in float16 itself
   (``OWN_DTYPE_NORMS``, :func:`layer_norm_in_own_dtype`): its statistics rounded to float16,
   an error shared by the row, as XLA's lowering to a batch norm in the operand's type
-  computes it; in half the runs (drawn apart), every 16-bit matmul with a bias rounds its
+  computes it, and its rows leaning by one scale drawn for the run
+  (``OWN_DTYPE_NORM_LEAN``); in half the runs (drawn apart), every 16-bit matmul with a bias rounds its
   product before adding the bias (``PRODUCT_ROUNDED_ADDMM``), as XLA's dot-then-add does (a
   systematic lean of that double rounding included). A backend lowers all such ops one way,
   so a run takes an alternative for all of them or for none;
@@ -76,6 +77,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .algorithms import (
     DECOMPOSED_OPS,
+    OWN_DTYPE_NORM_LEAN,
     OWN_DTYPE_NORMS,
     PRODUCT_ROUNDED_ADDMM,
     VARIANCE_OPS,
@@ -252,10 +254,20 @@ class PerturbedArithmetic(TorchDispatchMode):
                 return decomposition(*args, **kwargs)
 
         def own() -> Any:
+            lean = self._per_run(args[0], OWN_DTYPE_NORM_LEAN * _UNIT_ROUNDOFF[args[0].dtype])
             with self:
-                return layer_norm_in_own_dtype(*args, **kwargs)
+                return layer_norm_in_own_dtype(*args, **kwargs, lean=lean)
 
         return self._drawn(args, OWN_DTYPE_NORMS, own, standard)
+
+    def _per_run(self, x: torch.Tensor, size: float) -> torch.Tensor:
+        """A number drawn from U(-size, size) for each of the stacked runs (float32), one per
+        row of ``x``'s first dimension, shaped to broadcast over ``x``."""
+        draws = (torch.rand(self.samples, generator=self._generator(x.device), device=x.device) * 2 - 1) * size
+        rows = x.shape[0] if x.dim() else 1
+        each = rows // self.samples if rows % self.samples == 0 else None
+        per_row = draws.repeat_interleave(each) if each else draws[:1].expand(rows)
+        return per_row.view(-1, *([1] * (x.dim() - 1)))
 
     def _addmm(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A 16-bit matmul with a bias as one kernel rounds it (once), or (drawn) with its

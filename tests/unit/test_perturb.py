@@ -554,6 +554,48 @@ def test_layer_norm_in_own_dtype_takes_one_pass_statistics_summed_in_float16():
     assert _pairwise_sum(odd).tolist() == [21.0, 21.0, 21.0]  # an odd element out is carried
 
 
+def test_layer_norm_in_own_dtype_leans_by_the_scale_it_is_given():
+    """A lean far under one float16 ulp still moves the rows' mean scale by itself: each
+    normalised value is scaled before it is rounded, so over many values the roundings carry
+    it; without a lean the emulation leans by less than 0.05 units."""
+    from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4096, 64, generator=gen).half()
+    exact = torch.nn.functional.layer_norm(x.double(), (64,), eps=1e-5)
+    plain, _, _ = layer_norm_in_own_dtype(x, (64,), None, None, 1e-5)
+    lean = torch.tensor(0.3 * 2**-11)
+    leaning, _, _ = layer_norm_in_own_dtype(x, (64,), None, None, 1e-5, lean=lean)
+    base = _row_scale_error(plain.double(), exact).mean().item() * 2**11
+    moved = _row_scale_error(leaning.double(), exact).mean().item() * 2**11
+    assert abs(base) < 0.05
+    assert 0.2 < moved - base < 0.4
+
+
+def test_a_float16_layer_norm_in_its_own_dtype_leans_one_way_per_run():
+    """The runs that compute a float16 layer norm in float16 each lean by one scale drawn for
+    the run (a backend lowers every norm one way), within OWN_DTYPE_NORM_LEAN units; the runs
+    differ."""
+    from pytest_layerparity.reference.algorithms import OWN_DTYPE_NORM_LEAN
+
+    mode = _AlwaysOther(seed=5, samples=4)
+    x = torch.zeros(8, 3, 16, dtype=torch.float16)
+    lean = mode._per_run(x, OWN_DTYPE_NORM_LEAN * 2**-11)
+    assert lean.shape == (8, 1, 1) and lean.dtype == torch.float32
+    runs = lean.view(4, 2)
+    assert torch.equal(runs[:, 0], runs[:, 1])  # a run's rows share its draw
+    assert len(set(runs[:, 0].tolist())) == 4
+    assert lean.abs().max().item() <= OWN_DTYPE_NORM_LEAN * 2**-11
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randn(4 * 2048, 64, generator=gen).half()
+    with mode:
+        y = torch.nn.functional.layer_norm(rows, (64,), None, None, 1e-5)
+    exact = torch.nn.functional.layer_norm(rows.double(), (64,), eps=1e-5)
+    pairs = zip(y.view(4, 2048, 64), exact.view(4, 2048, 64), strict=True)
+    leans = [_row_scale_error(r, e).mean().item() * 2**11 for r, e in pairs]
+    assert max(leans) - min(leans) > 0.05, leans  # the runs lean apart
+
+
 class _AlwaysOther(PerturbedArithmetic):
     """The perturbation with every drawn alternative taken (to test the alternatives)."""
 
