@@ -77,7 +77,8 @@ def layer_norm_in_own_dtype(
     """``native_layer_norm`` computed in ``x``'s dtype as XLA's batch-norm expansion computes
     it: the mean and E[x^2] each summed pairwise in that dtype, the variance their
     difference (at least 0), then 1/std, the normalised values, the scale and the shift, each
-    op's result in that dtype. ``lean`` (float32, broadcast over the rows): each row's
+    op's result in that dtype; a row whose sums pass the dtype's range takes its statistics
+    from float32 sums. ``lean`` (float32, broadcast over the rows): each row's
     normalised values scaled by ``1 + lean`` before they are rounded (a kernel that leans,
     ``OWN_DTYPE_NORM_LEAN``). The returned mean and 1/std take the dtypes torch's own
     decomposition gives them."""
@@ -87,6 +88,14 @@ def layer_norm_in_own_dtype(
     square = (_pairwise_sum(rows * rows) / count).reshape(mean.shape)
     var = (square - mean * mean).clamp_min(0)
     rstd = torch.rsqrt(var + eps)
+    overflow = ~(torch.isfinite(mean) & torch.isfinite(square))
+    if bool(overflow.any()):
+        # a sum past the dtype's range is no rounding (float16: a row of 2048 whose rms is 6
+        # reaches 65504): such rows' statistics as a kernel that sums wider gives them
+        wide = rows.float()
+        mean = torch.where(overflow, wide.mean(-1).reshape(mean.shape).to(x.dtype), mean)
+        wide_var = wide.var(-1, unbiased=False).reshape(mean.shape)
+        rstd = torch.where(overflow, torch.rsqrt(wide_var + eps).to(x.dtype), rstd)
     out = (x - mean) * rstd if lean is None else ((x - mean).float() * rstd.float() * (1 + lean)).to(x.dtype)
     if weight is not None:
         out = out * weight

@@ -554,6 +554,25 @@ def test_layer_norm_in_own_dtype_takes_one_pass_statistics_summed_in_float16():
     assert _pairwise_sum(odd).tolist() == [21.0, 21.0, 21.0]  # an odd element out is carried
 
 
+def test_layer_norm_in_own_dtype_keeps_rows_whose_float16_sums_overflow():
+    """A row of 2048 whose rms is 8 sums its squares past float16's range (65504): its
+    statistics come from wider sums, not a 1/std of 0 that zeroes the row (half the runs of
+    such a layer were garbage, and its envelope as wide as garbage); rows within range keep
+    their float16 statistics."""
+    from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 2048, generator=gen)
+    x[:2] *= 8
+    x = x.half()
+    out, _, rstd = layer_norm_in_own_dtype(x, (2048,), None, None, 1e-5)
+    ref = torch.nn.functional.layer_norm(x.double(), (2048,), eps=1e-5)
+    assert torch.isfinite(out).all() and torch.isfinite(rstd).all() and (rstd > 0).all()
+    err = ((out.double() - ref).norm(dim=-1) / ref.norm(dim=-1)).tolist()
+    assert max(err) < 2e-3, err
+    assert torch.isinf((x[:2].float() ** 2).sum(-1).half()).all()  # the rows that overflow
+
+
 def test_layer_norm_in_own_dtype_leans_by_the_scale_it_is_given():
     """A lean far under one float16 ulp still moves the rows' mean scale by itself: each
     normalised value is scaled before it is rounded, so over many values the roundings carry
