@@ -46,9 +46,10 @@ VARIANCE_OPS = frozenset({torch.ops.aten.var_mean, torch.ops.aten.var})
 #: accumulation.
 OWN_DTYPE_NORMS = frozenset({torch.float16})
 #: How far such a layer norm may lean beyond what its float16 statistics give: a run that
-#: computes them in float16 scales every row's normalised values by one factor 1 + s * 2^-11,
-#: s drawn from U(-OWN_DTYPE_NORM_LEAN, OWN_DTYPE_NORM_LEAN) for the run (a kernel's
-#: systematic lean: a backend lowers every norm one way). torch-xla's CPU float16 LayerNorm
+#: computes them in float16 scales all the rows of each norm call by one factor 1 + s * 2^-11,
+#: s drawn from U(-OWN_DTYPE_NORM_LEAN, OWN_DTYPE_NORM_LEAN) for the call and run (a kernel's
+#: lean over a call's rows; which way depends on the rows: torch-xla leaned on BERT's two
+#: norms of one layer in opposite directions). torch-xla's CPU float16 LayerNorm
 #: on random rows (widths 64, 512 and 1024; means 0, 0.5 and 2 times the spread; 2048 rows
 #: each) leans by its rows' mean scale -0.55 to +0.15 float16 units, these statistics
 #: -0.50 to +0.02: -0.17 to +0.18 beyond them, from which the range is set (on a trained

@@ -42,11 +42,11 @@ which results a correct port's kernels legitimately give):
 * in half the runs, every float16 layer norm is computed in float16 itself
   (``OWN_DTYPE_NORMS``, :func:`layer_norm_in_own_dtype`): its statistics rounded to float16,
   an error shared by the row, as XLA's lowering to a batch norm in the operand's type
-  computes it, and its rows leaning by one scale drawn for the run
-  (``OWN_DTYPE_NORM_LEAN``); in half the runs (drawn apart), every 16-bit matmul with a bias rounds its
-  product before adding the bias (``PRODUCT_ROUNDED_ADDMM``), as XLA's dot-then-add does (a
-  systematic lean of that double rounding included). A backend lowers all such ops one way,
-  so a run takes an alternative for all of them or for none;
+  computes it, all the rows of a call leaning by one scale drawn for it
+  (``OWN_DTYPE_NORM_LEAN``); in half the runs (drawn apart), every 16-bit matmul with a
+  bias rounds its product before adding the bias (``PRODUCT_ROUNDED_ADDMM``), as XLA's
+  dot-then-add does (a systematic lean of that double rounding included). A backend lowers
+  all such ops one way, so a run takes an alternative for all of them or for none;
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
   (``SIXTEEN_BIT_ACCUMULATION``): tensor cores' float16-accumulate mode, cuBLAS's reduced-precision
   reductions (on by default in PyTorch), XLA's CPU backend (its float16 dot measured 12 times
