@@ -73,12 +73,16 @@ def call_tokens(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) ->
     (what its memory grows with)."""
     hidden = tensors[hidden_input_name(spec)]
     tokens = hidden.numel() // max(hidden.shape[-1], 1) if hidden.dim() else 1
-    cache = call_cache_node(spec)
-    for entry in entry_nodes(cache) if cache is not None else ():
-        if "keys" in entry:
-            keys = tensors[entry["keys"]]
-            tokens += keys.shape[0] * keys.shape[-2] if keys.dim() >= 2 else 0
+    for keys_name, _ in _past(spec):
+        keys = tensors[keys_name]
+        tokens += keys.shape[0] * keys.shape[-2] if keys.dim() >= 2 else 0
     return tokens
+
+
+def _past(spec: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The names of the past keys and values of each cache entry a stored call holds."""
+    cache = call_cache_node(spec)
+    return [(e["keys"], e["values"]) for e in (entry_nodes(cache) if cache is not None else ()) if "keys" in e]
 
 
 def stacked_call(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
@@ -88,10 +92,8 @@ def stacked_call(spec: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], n
     ``cache_position`` is positions, not a batch)."""
     batch = tensors[hidden_input_name(spec)].shape[0]
     names = set(tensor_names({"args": spec["args"], "kwargs": spec["kwargs"]}))
-    cache = call_cache_node(spec)
-    for entry in entry_nodes(cache) if cache is not None else ():
-        if "keys" in entry:
-            names |= {entry["keys"], entry["values"]}
+    for past in _past(spec):
+        names |= set(past)
     out = dict(tensors)
     for name in names:
         t = tensors[name]
