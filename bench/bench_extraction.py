@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "fixtures"))
 
 import torch
+from scratch import work_folder
 
 from pytest_layerparity.options import make_settings
 from pytest_layerparity.session import LayerParitySession
@@ -140,7 +140,7 @@ def main() -> None:
         perturb.exact_fast_matmul = lambda *_: contextlib.nullcontext()
     from tiny_models import make
 
-    work = Path(tempfile.mkdtemp(prefix="bench-extract-"))
+    work = work_folder("bench-extract-")
     model = make("llama", work / "model", num_layers=args.layers, shard_size="200MB", **WIDTH)
     size = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9
     ids = torch.randint(0, WIDTH["vocab_size"], (1, args.seq_len), generator=torch.Generator().manual_seed(0))

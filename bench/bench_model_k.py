@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import bench_verdicts as bv
 import torch
+from scratch import work_folder
 
 from pytest_layerparity.compare import logits as logits_module
 from pytest_layerparity.compare.logits import ModelEnvelope
@@ -148,7 +148,7 @@ def main() -> None:
     if args.embedded_seeds:
         embedded_seeds(ks, args.embedded_seeds)
         return
-    work = Path(tempfile.mkdtemp(prefix="model-k-"))
+    work = work_folder("model-k-")
     started = time.time()
     both = [*ks, *(-k for k in ks)]  # -K: the same envelope without the logit scale (the KL alone)
     alarms = {k: [] for k in both}

@@ -37,7 +37,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_verdicts as bv
 import torch
+from scratch import work_folder
 
 from pytest_layerparity.compare.envelope import t_quantile
 from pytest_layerparity.compare.floor import FLOOR_KEY, branch_directions
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--skip-sweep", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    work = Path(tempfile.mkdtemp(prefix="oracle-"))
+    work = work_folder("oracle-")
     rows, sweeps = [], []
     groups = tuple(args.models.split(","))
     for name, model, extra in bv.models(work, args.layers, groups):

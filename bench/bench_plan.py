@@ -30,7 +30,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,6 +37,8 @@ from bench_streaming import measure, pytest_args
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "fixtures"))
+from scratch import work_folder
+
 #: The checkpoints: MiniMax-M2's shape is the one the plan was built against (calibration);
 #: Qwen3-MoE and Llama were run while it was built (what they showed is in bench/README.md);
 #: Mixtral only once the plan was final (evaluation); OLMoE never before the plan counted the
@@ -225,8 +226,7 @@ def main() -> None:
         "--envelope-samples", type=int, default=2, help="perturbed runs per layer (the plugin's default is 12)"
     )
     opts = parser.parse_args()
-    work = opts.work or Path(tempfile.mkdtemp(prefix="bench-plan-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder("bench-plan-", opts.work)
     model = checkpoint(work, opts.model_type)
     miniature = checkpoint(work, opts.model_type, miniature=True)
     size = sum(p.stat().st_size for p in model.glob("*.safetensors")) / 1e9

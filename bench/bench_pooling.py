@@ -18,7 +18,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_verdicts as bv
 import torch
+from scratch import work_folder
 
 from pytest_layerparity.compare.floor import FLOOR_KEY
 from pytest_layerparity.reference.envelope import PerturbedRunner
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=24)
     parser.add_argument("--seq-len", type=int, default=32)
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="pooling-"))
+    work = work_folder("pooling-")
     half = args.runs // 2
     for name, model, extra in bv.models(work, 4, tuple(args.models.split(","))):
         for dtype in args.dtypes.split(","):

@@ -18,12 +18,13 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "fixtures"))
+from scratch import work_folder
+
 WIDTH = {
     "hidden_size": 1024,
     "intermediate_size": 5632,
@@ -70,8 +71,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--seq-len", default="128")
     opts = parser.parse_args()
-    work = opts.work or Path(tempfile.mkdtemp(prefix="bench-streaming-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = work_folder("bench-streaming-", opts.work)
     model16 = checkpoint(work, 16)
     size = sum(p.stat().st_size for p in model16.glob("*.safetensors")) / 1e9
     layer = sum(p.stat().st_size for p in model16.glob("*.safetensors"))  # refined below

@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "fixtures"))
 
 import torch
+from scratch import work_folder
 
 from pytest_layerparity.compare.envelope import Envelope
 from pytest_layerparity.options import make_settings
@@ -664,7 +665,7 @@ def main() -> None:
         tallies = run_in_processes(args, groups)
     report(tallies, args, label, time.time() - started)
     if not args.skip_k:
-        choose_k(Path(tempfile.mkdtemp(prefix="verdicts-k-")), args.golden_device)
+        choose_k(work_folder("verdicts-k-"), args.golden_device)
 
 
 def target_label(target: str) -> str:
@@ -698,7 +699,14 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         for group in groups:
             out = Path(folder) / f"{group}.json"
             command = [sys.executable, __file__, *passed, f"--models={group}", f"--tallies-out={out}"]
-            if subprocess.run(command, check=False).returncode != 0 or not out.exists():
+            child = subprocess.Popen(command)
+            try:
+                code = child.wait()
+            finally:  # stopped: the child too, with a signal that lets it remove its work folder
+                if child.poll() is None:
+                    child.terminate()
+                    child.wait()
+            if code != 0 or not out.exists():
                 raise SystemExit(f"the {group} cases failed: {' '.join(command)}")
             part = json.loads(out.read_text())
             for key in ("correct", "caught", "by_dtype", "chained", "misses", "alarms", "timing", "reach", "no_effect"):
@@ -728,7 +736,7 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     target = args.port_target
     label = target_label(target)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    work = Path(tempfile.mkdtemp(prefix="verdicts-"))
+    work = work_folder("verdicts-")
     started = time.time()
     correct = defaultdict(lambda: [0, 0])  # (split, kind) -> [tests, false alarms]
     caught = defaultdict(lambda: [0, 0])  # (split of the model, split of the bug kind) -> [bugs, caught]
