@@ -49,7 +49,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -608,7 +607,12 @@ def planted(plant, at):
 
 
 def failing(outcome):
-    return ", ".join(f"{c.name} {c.value:.3g}" for c in outcome.checks if not c.ok)
+    """The checks a test failed, each with its limits."""
+
+    def limits(c) -> str:
+        return f"[{c.low:.3g}, {c.limit:.3g}]" if c.low is not None else f"{c.op} {c.limit:.3g}"
+
+    return ", ".join(f"{c.name} {c.value:.3g} ({limits(c)})" for c in outcome.checks if not c.ok)
 
 
 def main() -> None:
@@ -695,26 +699,26 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     passed += [f"--golden-device={args.golden_device}", f"--port-target={args.port_target}"]
     passed += [flag for flag, on in (("--skip-sweep", args.skip_sweep), ("--bug-chains", args.bug_chains)) if on]
     passed += [f"--envelope-seed={args.envelope_seed}"] if args.envelope_seed is not None else []
-    with tempfile.TemporaryDirectory(prefix="verdicts-tallies-") as folder:
-        for group in groups:
-            out = Path(folder) / f"{group}.json"
-            command = [sys.executable, __file__, *passed, f"--models={group}", f"--tallies-out={out}"]
-            child = subprocess.Popen(command)
-            try:
-                code = child.wait()
-            finally:  # stopped: the child too, with a signal that lets it remove its work folder
-                if child.poll() is None:
-                    child.terminate()
-                    child.wait()
-            if code != 0 or not out.exists():
-                raise SystemExit(f"the {group} cases failed: {' '.join(command)}")
-            part = json.loads(out.read_text())
-            for key in ("correct", "caught", "by_dtype", "chained", "misses", "alarms", "timing", "reach", "no_effect"):
-                merged[key] += part[key]
-            for dtype, per_model in part["sweep"].items():
-                merged["sweep"].setdefault(dtype, {}).update(per_model)
-            for dtype, scales in part["carried"].items():
-                merged["carried"].setdefault(dtype, scales)
+    folder = work_folder("verdicts-tallies-")  # removed at exit, stopped or not (its SIGTERM handled)
+    for group in groups:
+        out = Path(folder) / f"{group}.json"
+        command = [sys.executable, __file__, *passed, f"--models={group}", f"--tallies-out={out}"]
+        child = subprocess.Popen(command)
+        try:
+            code = child.wait()
+        finally:  # stopped: the child too, with a signal that lets it remove its work folder
+            if child.poll() is None:
+                child.terminate()
+                child.wait()
+        if code != 0 or not out.exists():
+            raise SystemExit(f"the {group} cases failed: {' '.join(command)}")
+        part = json.loads(out.read_text())
+        for key in ("correct", "caught", "by_dtype", "chained", "misses", "alarms", "timing", "reach", "no_effect"):
+            merged[key] += part[key]
+        for dtype, per_model in part["sweep"].items():
+            merged["sweep"].setdefault(dtype, {}).update(per_model)
+        for dtype, scales in part["carried"].items():
+            merged["carried"].setdefault(dtype, scales)
     return merged
 
 
