@@ -573,6 +573,41 @@ def test_layer_norm_in_own_dtype_keeps_rows_whose_float16_sums_overflow():
     assert torch.isinf((x[:2].float() ** 2).sum(-1).half()).all()  # the rows that overflow
 
 
+def test_layer_norm_in_own_dtype_takes_the_mean_with_one_over_the_width_rounded():
+    """As XLA's batch-norm expansion: the sums are multiplied by 1/width in float16, which is
+    not exact at a width that is not a power of two (768: 1/768 is 0.5 float16 units low),
+    so the variance comes out that much low on centred rows and every row leans the other way
+    by about a quarter unit (torch-xla's float16 LayerNorm of width 768 reads +0.3); a sum
+    divided by the width leans by under 0.1."""
+    from pytest_layerparity.reference.algorithms import _pairwise_sum, layer_norm_in_own_dtype
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2048, 768, generator=gen).half()
+    out, mean, _ = layer_norm_in_own_dtype(x, (768,), None, None, 1e-5)
+    inverse = torch.tensor(1 / 768, dtype=torch.float16)
+    assert torch.equal(mean.reshape(-1), _pairwise_sum(x) * inverse)
+    exact = torch.nn.functional.layer_norm(x.double(), (768,), eps=1e-5)
+    lean = _row_scale_error(out.double(), exact).mean().item() * 2**11
+    assert 0.15 < lean < 0.4, lean
+
+
+def test_a_float16_reciprocal_square_root_rounds_as_xla_even_in_a_perturbed_run():
+    """XLA's float16 rsqrt is a square root and a reciprocal each rounded to float16 (a
+    quarter of the inputs one ulp off the correctly rounded result); a perturbed run keeps it
+    as it rounds, so rows that share a variance keep its error's sign."""
+    from pytest_layerparity.reference.algorithms import reciprocal_sqrt_rounded_twice
+    from pytest_layerparity.reference.perturb import PerturbedArithmetic
+
+    bits = torch.arange(0x3C00, 0x4400, dtype=torch.int32).to(torch.int16)  # every float16 in [1, 4)
+    x = bits.view(torch.float16)
+    plain = reciprocal_sqrt_rounded_twice(x)
+    assert torch.equal(plain, (1 / x.float().sqrt().half().float()).half())
+    assert 0.1 < (plain != torch.rsqrt(x.float()).half()).float().mean().item() < 0.5
+    with PerturbedArithmetic(seed=3):
+        assert torch.equal(reciprocal_sqrt_rounded_twice(x), plain)
+        assert not torch.equal(torch.sqrt(x), torch.sqrt(x.float()).half())  # other ops are perturbed
+
+
 def test_layer_norm_in_own_dtype_leans_by_the_scale_it_is_given():
     """A lean far under one float16 ulp still moves the rows' mean scale by itself: each
     normalised value is scaled before it is rounded, so over many values the roundings carry
