@@ -52,10 +52,11 @@ OWN_DTYPE_NORMS = frozenset({torch.float16})
 #: lean over a call's rows; which way depends on the rows: torch-xla leaned on BERT's two
 #: norms of one layer in opposite directions). torch-xla's CPU float16 LayerNorm on random
 #: rows (``bench/bench_norm_lean.py``; widths 64, 96, 512, 768, 1024, 2560 and 4544; means
-#: 0, 0.5 and 2 times the spread; 2048 rows each) leans -0.16 to +0.29 units beyond these
-#: statistics, from which the range is set; widths held out (192 to 8192) read -0.11 to
+#: 0, 0.5 and 2 times the spread; 2048 rows each) leans -0.06 to +0.17 units beyond these
+#: statistics (at most 0.38 with pairwise sums, 0.96 with 1/count exact and a correctly
+#: rounded rsqrt), from which the range is set; widths held out (192 to 8192) read -0.09 to
 #: +0.13 (bench/README.md).
-OWN_DTYPE_NORM_LEAN = 0.3
+OWN_DTYPE_NORM_LEAN = 0.2
 
 
 def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +69,36 @@ def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
+#: XLA's CPU backend sums a float16 row in windows of this many elements, level by level.
+XLA_REDUCE_WINDOW = 32
+
+
+def _windowed_sum(x: torch.Tensor, one_by_one: bool) -> torch.Tensor:
+    """The sum over ``x``'s last dimension in the order XLA's CPU backend sums a float16 row,
+    each partial sum in ``x``'s dtype: windows of ``XLA_REDUCE_WINDOW`` (the row padded with
+    zeros at both ends to a multiple), each as 16 lanes of two elements, the lanes by halves;
+    the windows' sums likewise, level by level, until 32 or fewer are left, which are added
+    as 16 lanes by halves or (``one_by_one``: its fused sum of squares) one after another.
+    Rows of 64, 512 and 1024 then normalise as torch-xla's float16 LayerNorm does, bit for
+    bit (1000: 99.6% of rows; 96, 768, 2560, 4544: 80-88%, its order there not all known)."""
+    while x.shape[-1] > XLA_REDUCE_WINDOW:
+        pad = -x.shape[-1] % XLA_REDUCE_WINDOW
+        if pad:
+            x = torch.nn.functional.pad(x, (pad // 2, pad - pad // 2))
+        windows = x.reshape(*x.shape[:-1], -1, XLA_REDUCE_WINDOW)
+        half = XLA_REDUCE_WINDOW // 2
+        x = _pairwise_sum(windows[..., :half] + windows[..., half:])
+    if not one_by_one:
+        if x.shape[-1] > 16:  # 16 lanes, the elements past them added to the first ones
+            rest = x.shape[-1] - 16
+            x = torch.cat((x[..., :rest] + x[..., 16:], x[..., rest:16]), dim=-1)
+        return _pairwise_sum(x)
+    total = x[..., 0]
+    for j in range(1, x.shape[-1]):
+        total = total + x[..., j]
+    return total
+
+
 def reciprocal_sqrt_rounded_twice(x: torch.Tensor) -> torch.Tensor:
     """1/sqrt(x) as XLA computes a 16-bit rsqrt: a square root and a reciprocal, each rounded
     to ``x``'s dtype, exactly so even under a dispatch mode (a perturbed run's): its error is
@@ -75,6 +106,24 @@ def reciprocal_sqrt_rounded_twice(x: torch.Tensor) -> torch.Tensor:
     with _disable_current_modes():
         root = torch.sqrt(x.float()).to(x.dtype)
         return torch.reciprocal(root.float()).to(x.dtype)
+
+
+def _statistics(rows: torch.Tensor, count: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and 1/std of each row as XLA's float16 batch-norm expansion computes them
+    (:func:`layer_norm_in_own_dtype`); a row whose sums pass the dtype's range (float16: a
+    row of 2048 whose rms is 6 reaches 65504) takes them from float32 sums, as a kernel that
+    sums wider: an overflow is no rounding."""
+    inverse = torch.tensor(1.0 / count, dtype=rows.dtype, device=rows.device)
+    mean = _windowed_sum(rows, False) * inverse
+    square = _windowed_sum(rows * rows, True) * inverse
+    var = (square - mean * mean).clamp_min(0)
+    rstd = reciprocal_sqrt_rounded_twice(var + torch.tensor(eps, dtype=rows.dtype, device=rows.device))
+    overflow = ~(torch.isfinite(mean) & torch.isfinite(square))
+    if bool(overflow.any()):
+        wide = rows.float()
+        mean = torch.where(overflow, wide.mean(-1).to(rows.dtype), mean)
+        rstd = torch.where(overflow, torch.rsqrt(wide.var(-1, unbiased=False) + eps).to(rows.dtype), rstd)
+    return mean, rstd
 
 
 def layer_norm_in_own_dtype(
@@ -86,34 +135,26 @@ def layer_norm_in_own_dtype(
     lean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``native_layer_norm`` computed in ``x``'s dtype as XLA's batch-norm expansion computes
-    it: the mean and E[x^2] each summed pairwise in that dtype and multiplied by 1/count
-    rounded to it (not exact where count is not a power of two), the variance their
-    difference (at least 0), then 1/std as a square root and a reciprocal each rounded to the
-    dtype, the normalised values, the scale and the shift, each op's result in that dtype.
-    That 1/std is XLA's 16-bit rsqrt (bit for bit on 99.95% of float16 inputs; a quarter of
-    them one ulp off the correctly rounded result), computed as it rounds even under
-    :class:`.perturb.PerturbedArithmetic`: its error depends on the input, so a call whose rows
-    share a variance leans by it (up to 0.6 float16 units where they lie within 1%), which
-    drawing each row's rounding apart would average away. A row whose sums pass the dtype's range takes its statistics
-    from float32 sums. ``lean`` (float32, broadcast over the rows): each row's
-    normalised values scaled by ``1 + lean`` before they are rounded (a kernel that leans,
-    ``OWN_DTYPE_NORM_LEAN``). The returned mean and 1/std take the dtypes torch's own
-    decomposition gives them."""
+    it: the mean and E[x^2] each summed in that dtype in XLA's order (:func:`_windowed_sum`)
+    and multiplied by 1/count rounded to it (not exact where count is not a power of two),
+    the variance their difference (at least 0), then 1/std as a square root and a reciprocal
+    each rounded to the dtype (XLA's 16-bit rsqrt: bit for bit on 99.95% of float16 inputs,
+    a quarter of them one ulp off the correctly rounded result); the normalised values, the
+    scale and the shift, each op's result in that dtype. The statistics are computed as XLA
+    rounds them even under :class:`.perturb.PerturbedArithmetic` (only what follows them is
+    perturbed): their errors are a function of the rows, so rows that share a variance or a
+    layout of large channels lean together by them (up to 0.6 float16 units from the rsqrt
+    where the variances lie within 1%), which drawing each row's rounding apart would
+    average away. A row whose sums pass the dtype's range takes its statistics from float32
+    sums. ``lean`` (float32, broadcast over the rows): each row's normalised values scaled
+    by ``1 + lean`` before they are rounded (a kernel that leans, ``OWN_DTYPE_NORM_LEAN``).
+    The returned mean and 1/std take the dtypes torch's own decomposition gives them."""
     count = math.prod(int(size) for size in normalized_shape)
     rows = x.reshape(*x.shape[: x.dim() - len(normalized_shape)], count)
-    inverse = torch.tensor(1.0 / count, dtype=x.dtype, device=x.device)
-    mean = (_pairwise_sum(rows) * inverse).reshape(*rows.shape[:-1], *([1] * len(normalized_shape)))
-    square = (_pairwise_sum(rows * rows) * inverse).reshape(mean.shape)
-    var = (square - mean * mean).clamp_min(0)
-    rstd = reciprocal_sqrt_rounded_twice(var + eps)
-    overflow = ~(torch.isfinite(mean) & torch.isfinite(square))
-    if bool(overflow.any()):
-        # a sum past the dtype's range is no rounding (float16: a row of 2048 whose rms is 6
-        # reaches 65504): such rows' statistics as a kernel that sums wider gives them
-        wide = rows.float()
-        mean = torch.where(overflow, wide.mean(-1).reshape(mean.shape).to(x.dtype), mean)
-        wide_var = wide.var(-1, unbiased=False).reshape(mean.shape)
-        rstd = torch.where(overflow, torch.rsqrt(wide_var + eps).to(x.dtype), rstd)
+    with _disable_current_modes():  # XLA's statistics as it rounds them, in every run
+        mean, rstd = _statistics(rows, count, eps)
+    mean = mean.reshape(*rows.shape[:-1], *([1] * len(normalized_shape)))
+    rstd = rstd.reshape(mean.shape)
     out = (x - mean) * rstd if lean is None else ((x - mean).float() * rstd.float() * (1 + lean)).to(x.dtype)
     if weight is not None:
         out = out * weight

@@ -40,9 +40,9 @@ which results a correct port's kernels legitimately give):
 * a variance is computed half the time in one pass (E[x^2] - E[x]^2, ``one_pass_var_mean``),
   as fused norm kernels do, and otherwise as torch does (two passes);
 * in half the runs, every float16 layer norm is computed in float16 itself
-  (``OWN_DTYPE_NORMS``, :func:`layer_norm_in_own_dtype`): its statistics rounded to float16,
-  an error shared by the row, as XLA's lowering to a batch norm in the operand's type
-  computes it, all the rows of a call leaning by one scale drawn for it
+  (``OWN_DTYPE_NORMS``, :func:`layer_norm_in_own_dtype`): its statistics in float16, kept
+  as XLA's lowering to a batch norm in the operand's type rounds them (not perturbed: rows
+  alike lean alike), all the rows of a call leaning by one scale drawn for it
   (``OWN_DTYPE_NORM_LEAN``); in half the runs (drawn apart), every 16-bit matmul with a
   bias rounds its product before adding the bias (``PRODUCT_ROUNDED_ADDMM``), as XLA's
   dot-then-add does (a systematic lean of that double rounding included). A backend lowers

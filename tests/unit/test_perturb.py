@@ -579,13 +579,13 @@ def test_layer_norm_in_own_dtype_takes_the_mean_with_one_over_the_width_rounded(
     so the variance comes out that much low on centred rows and every row leans the other way
     by about a quarter unit (torch-xla's float16 LayerNorm of width 768 reads +0.3); a sum
     divided by the width leans by under 0.1."""
-    from pytest_layerparity.reference.algorithms import _pairwise_sum, layer_norm_in_own_dtype
+    from pytest_layerparity.reference.algorithms import _windowed_sum, layer_norm_in_own_dtype
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2048, 768, generator=gen).half()
     out, mean, _ = layer_norm_in_own_dtype(x, (768,), None, None, 1e-5)
     inverse = torch.tensor(1 / 768, dtype=torch.float16)
-    assert torch.equal(mean.reshape(-1), _pairwise_sum(x) * inverse)
+    assert torch.equal(mean.reshape(-1), _windowed_sum(x, False) * inverse)
     exact = torch.nn.functional.layer_norm(x.double(), (768,), eps=1e-5)
     lean = _row_scale_error(out.double(), exact).mean().item() * 2**11
     assert 0.15 < lean < 0.4, lean
@@ -606,6 +606,25 @@ def test_a_float16_reciprocal_square_root_rounds_as_xla_even_in_a_perturbed_run(
     with PerturbedArithmetic(seed=3):
         assert torch.equal(reciprocal_sqrt_rounded_twice(x), plain)
         assert not torch.equal(torch.sqrt(x), torch.sqrt(x.float()).half())  # other ops are perturbed
+
+
+def test_a_perturbed_run_keeps_the_float16_norms_statistics_as_xla_rounds_them():
+    """Under perturbation the own-dtype layer norm's mean and 1/std are XLA's, the same in
+    every run (rows alike then lean alike, as on torch-xla); what follows them is perturbed,
+    so the runs' outputs differ."""
+    from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+    from pytest_layerparity.reference.perturb import PerturbedArithmetic
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(64, 512, generator=gen).half()
+    _, mean, rstd = layer_norm_in_own_dtype(x, (512,), None, None, 1e-5)
+    outs = []
+    for seed in (1, 2):
+        with PerturbedArithmetic(seed):
+            out, run_mean, run_rstd = layer_norm_in_own_dtype(x, (512,), None, None, 1e-5)
+        assert torch.equal(run_mean, mean) and torch.equal(run_rstd, rstd)
+        outs.append(out)
+    assert not torch.equal(outs[0], outs[1])
 
 
 def test_layer_norm_in_own_dtype_leans_by_the_scale_it_is_given():
