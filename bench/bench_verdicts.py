@@ -701,7 +701,7 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     passed += [f"--envelope-seed={args.envelope_seed}"] if args.envelope_seed is not None else []
     folder = work_folder("verdicts-tallies-")  # removed at exit, stopped or not (its SIGTERM handled)
     for group in groups:
-        out = Path(folder) / f"{group}.json"
+        out = folder / f"{group}.json"
         command = [sys.executable, __file__, *passed, f"--models={group}", f"--tallies-out={out}"]
         child = subprocess.Popen(command)
         try:

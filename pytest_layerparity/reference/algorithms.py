@@ -81,17 +81,17 @@ def _windowed_sum(x: torch.Tensor, one_by_one: bool) -> torch.Tensor:
     as 16 lanes by halves or (``one_by_one``: its fused sum of squares) one after another.
     Rows of 64, 512 and 1024 then normalise as torch-xla's float16 LayerNorm does, bit for
     bit (1000: 99.6% of rows; 96, 768, 2560, 4544: 80-88%, its order there not all known)."""
+    lanes = XLA_REDUCE_WINDOW // 2
     while x.shape[-1] > XLA_REDUCE_WINDOW:
         pad = -x.shape[-1] % XLA_REDUCE_WINDOW
         if pad:
             x = torch.nn.functional.pad(x, (pad // 2, pad - pad // 2))
         windows = x.reshape(*x.shape[:-1], -1, XLA_REDUCE_WINDOW)
-        half = XLA_REDUCE_WINDOW // 2
-        x = _pairwise_sum(windows[..., :half] + windows[..., half:])
+        x = _pairwise_sum(windows[..., :lanes] + windows[..., lanes:])
     if not one_by_one:
-        if x.shape[-1] > 16:  # 16 lanes, the elements past them added to the first ones
-            rest = x.shape[-1] - 16
-            x = torch.cat((x[..., :rest] + x[..., 16:], x[..., rest:16]), dim=-1)
+        if x.shape[-1] > lanes:  # the elements past the lanes added to the first ones
+            rest = x.shape[-1] - lanes
+            x = torch.cat((x[..., :rest] + x[..., lanes:], x[..., rest:lanes]), dim=-1)
         return _pairwise_sum(x)
     total = x[..., 0]
     for j in range(1, x.shape[-1]):
