@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT / "fixtures"))
 import torch
 from scratch import work_folder
 
-from pytest_layerparity.compare.envelope import Envelope
+from pytest_layerparity.compare.envelope import FLOAT32_SUMS, Envelope
 from pytest_layerparity.options import make_settings
 from pytest_layerparity.selection import decode_key, layer_key
 from pytest_layerparity.session import LayerParitySession
@@ -758,6 +758,8 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         kind = key[1]
         if outcome.envelope is not None and outcome.floor is not None and "computed wider" not in kind:
             held = Envelope.from_metadata(GoldenStore(store).load(golden).metadata.get("envelope")) if golden else None
+            if held is not None:  # the family the port was held to
+                held = held.for_target(outcome.envelope.method != FLOAT32_SUMS)
             reach.append(
                 [
                     dtype,

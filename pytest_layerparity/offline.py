@@ -60,7 +60,7 @@ def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Set
             settings,
             dtype,
             hidden_in=g.tensors.get(hidden_input_name(spec)),
-            envelope=g.envelope,
+            envelope=g.envelope,  # the target's arithmetic is not known here: the runs that may sum in float16
         )
         entries.append(_entry(key, index, outcome))
     return entries

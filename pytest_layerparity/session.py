@@ -229,7 +229,12 @@ class LayerParitySession:
             self._build_target_layer,
             self._build_target_model,
             self.store.read_manifest(),
-            PerturbedRunner(self.model, getattr(torch, self.dtype_name), self.settings.envelope_samples),
+            PerturbedRunner(
+                self.model,
+                getattr(torch, self.dtype_name),
+                self.settings.envelope_samples,
+                sixteen_bit_sums=self.backend.sixteen_bit_sums,
+            ),
             self.progress,
             port=self.port,
         )

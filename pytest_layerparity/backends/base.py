@@ -18,6 +18,10 @@ class Backend:
     #: True where graphs compile lazily, so layer modules should use the portable
     #: (eager) implementations of attention and experts.
     lazy = False
+    #: Whether the device's float16 matmuls may keep their partial sums in float16 (a float16
+    #: golden's envelope then holds the target to its runs that may; else to those that sum
+    #: in float32: ``compare.envelope.Envelope.for_target``). torch's CPU kernels sum in float32.
+    sixteen_bit_sums = False
 
     @classmethod
     def free_memory(cls) -> int | None:

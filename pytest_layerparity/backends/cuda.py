@@ -9,6 +9,10 @@ from .base import Backend, BackendUnavailable
 
 
 class CudaBackend(Backend):
+    """A CUDA device. Its float16 matmuls sum in float32 (cuBLAS's compute type for them in
+    torch; a split-K's few partial sums may be added in float16, which the runs' own rounding
+    covers: measured in bench/README.md)."""
+
     name = "cuda"
 
     def setup(self) -> None:

@@ -111,9 +111,14 @@ def import_parallel_state() -> Any:
     return parallel_state
 
 
+#: A NeuronCore's tensor engine accumulates every matmul in float32 (its PSUM), float16 ones too.
+NEURON_SIXTEEN_BIT_SUMS = False
+
+
 class NeuronBackend(Backend):
     name = "neuron"
     lazy = True
+    sixteen_bit_sums = NEURON_SIXTEEN_BIT_SUMS
 
     def __init__(self, tp_degree: int = 1, compile_cache: str | None = None) -> None:
         self.tp_degree = tp_degree
@@ -201,6 +206,7 @@ class CompiledProgramsBackend(Backend):
     fewer cores than tp_degree is refused)."""
 
     name = "neuron"
+    sixteen_bit_sums = NEURON_SIXTEEN_BIT_SUMS
 
     def __init__(self, tp_degree: int = 1, compile_cache: str | None = None) -> None:
         self.tp_degree = tp_degree

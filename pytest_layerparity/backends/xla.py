@@ -46,6 +46,14 @@ class XlaBackend(Backend):
 
     name = "xla"
     lazy = True
+    #: PJRT devices whose float16 dots sum in float32 (TPUs' and Neuron's matrix units, XLA's
+    #: GPU backend through cuBLAS); XLA's CPU backend sums them in float16 (bench/README.md),
+    #: and a device not named here is taken to be able to.
+    FLOAT32_SUMS_DEVICES = frozenset({"TPU", "NEURON", "CUDA", "GPU"})
+
+    @property
+    def sixteen_bit_sums(self) -> bool:  # type: ignore[override]
+        return os.environ.get("PJRT_DEVICE", "CPU").upper() not in self.FLOAT32_SUMS_DEVICES
 
     def __init__(self, compile_cache: str | None = None) -> None:
         self._device = None

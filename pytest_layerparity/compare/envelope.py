@@ -16,8 +16,14 @@ prediction limits drawn from them at a stated false-alarm rate:
 
 where ``q`` is the Student-t quantile with K - 1 degrees of freedom that leaves ``rate / n``
 beyond each ratio's limit and ``rate / 2n`` beyond each end of a bias's range (the rate split
-over the n statistics: three, and one per branch). Everything here is pure
-arithmetic on numbers: no torch, no model.
+over the n statistics: three, and one per branch).
+
+A float16 layer's envelope holds a second family of K runs (``float32_sums``): the same
+arithmetic with every float16 matmul's products summed in float32, as a target that sums them
+so (Neuron, CUDA, eager CPU) does; its runs err several times less than those that may sum in
+float16 (XLA's CPU backend). A target is held to the family its backend computes
+(:meth:`Envelope.for_target`). Everything here is pure arithmetic on numbers: no torch, no
+model.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ KV_STATISTICS = ("new_keys_noise_ratio", "new_values_noise_ratio")
 #: The smallest spread of the bias a limit assumes, in noise units: the golden's own rounding
 #: error along one direction is one unit, so no legitimate spread is narrower.
 MIN_BIAS_SD = 1.0
+#: The ``method`` of a float16 layer's second family (:attr:`Envelope.float32_sums`).
+FLOAT32_SUMS = "mca, float16 matmuls summed in float32"
 
 
 def _t_density(x: float, df: int) -> float:
@@ -101,10 +109,19 @@ class Envelope:
     #: its floor's (``compare.routing.golden_floor_flips``); None for an envelope made before
     #: they were (a target is then judged on every token, as its runs were).
     golden_flips: tuple[int, ...] | None = None
+    #: A float16 layer's second family: its runs with every float16 matmul summed in float32
+    #: (None where the golden holds none: another dtype, or extracted before there were two).
+    float32_sums: Envelope | None = None
 
     @property
     def samples(self) -> int:
         return len(self.noise_ratio)
+
+    def for_target(self, sixteen_bit_sums: bool) -> Envelope:
+        """The family a target is held to: the float32-summing runs where the target's float16
+        matmuls sum in float32 (``sixteen_bit_sums`` False) and the golden holds them, else
+        these runs (which may sum in float16)."""
+        return self.float32_sums if not sixteen_bit_sums and self.float32_sums is not None else self
 
     def as_metadata(self) -> dict[str, Any]:
         kv = {name: [float(v) for v in getattr(self, name)] for name in KV_STATISTICS if getattr(self, name)}
@@ -117,6 +134,8 @@ class Envelope:
             else {}
         )
         flips = {"golden_flips": list(self.golden_flips)} if self.golden_flips is not None else {}
+        if self.float32_sums is not None:
+            flips["float32_sums"] = self.float32_sums.as_metadata()
         return {
             "method": self.method,
             "samples": self.samples,
@@ -162,7 +181,15 @@ class Envelope:
             not isinstance(flips, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in flips)
         ):
             raise ValueError(f"malformed noise envelope: golden_flips {flips!r} is not a list of token indices")
+        wide = data.get("float32_sums")
+        if wide is not None and not isinstance(wide, Mapping):
+            raise ValueError(f"malformed noise envelope: float32_sums {wide!r} is not an envelope")
+        try:
+            float32_sums = cls.from_metadata(wide) if wide else None
+        except ValueError as exc:
+            raise ValueError(f"{exc} (its float32_sums family)") from None
         return cls(
+            float32_sums=float32_sums,
             golden_flips=tuple(flips) if flips is not None else None,
             golden_bias=golden_bias,
             method=str(data.get("method", "mca")),
@@ -199,6 +226,7 @@ class Envelope:
             reached={name: max(abs(v) for v in getattr(self, name)) for name in STATISTICS},
             samples=k,
             quantile=q_bias,
+            method=self.method,
             max_appended_noise_ratio={
                 name.removeprefix("new_").removesuffix("_noise_ratio"): ratio_limit(getattr(self, name))
                 for name in KV_STATISTICS
@@ -226,11 +254,13 @@ class EnvelopeLimits:
     max_appended_noise_ratio: dict[str, float] = field(default_factory=dict)
     #: Per branch of the layer: the range its ``branch_bias`` is held to (empty without branches).
     branch_bias: dict[str, tuple[float, float]] = field(default_factory=dict)
+    method: str = "mca"  # the runs' (:attr:`Envelope.method`)
 
     def describe(self) -> str:
         branches = "".join(f", branch_bias_{n} in [{lo:.3g}, {hi:.3g}]" for n, (lo, hi) in self.branch_bias.items())
+        how = " (float16 matmuls summed in float32, as the target does)" if self.method == FLOAT32_SUMS else ""
         return (
-            f"noise envelope from {self.samples} perturbed runs of this layer: they reach noise_ratio "
+            f"noise envelope from {self.samples} perturbed runs of this layer{how}: they reach noise_ratio "
             f"{self.reached['noise_ratio']:.3g}, token_noise_ratio {self.reached['token_noise_ratio']:.3g}, "
             f"|contribution_bias| {self.reached['contribution_bias']:.3g}; limits at t={self.quantile:.2f}: "
             f"noise_ratio <= {self.max_noise_ratio:.3g}, token_noise_ratio <= {self.max_token_noise_ratio:.3g}, "

@@ -15,7 +15,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing
-from ..compare.envelope import Envelope
+from ..compare.envelope import FLOAT32_SUMS, Envelope
 from ..compare.floor import FloorStats, branch_directions, floor_stats, statistics_device, token_mask
 from ..compare.routing import agreement, golden_floor_flips, router_names
 from ..report.progress import SILENT, Progress
@@ -31,7 +31,7 @@ from .batching import call_tokens, in_batches, runs_apart, samples_per_forward, 
 from .checkpoint import load_layer
 from .memory import give_back_memory
 from .model import eager_experts_skeleton
-from .perturb import PerturbedArithmetic
+from .perturb import SIXTEEN_BIT_ACCUMULATION, PerturbedArithmetic
 from .source import ModelSource
 from .tokens import in_token_blocks
 
@@ -162,7 +162,8 @@ def appended_ratios(
 
 class PerturbedRunner:
     """Runs the layers of one model in the golden's dtype under Monte Carlo arithmetic, K
-    times each, on ``device``."""
+    times each, on ``device``; ``sixteen_bit_sums``: float16 matmuls may sum in float16 (the
+    chains' runs of a target whose matmuls sum in float32 do not)."""
 
     def __init__(
         self,
@@ -171,12 +172,14 @@ class PerturbedRunner:
         samples: int,
         device: str = "cpu",
         progress: Progress = SILENT,
+        sixteen_bit_sums: bool = True,
     ) -> None:
         self.model = model
         self.dtype = golden_dtype
         self.samples = samples
         self.device = device
         self.progress = progress
+        self.sixteen_bit_sums = sixteen_bit_sums
 
     @cached_property
     def skeleton(self) -> PreTrainedModel:
@@ -225,7 +228,7 @@ class PerturbedRunner:
             torch.no_grad(),
             capture_routing(layer, self.model.top_k, routing),
             in_token_blocks(layer),
-            PerturbedArithmetic(seed, samples=samples),
+            PerturbedArithmetic(seed, samples=samples, sixteen_bit_sums=self.sixteen_bit_sums),
         ):
             out = first_tensor(layer(*args, **kwargs)).detach()
         return out, routing, appended_kv(args, kwargs, spec, call)
@@ -320,11 +323,15 @@ class PerturbedRunner:
         layer: torch.nn.Module | None = None,
     ) -> Envelope | None:
         """The envelope of layer ``index`` on its golden call (what extraction stores; None
-        when fewer than two runs kept a token). Each run's output is dropped once its
-        statistics are taken: the memory does not grow with K. On a CUDA device the runs'
-        outputs stay there and the statistics are taken there (``floor.statistics_device``),
-        the golden, its floor and its directions moved there once."""
-        stats, appended = [], []
+        when fewer than two runs kept a token); a float16 layer's with its second family, the
+        same runs with every float16 matmul summed in float32 (``Envelope.float32_sums``).
+        Each run's output is dropped once its statistics are taken: the memory does not grow
+        with K. On a CUDA device the runs' outputs stay there and the statistics are taken
+        there (``floor.statistics_device``), the golden, its floor and its directions moved
+        there once."""
+        owned = layer is None
+        if layer is None:
+            layer = self.layer(index)
         branches = branch_directions(tensors)
         fixed = golden_floor_flips(dict(tensors))  # left out of every run, as the target's test leaves them out
         on_device = statistics_device(self.device).type != "cpu"
@@ -332,13 +339,28 @@ class PerturbedRunner:
             golden, reference = golden.to(self.device), reference.to(self.device)
             hidden_in = hidden_in.to(self.device) if hidden_in is not None else None
             branches = {name: v.to(self.device) for name, v in branches.items()}
-        for run in self.runs(index, spec, tensors, layer=layer, on_device=on_device):
-            drop = flipped_tokens(tensors, run.routing) | set(fixed)
-            stats.append(run_stats(golden, run.output, reference, hidden_in, drop, branches))
-            appended.append(appended_ratios(tensors, run.appended))
-        envelope = envelope_from_stats(golden, reference, hidden_in, stats, branches, fixed)
-        kept = [ratios for ratios, s in zip(appended, stats, strict=True) if s is not None]
-        if envelope is None or not kept or None in kept:
+        own = self.sixteen_bit_sums
+        families: list[Envelope | None] = []
+        try:
+            for sums in (own, False) if own and self.dtype in SIXTEEN_BIT_ACCUMULATION else (own,):
+                self.sixteen_bit_sums = sums
+                stats, appended = [], []
+                for run in self.runs(index, spec, tensors, layer=layer, on_device=on_device):
+                    drop = flipped_tokens(tensors, run.routing) | set(fixed)
+                    stats.append(run_stats(golden, run.output, reference, hidden_in, drop, branches))
+                    appended.append(appended_ratios(tensors, run.appended))
+                envelope = envelope_from_stats(golden, reference, hidden_in, stats, branches, fixed)
+                kept = [ratios for ratios, s in zip(appended, stats, strict=True) if s is not None]
+                if envelope is not None and kept and None not in kept:
+                    keys, values = zip(*kept, strict=True)
+                    envelope = replace(envelope, new_keys_noise_ratio=keys, new_values_noise_ratio=values)
+                families.append(envelope)
+        finally:
+            self.sixteen_bit_sums = own
+        if owned:
+            del layer
+            give_back_memory()
+        envelope, wide = families[0], families[1] if len(families) > 1 else None
+        if envelope is None or wide is None:
             return envelope
-        keys, values = zip(*kept, strict=True)
-        return replace(envelope, new_keys_noise_ratio=keys, new_values_noise_ratio=values)
+        return replace(envelope, float32_sums=replace(wide, method=FLOAT32_SUMS))

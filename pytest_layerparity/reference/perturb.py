@@ -48,11 +48,12 @@ which results a correct port's kernels legitimately give):
   dot-then-add does (a systematic lean of that double rounding included). A backend lowers
   all such ops one way, so a run takes an alternative for all of them or for none;
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
-  (``SIXTEEN_BIT_ACCUMULATION``): tensor cores' float16-accumulate mode, cuBLAS's reduced-precision
-  reductions (on by default in PyTorch), XLA's CPU backend (its float16 dot measured 12 times
-  eager's error: bench/README.md). Its error is drawn at the size of one sequential float16 sum
-  of the same products (:func:`sequential_sum_error_std`), the least accurate of the orders such
-  kernels use. Not for bfloat16: no kernel sums in bfloat16 (8 significant bits).
+  (``SIXTEEN_BIT_ACCUMULATION``): tensor cores' float16-accumulate mode, XLA's CPU backend (its
+  float16 dot measured 12 times eager's error: bench/README.md). Its error is drawn at the size
+  of one sequential float16 sum of the same products (:func:`sequential_sum_error_std`), the
+  least accurate of the orders such kernels use; without ``sixteen_bit_sums`` it is not (a
+  backend that sums them in float32: Neuron's PSUM, cuBLAS, eager CPU). Not for bfloat16: no
+  kernel sums in bfloat16 (8 significant bits).
 
 With ``break_ties``, a run also breaks exact ties among ``topk``'s candidates in an order of
 its own (the values are the same; which of equal candidates it takes is drawn per call): a
@@ -136,7 +137,8 @@ class PerturbedArithmetic(TorchDispatchMode):
     the module's docstring for the two ``mode``s). ``systematic`` scales the per-op bias of
     the random mode. ``error_scale`` multiplies the error of every float32 or float64 result
     in the other modes (how much less accurate than the reference's kernels this run's are;
-    default ERROR_SCALE; 16-bit results keep 1). ``ops`` counts the results perturbed."""
+    default ERROR_SCALE; 16-bit results keep 1); ``sixteen_bit_sums``: float16 matmuls may sum
+    in float16 (``SIXTEEN_BIT_ACCUMULATION``). ``ops`` counts the results perturbed."""
 
     def __init__(
         self,
@@ -146,6 +148,7 @@ class PerturbedArithmetic(TorchDispatchMode):
         error_scale: float | None = None,
         samples: int = 1,
         break_ties: bool = False,
+        sixteen_bit_sums: bool = True,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -156,6 +159,7 @@ class PerturbedArithmetic(TorchDispatchMode):
         self.systematic = systematic
         self.error_scale = ERROR_SCALE if error_scale is None else error_scale
         self.break_ties = break_ties
+        self.sixteen_bit_sums = sixteen_bit_sums
         self.ops = 0
         self._generators: dict[torch.device, torch.Generator] = {}
         self._tie_generators: dict[torch.device, torch.Generator] = {}  # the arithmetic's draws stay as they were
@@ -384,7 +388,7 @@ class PerturbedArithmetic(TorchDispatchMode):
                     continue
                 self.ops += 1
                 generator = self._generator(value.device)
-                if name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION:
+                if self.sixteen_bit_sums and name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION:
                     wide = wide + self._accumulation_error(name, args, value.dtype, generator)
                 perturbed = another_rounding(value, wide, generator, self.mode == "jitter", self._scale(value.dtype))
             if id(value) in inputs:  # an in-place op: perturb the tensor itself

@@ -167,9 +167,15 @@ class TargetSide:
             self.settings,
             self.dtype_name,
             hidden_in=hidden_in,
-            envelope=envelope if envelope is not None else entry.envelope,
+            envelope=envelope if envelope is not None else self.envelope_of(entry),
             tainted=sorted(tainted or ()),
         )
+
+    def envelope_of(self, entry: GoldenEntry) -> Envelope | None:
+        """The golden's envelope this target is held to: a float16 golden's runs that sum its
+        matmuls in float32 where the backend sums them so (``Envelope.for_target``)."""
+        envelope = entry.envelope
+        return envelope.for_target(self.backend.sixteen_bit_sums) if envelope is not None else None
 
     def parity_layer(self, index: int, control: bool = False) -> LayerOutcome:
         """Layer ``index`` on its golden call, judged; with ``control``, the model's own
@@ -278,7 +284,7 @@ class TargetSide:
             self.settings,
             self.dtype_name,
             hidden_in=given.to(self.floor.dtype),
-            envelope=entry.envelope,
+            envelope=self.envelope_of(entry),
             tainted=sorted(tainted),
         )
 
