@@ -59,6 +59,14 @@ def dot_sizes(device: torch.device) -> None:
             xla = (a.to(device) @ b.to(device)).cpu().double()
             cells.append(float((xla - exact).norm() / ((a @ b).double() - exact).norm()))
         print(f"{m:>4} " + " ".join(f"{c:>11.1f}" for c in cells))
+    print("at a real model's width (a decode step's one-row products; 32 heads' scores times values):")
+    for batch, m, k, n in ((1, 1, 4096, 14336), (1, 1, 14336, 4096), (1, 2, 4096, 4096), (32, 1, 2048, 128)):
+        a = torch.randn(batch, m, k, generator=g).half()
+        b = (torch.randn(batch, k, n, generator=g) / k**0.5).half()
+        exact = a.double() @ b.double()
+        xla = (a.to(device) @ b.to(device)).cpu().double()
+        ratio = float((xla - exact).norm() / ((a @ b).double() - exact).norm())
+        print(f"  {batch} x ({m} x {k} @ {k} x {n}): {ratio:.1f}")
 
 
 def main() -> None:

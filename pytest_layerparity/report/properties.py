@@ -46,6 +46,7 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
             (f"{prefix}contribution_bias_low", limits.bias_low),
             (f"{prefix}contribution_bias_high", limits.bias_high),
             (f"{prefix}envelope_samples", limits.samples),
+            (f"{prefix}envelope_method", limits.method),  # a float16 golden's family: which runs held it
         ]
         for name, (low, high) in limits.branch_bias.items():
             out += [(f"{prefix}branch_bias_{name}_low", low), (f"{prefix}branch_bias_{name}_high", high)]

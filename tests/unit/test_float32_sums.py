@@ -10,14 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_judge import layer_like  # the judge's hand-made layer
 
 from pytest_layerparity.backends.cpu import CpuBackend
 from pytest_layerparity.backends.cuda import CudaBackend
 from pytest_layerparity.backends.neuron import CompiledProgramsBackend, NeuronBackend
 from pytest_layerparity.backends.xla import XlaBackend
 from pytest_layerparity.compare.envelope import FLOAT32_SUMS, Envelope
+from pytest_layerparity.compare.judge import judge
+from pytest_layerparity.options import make_settings
 from pytest_layerparity.reference.envelope import PerturbedRunner
 from pytest_layerparity.reference.perturb import PerturbedArithmetic
+from pytest_layerparity.report.properties import properties
 from pytest_layerparity.target.runner import TargetSide
 
 
@@ -111,6 +115,15 @@ def test_a_target_is_held_to_its_backends_family():
     narrow, wide = made.float32_sums.limits(1e-3), made.limits(1e-3)
     assert narrow.max_noise_ratio < wide.max_noise_ratio / 4
     assert "summed in float32" in narrow.describe() and "summed in float32" not in wide.describe()
+
+
+def test_the_family_a_target_was_held_to_reaches_the_report():
+    x, ref, golden = layer_like()
+    made = two_families()
+    for sixteen_bit_sums, method in ((False, FLOAT32_SUMS), (True, "mca")):
+        envelope = made.for_target(sixteen_bit_sums)
+        outcome = judge(0, golden, golden, make_settings(), "float32", floor=ref, hidden_in=x, envelope=envelope)
+        assert dict(properties(outcome))["envelope_method"] == method
 
 
 @pytest.mark.parametrize(
