@@ -134,8 +134,7 @@ class Envelope:
             else {}
         )
         flips = {"golden_flips": list(self.golden_flips)} if self.golden_flips is not None else {}
-        if self.float32_sums is not None:
-            flips["float32_sums"] = self.float32_sums.as_metadata()
+        family = {"float32_sums": self.float32_sums.as_metadata()} if self.float32_sums is not None else {}
         return {
             "method": self.method,
             "samples": self.samples,
@@ -144,6 +143,7 @@ class Envelope:
             **kv,
             **branches,
             **flips,
+            **family,
         }
 
     @classmethod

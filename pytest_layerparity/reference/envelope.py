@@ -301,7 +301,8 @@ class PerturbedRunner:
             together = self.run_together(layer, spec, tensors, seed, given[k : k + n], on_device) if n > 1 else None
             return together or [self.run(layer, spec, tensors, seed, given[k], on_device)]
 
-        with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}", "run") as bar:
+        family = "" if self.sixteen_bit_sums or self.dtype not in SIXTEEN_BIT_ACCUMULATION else " (float32 sums)"
+        with self.progress.bar(self.samples, f"layerparity: noise envelope of layer {index}{family}", "run") as bar:
             for together in in_batches(self.samples, group, batch):
                 give_back_memory()  # the runs' freed temporaries: the next ones' heap starts empty
                 for run in together:
