@@ -757,9 +757,8 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         golden ``golden`` of the store holds the runs, their median)."""
         kind = key[1]
         if outcome.envelope is not None and outcome.floor is not None and "computed wider" not in kind:
-            held = Envelope.from_metadata(GoldenStore(store).load(golden).metadata.get("envelope")) if golden else None
-            if held is not None:  # the family the port was held to
-                held = held.for_target(outcome.envelope.method != FLOAT32_SUMS)
+            sixteen_bit_sums = outcome.envelope.method != FLOAT32_SUMS  # the family the port was held to
+            held = GoldenStore(store).load(golden).envelope_for(sixteen_bit_sums) if golden else None
             reach.append(
                 [
                     dtype,

@@ -44,6 +44,17 @@ OPS = {
 }
 
 
+def dot_ratio(device: torch.device, generator: torch.Generator, *shape: int) -> float:
+    """A float16 product of random operands (``shape``: m, k, n, or batch, m, k, n) on
+    ``device``: its error against the exact product over eager's."""
+    *lead, m, k, n = shape
+    a = torch.randn(*lead, m, k, generator=generator).half()
+    b = (torch.randn(*lead, k, n, generator=generator) / k**0.5).half()
+    exact = a.double() @ b.double()
+    xla = (a.to(device) @ b.to(device)).cpu().double()
+    return float((xla - exact).norm() / ((a @ b).double() - exact).norm())
+
+
 def dot_sizes(device: torch.device) -> None:
     """The float16 dot's error over eager's, by shape (rows m of the table, k x n its columns)."""
     g = torch.Generator().manual_seed(2)
@@ -51,22 +62,10 @@ def dot_sizes(device: torch.device) -> None:
     print("float16 m x k @ k x n: ||xla - exact|| / ||eager - exact||")
     print(f"{'m':>4} " + " ".join(f"{f'k{k} n{n}':>11}" for k, n in shapes))
     for m in (1, 8, 16, 32, 64):
-        cells = []
-        for k, n in shapes:
-            a = torch.randn(m, k, generator=g).half()
-            b = (torch.randn(k, n, generator=g) / k**0.5).half()
-            exact = a.double() @ b.double()
-            xla = (a.to(device) @ b.to(device)).cpu().double()
-            cells.append(float((xla - exact).norm() / ((a @ b).double() - exact).norm()))
-        print(f"{m:>4} " + " ".join(f"{c:>11.1f}" for c in cells))
+        print(f"{m:>4} " + " ".join(f"{dot_ratio(device, g, m, k, n):>11.1f}" for k, n in shapes))
     print("at a real model's width (a decode step's one-row products; 32 heads' scores times values):")
     for batch, m, k, n in ((1, 1, 4096, 14336), (1, 1, 14336, 4096), (1, 2, 4096, 4096), (32, 1, 2048, 128)):
-        a = torch.randn(batch, m, k, generator=g).half()
-        b = (torch.randn(batch, k, n, generator=g) / k**0.5).half()
-        exact = a.double() @ b.double()
-        xla = (a.to(device) @ b.to(device)).cpu().double()
-        ratio = float((xla - exact).norm() / ((a @ b).double() - exact).norm())
-        print(f"  {batch} x ({m} x {k} @ {k} x {n}): {ratio:.1f}")
+        print(f"  {batch} x ({m} x {k} @ {k} x {n}): {dot_ratio(device, g, batch, m, k, n):.1f}")
 
 
 def main() -> None:

@@ -545,8 +545,7 @@ class ReferenceSide:
             self.settings,
             self.dtype_name,
             hidden_in=entry.tensors.get(hidden_input_name(spec)),
-            # torch's kernels, where a reference runs, sum float16 products in float32
-            envelope=entry.envelope.for_target(False) if entry.envelope is not None else None,
+            envelope=entry.envelope_for(False),  # torch's kernels, where a reference runs, sum in float32
         )
 
 

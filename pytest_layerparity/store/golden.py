@@ -73,6 +73,12 @@ class GoldenEntry:
         """The layer's noise envelope (None when extracted without one; checked on load)."""
         return Envelope.from_metadata(self.metadata.get("envelope"))
 
+    def envelope_for(self, sixteen_bit_sums: bool) -> Envelope | None:
+        """The envelope a target whose float16 matmuls may (or may not) sum in float16 is held
+        to (``Envelope.for_target``); None when extracted without one."""
+        envelope = self.envelope
+        return envelope.for_target(sixteen_bit_sums) if envelope is not None else None
+
 
 def _file_name(key: str) -> str:
     index = parse_layer_key(key)

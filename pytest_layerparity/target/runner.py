@@ -174,8 +174,7 @@ class TargetSide:
     def envelope_of(self, entry: GoldenEntry) -> Envelope | None:
         """The golden's envelope this target is held to: a float16 golden's runs that sum its
         matmuls in float32 where the backend sums them so (``Envelope.for_target``)."""
-        envelope = entry.envelope
-        return envelope.for_target(self.backend.sixteen_bit_sums) if envelope is not None else None
+        return entry.envelope_for(self.backend.sixteen_bit_sums)
 
     def parity_layer(self, index: int, control: bool = False) -> LayerOutcome:
         """Layer ``index`` on its golden call, judged; with ``control``, the model's own

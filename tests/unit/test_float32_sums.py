@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +23,7 @@ from pytest_layerparity.options import make_settings
 from pytest_layerparity.reference.envelope import PerturbedRunner
 from pytest_layerparity.reference.perturb import PerturbedArithmetic
 from pytest_layerparity.report.properties import properties
+from pytest_layerparity.store.golden import GoldenEntry
 from pytest_layerparity.target.runner import TargetSide
 
 
@@ -108,10 +110,11 @@ def test_a_target_is_held_to_its_backends_family():
     assert made.for_target(True) is made and made.for_target(False) is made.float32_sums
     one = envelope()
     assert one.for_target(False) is one  # a golden with one family: that one
-    entry = SimpleNamespace(envelope=made)
+    entry = GoldenEntry("layer_0", Path("layer_00000.safetensors"), {}, {"envelope": made.as_metadata()})
     for backend, family in ((CpuBackend(), made.float32_sums), (SimpleNamespace(sixteen_bit_sums=True), made)):
-        assert TargetSide.envelope_of(SimpleNamespace(backend=backend), entry) is family
-    assert TargetSide.envelope_of(SimpleNamespace(backend=CpuBackend()), SimpleNamespace(envelope=None)) is None
+        assert TargetSide.envelope_of(SimpleNamespace(backend=backend), entry) == family
+    without = replace(entry, metadata={})
+    assert TargetSide.envelope_of(SimpleNamespace(backend=CpuBackend()), without) is None
     narrow, wide = made.float32_sums.limits(1e-3), made.limits(1e-3)
     assert narrow.max_noise_ratio < wide.max_noise_ratio / 4
     assert "summed in float32" in narrow.describe() and "summed in float32" not in wide.describe()
