@@ -596,6 +596,13 @@ def extract(model, store, extra, dtype, layers, samples, golden_device="auto", s
     return time.perf_counter() - started
 
 
+def chosen(bugs: dict, words: str) -> dict:
+    """The bug kinds of ``bugs`` whose name holds one of the comma-separated ``words`` (all
+    without words)."""
+    wanted = [w.strip().lower() for w in words.split(",") if w.strip()]
+    return {name: v for name, v in bugs.items() if not wanted or any(w in name.lower() for w in wanted)}
+
+
 def planted(plant, at):
     def hook(layer_idx, reference_layer, model_config, device):
         if layer_idx == at:
@@ -630,6 +637,9 @@ def main() -> None:
     parser.add_argument("--skip-sweep", action="store_true")
     parser.add_argument("--skip-k", action="store_true", help="leave out the choice of K")
     parser.add_argument("--models", default="", help="comma-separated model names (default: all)")
+    parser.add_argument(
+        "--bugs", default="", help="plant only the bug kinds whose name holds one of these comma-separated words"
+    )
     parser.add_argument(
         "--bug-chains", action="store_true", help="also run each planted bug in a chain over all layers"
     )
@@ -699,6 +709,7 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     passed += [f"--golden-device={args.golden_device}", f"--port-target={args.port_target}"]
     passed += [flag for flag, on in (("--skip-sweep", args.skip_sweep), ("--bug-chains", args.bug_chains)) if on]
     passed += [f"--envelope-seed={args.envelope_seed}"] if args.envelope_seed is not None else []
+    passed += [f"--bugs={args.bugs}"] if args.bugs else []
     folder = work_folder("verdicts-tallies-")  # removed at exit, stopped or not (its SIGTERM handled)
     for group in groups:
         out = folder / f"{group}.json"
@@ -814,7 +825,7 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             first = next((o for o in chain if not o.passed), chain[-1])  # the first failing layer, if any
             tally((split, f"chain ({label})"), first, f"{name} {dtype} chain: layer {first.layer} {failing(first)}")
             print(f"{name} {dtype}: correct ports done ({time.time() - started:.0f} s)", flush=True)
-            for bug, (plant, bug_split) in BUGS.items():
+            for bug, (plant, bug_split) in chosen(BUGS, args.bugs).items():
                 probe = session(model, store, extra, target="cpu").model.load_layer(mid, getattr(torch, dtype))
                 if plant(probe, session(model, store, extra).model.layer_config) is None:
                     continue
@@ -838,7 +849,7 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
                     if first != mid:
                         misses.append(f"{name} {dtype} {bug} (chain: first failing layer {first}, planted {mid})")
             steps = [step for step in range(DECODE_STEPS) if decode_key(mid, step) in stored]
-            for bug, (plant, bug_split) in DECODE_BUGS.items() if steps else ():
+            for bug, (plant, bug_split) in chosen(DECODE_BUGS, args.bugs).items() if steps else ():
                 probe = session(model, store, extra, target="cpu").model.load_layer(mid, getattr(torch, dtype))
                 if plant(probe, session(model, store, extra).model.layer_config) is None:
                     continue

@@ -16,6 +16,11 @@ computed in float64 on the same 16-bit input:
   adds beyond eager's lean is a kernel that leans (a reduction summed in 16-bit that
   stagnates, a low-precision transcendental), which the layer's contribution_bias sees.
 
+``--gelu-forms``: how far each GELU kernel's error lies along GELU's other form, as a share
+of the swap (erf where the model has tanh, or the other way: the error regressed on the two
+forms' difference), eager and torch-xla, per dtype: a port that swaps the forms reads 1, a
+kernel that leans by rounding alone reads what it reads here.
+
 ``--dot-sizes``: the float16 matmul alone over shapes m x k @ k x n, its error against the
 exact product over eager's (eager sums in float32 and rounds once): where torch-xla's CPU
 backend sums the products in float16 (a ratio near 12) and where in float32 (1).
@@ -68,14 +73,37 @@ def dot_sizes(device: torch.device) -> None:
         print(f"  {batch} x ({m} x {k} @ {k} x {n}): {dot_ratio(device, g, batch, m, k, n):.1f}")
 
 
+def gelu_forms(device: torch.device) -> None:
+    """Each GELU kernel's error along the swap of GELU's forms, as a share of the swap."""
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)) * 2
+    print("GELU: the error's share of the swap to the other form (a swapped port reads 1)")
+    print(f"{'dtype':<9} {'form':<5} {'|swap| / |rounding|':>19} {'eager share':>11} {'xla share':>9}")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        xd = x.to(dtype)
+        for form, other in (("none", "tanh"), ("tanh", "none")):
+            exact = F.gelu(xd.double(), approximate=form)
+            swap = F.gelu(xd.double(), approximate=other) - exact
+            rounding = float((exact.to(dtype).double() - exact).norm())
+            shares = [
+                float((result.double() - exact) @ swap) / float(swap @ swap)
+                for result in (F.gelu(xd, approximate=form), F.gelu(xd.to(device), approximate=form).cpu())
+            ]
+            print(
+                f"{str(dtype).removeprefix('torch.'):<9} {form:<5} {float(swap.norm()) / rounding:>19.3f} "
+                f"{shares[0]:>+11.3f} {shares[1]:>+9.3f}"
+            )
+
+
 def main() -> None:
     import torch_xla
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dot-sizes", action="store_true", help="the float16 dot's error by shape instead")
+    parser.add_argument("--gelu-forms", action="store_true", help="GELU's error along its other form instead")
     device = torch_xla.device()
-    if parser.parse_args().dot_sizes:
-        dot_sizes(device)
+    args = parser.parse_args()
+    if args.dot_sizes or args.gelu_forms:
+        (dot_sizes if args.dot_sizes else gelu_forms)(device)
         return
     x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)) * 2
     w = torch.randn(4096, 512, generator=torch.Generator().manual_seed(1)) / 64
