@@ -39,14 +39,14 @@ which results a correct port's kernels legitimately give):
   variance and sum are perturbed on their own and their error is shared by the whole row;
 * a variance is computed half the time in one pass (E[x^2] - E[x]^2, ``one_pass_var_mean``),
   as fused norm kernels do, and otherwise as torch does (two passes);
-* in half the runs, every float16 layer norm is computed in float16 itself
-  (``OWN_DTYPE_NORMS``, :func:`layer_norm_in_own_dtype`): its statistics in float16, kept
-  as XLA's lowering to a batch norm in the operand's type rounds them (not perturbed: rows
-  alike lean alike), all the rows of a call leaning by one scale drawn for it
-  (``OWN_DTYPE_NORM_LEAN``); in half the runs (drawn apart), every 16-bit matmul with a
-  bias rounds its product before adding the bias (``PRODUCT_ROUNDED_ADDMM``), as XLA's
-  dot-then-add does (a systematic lean of that double rounding included). A backend lowers
-  all such ops one way, so a run takes an alternative for all of them or for none;
+* in half the runs, every 16-bit layer norm is computed in its own dtype (``OWN_DTYPE_NORMS``,
+  :func:`layer_norm_in_own_dtype`), as XLA lowers it to a batch norm in the operand's type:
+  float16 statistics kept as XLA rounds them (not perturbed: rows alike lean alike), a call's
+  rows leaning by one scale drawn for it (``OWN_DTYPE_NORM_LEAN``); bfloat16's in float32;
+  normalised values, scale and shift each rounded to the dtype; in half the runs (drawn
+  apart), every 16-bit matmul with a bias rounds its product before adding the bias
+  (``PRODUCT_ROUNDED_ADDMM``), as XLA's dot-then-add does (its double rounding's lean
+  included). A backend lowers all such ops one way: a run takes an alternative for all or none;
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
   (``SIXTEEN_BIT_ACCUMULATION``): tensor cores' float16-accumulate mode, XLA's CPU backend (its
   float16 dot measured 12 times eager's error: bench/README.md). Its error is drawn at the size
@@ -60,8 +60,7 @@ its own (the values are the same; which of equal candidates it takes is drawn pe
 router's or a sparse-attention indexer's choice among equal scores (DeepSeek-V3.2's indexer
 scores many keys exactly 0) is the implementation's, and another backend's top-k takes
 others. The layer tests judge such choices one router at a time (a flip between equal scores
-is a near tie); the whole model's envelope runs with it, so that what follows another choice
-among equals in the next layers and in the logits is within what the runs reach.
+is a near tie); the whole model's envelope runs with it: what follows is within its reach.
 
 Each run under a new seed is one legitimate implementation of the same layer: the spread of
 a statistic over runs is what a correct port's statistic is judged against.
@@ -82,6 +81,7 @@ from .algorithms import (
     OWN_DTYPE_NORMS,
     PRODUCT_ROUNDED_ADDMM,
     VARIANCE_OPS,
+    WIDE_STATISTICS_NORMS,
     addmm_product,
     layer_norm_in_own_dtype,
     one_pass_var_mean,
@@ -249,16 +249,17 @@ class PerturbedArithmetic(TorchDispatchMode):
         return choose(one, two)
 
     def _layer_norm(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """A float16 layer norm as its decomposition, computed in float32 as torch's kernels
-        do, or (drawn) in float16 itself (:func:`layer_norm_in_own_dtype`)."""
+        """A 16-bit layer norm as its decomposition, computed in float32 as torch's kernels
+        do, or (drawn) in its own dtype as XLA lowers it (:func:`layer_norm_in_own_dtype`)."""
         decomposition = DECOMPOSED_OPS[func]
 
         def standard() -> Any:
             with self:
                 return decomposition(*args, **kwargs)
 
-        def own() -> Any:
-            lean = self._per_run(args[0], OWN_DTYPE_NORM_LEAN * _UNIT_ROUNDOFF[args[0].dtype])
+        def own() -> Any:  # a bfloat16 one's statistics are float32's: no lean beyond them
+            size = 0 if args[0].dtype in WIDE_STATISTICS_NORMS else OWN_DTYPE_NORM_LEAN
+            lean = self._per_run(args[0], size * _UNIT_ROUNDOFF[args[0].dtype]) if size else None
             with self:
                 return layer_norm_in_own_dtype(*args, **kwargs, lean=lean)
 
