@@ -98,8 +98,9 @@ def main() -> None:
     import torch_xla
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dot-sizes", action="store_true", help="the float16 dot's error by shape instead")
-    parser.add_argument("--gelu-forms", action="store_true", help="GELU's error along its other form instead")
+    instead = parser.add_mutually_exclusive_group()
+    instead.add_argument("--dot-sizes", action="store_true", help="the float16 dot's error by shape instead")
+    instead.add_argument("--gelu-forms", action="store_true", help="GELU's error along its other form instead")
     device = torch_xla.device()
     args = parser.parse_args()
     if args.dot_sizes or args.gelu_forms:

@@ -150,14 +150,14 @@ def layer_norm_in_own_dtype(
     lean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``native_layer_norm`` computed in ``x``'s dtype as XLA's batch-norm expansion computes
-    it (for a dtype of ``WIDE_STATISTICS_NORMS``: its statistics in float32, the normalised
+    it. For a dtype of ``WIDE_STATISTICS_NORMS``: its statistics in float32, the normalised
     values, scale and shift each rounded to the dtype, all as XLA rounds them even under a
-    perturbed run). Else: the mean and E[x^2] each summed in that dtype in XLA's order (:func:`_windowed_sum`)
-    and multiplied by 1/count rounded to it (not exact where count is not a power of two),
-    the variance their difference (at least 0), then 1/std as a square root and a reciprocal
-    each rounded to the dtype (XLA's 16-bit rsqrt: bit for bit on 99.95% of float16 inputs,
-    a quarter of them one ulp off the correctly rounded result); the normalised values, the
-    scale and the shift, each op's result in that dtype. The statistics are computed as XLA
+    perturbed run. Else: the mean and E[x^2] each summed in that dtype in XLA's order
+    (:func:`_windowed_sum`) and multiplied by 1/count rounded to it (not exact where count is
+    not a power of two), the variance their difference (at least 0), then 1/std as a square
+    root and a reciprocal each rounded to the dtype (XLA's 16-bit rsqrt: bit for bit on 99.95%
+    of float16 inputs, a quarter of them one ulp off the correctly rounded result); the
+    normalised values, the scale and the shift, each op's result in that dtype. The statistics are computed as XLA
     rounds them even under :class:`.perturb.PerturbedArithmetic` (only what follows them is
     perturbed): their errors are a function of the rows, so rows that share a variance or a
     layout of large channels lean together by them (up to 0.6 float16 units from the rsqrt
@@ -179,7 +179,8 @@ def layer_norm_in_own_dtype(
     rstd = rstd.reshape(mean.shape)
     if wide:  # normalised in float32, then scaled and shifted, each rounded as XLA rounds it
         with _disable_current_modes():
-            out = _scaled_and_shifted(((x.float() - mean) * rstd).to(x.dtype), weight, bias)
+            scale = rstd if lean is None else rstd * (1 + lean)
+            out = _scaled_and_shifted(((x.float() - mean) * scale).to(x.dtype), weight, bias)
     else:
         out = (x - mean) * rstd if lean is None else ((x - mean).float() * rstd.float() * (1 + lean)).to(x.dtype)
         out = _scaled_and_shifted(out, weight, bias)
