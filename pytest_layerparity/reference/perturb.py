@@ -1,27 +1,23 @@
-"""Monte Carlo arithmetic for a PyTorch module: run it with every floating-point op's result
-rounded another legitimate way, the way Verificarlo, Verrou and CADNA estimate what
-legitimate arithmetic does to a computation.
+"""Monte Carlo arithmetic for a PyTorch module, as Verificarlo, Verrou and CADNA estimate what
+legitimate arithmetic does to a computation: each floating-point op's result rounded anew.
 
 Under :class:`PerturbedArithmetic`, each op whose result is rounded (matmuls, sums,
 elementwise arithmetic, transcendental functions, conversions to a narrower dtype) has its
-floating outputs replaced, in one of two modes:
+floating outputs replaced, in one of three modes:
 
 * ``"jitter"`` (the default): the op is computed again one precision wider (float32 for
   16-bit results, float64 for float32 ones); the result's error against that is kept or
   reflected at random per element (so an accumulation error keeps its size but not its
   sign, as another reduction order would), and the point reached is moved anywhere within
-  half an ulp and rounded to nearest: at ``error_scale`` 1 an elementwise result is off by up
-  to 1.5 ulp (about half an ulp on average), the range of kernels that are not correctly
-  rounded (vendor math libraries allow 1 to 2 ulp for exp, erf, rsqrt) rather than the half
-  ulp of correct rounding; the default scale (below) doubles both parts. See
-  :func:`another_rounding`.
-* ``"stochastic"`` (Verificarlo's and Verrou's stochastic rounding): the same, with the point
-  rounded up or down at random, each neighbour with probability in proportion to its
-  closeness (unbiased, correctly-rounded-sized errors: a weaker null).
-* ``"random"`` (CADNA's and Verrou's random rounding on the result as computed): the result
-  is multiplied by ``1 + u * e`` with ``e`` drawn per element from U(-1, 1), ``u`` the unit
-  roundoff of the output's dtype, plus ``u * s`` with ``s`` drawn once per op from
-  U(-systematic, systematic) (a consistent sub-ulp bias over a whole result), and rounded back.
+  half an ulp and rounded to nearest (float32 results and approximated functions' 16-bit
+  ones: up to 1.5 ulp off at ``error_scale`` 1, the range math libraries document for exp,
+  erf, rsqrt; the default scale doubles both parts) or rounded stochastically (the other
+  16-bit results: kernels compute them in float32 and round once). See :func:`jitters`.
+* ``"stochastic"`` (Verificarlo's and Verrou's): the same, every point rounded up or down
+  at random, each neighbour in proportion to its closeness (a weaker null).
+* ``"random"`` (CADNA's and Verrou's random rounding): the result as computed times
+  ``1 + u * (e + s)``, ``u`` the output dtype's unit roundoff, ``e`` drawn per element from
+  U(-1, 1) and ``s`` once per op from U(-systematic, systematic), rounded back.
 
 Ops that move data without rounding (views, copies, indexing, concatenation, comparisons,
 max/min, integer results) are left exact.
@@ -33,8 +29,9 @@ which results a correct port's kernels legitimately give):
   kernel's, reflected at random: kernels less accurate than the reference's but within what
   math libraries document (1 to 2 ulp), summations in another order or blocking, a compiler
   that rounds intermediates eager did not (torch-xla's float32 BERT layer measures 1.27 times
-  the eager error; see bench/README.md). A 16-bit result keeps scale 1: kernels compute it in
-  float32 and round once, so its error is that rounding whatever the kernel's accuracy;
+  the eager error; see bench/README.md). A 16-bit result keeps scale 1 (kernels compute it
+  in float32 and round once); a pointwise op's on one 16-bit tensor is a function of that
+  tensor's value in each run, as any kernel's is (:func:`.functions.keyed_draws`);
 * fused norms and softmax (``DECOMPOSED_OPS``) run as their decompositions, so their mean,
   variance and sum are perturbed on their own and their error is shared by the whole row;
 * a variance is computed half the time in one pass (E[x^2] - E[x]^2, ``one_pass_var_mean``),
@@ -86,6 +83,7 @@ from .algorithms import (
     layer_norm_in_own_dtype,
     one_pass_var_mean,
 )
+from .functions import jitters, keyed_draws
 from .rounding import _UNIT_ROUNDOFF, _may_round, _rounds, another_rounding, sequential_sum_error_std
 from .wider import (
     FUSED_ATTENTION_OPS,
@@ -134,7 +132,7 @@ def _rounded_wide_result(func: Any, args: tuple, kwargs: dict, exact: list[Any] 
 
 class PerturbedArithmetic(TorchDispatchMode):
     """While active, rounded floating-point results are rounded another legitimate way (see
-    the module's docstring for the two ``mode``s). ``systematic`` scales the per-op bias of
+    the module's docstring for the ``mode``s). ``systematic`` scales the per-op bias of
     the random mode. ``error_scale`` multiplies the error of every float32 or float64 result
     in the other modes (how much less accurate than the reference's kernels this run's are;
     default ERROR_SCALE; 16-bit results keep 1); ``sixteen_bit_sums``: float16 matmuls may sum
@@ -391,7 +389,9 @@ class PerturbedArithmetic(TorchDispatchMode):
                 generator = self._generator(value.device)
                 if self.sixteen_bit_sums and name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION:
                     wide = wide + self._accumulation_error(name, args, value.dtype, generator)
-                perturbed = another_rounding(value, wide, generator, self.mode == "jitter", self._scale(value.dtype))
+                jitter = self.mode == "jitter" and jitters(name, value.dtype)
+                bits = keyed_draws(func, args, value, self.seed, self.samples)
+                perturbed = another_rounding(value, wide, generator, jitter, self._scale(value.dtype), bits)
             if id(value) in inputs:  # an in-place op: perturb the tensor itself
                 value.copy_(perturbed)
                 results.append(value)

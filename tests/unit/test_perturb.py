@@ -751,3 +751,48 @@ def test_a_run_takes_an_alternative_for_every_such_op_or_for_none():
         torch.nn.functional.linear(torch.nn.functional.linear(x.repeat(4, 1), w, b), w, b)
     (pick,) = mode._picks.values()
     assert pick.shape == (4,)
+
+
+def test_a_16_bit_product_is_rounded_stochastically_and_an_approximated_function_jittered():
+    """A bfloat16 product (computed in float32 and rounded once by any kernel) lands on one of
+    the exact value's two neighbours with twice a correct rounding's squared error; a bfloat16
+    exp (kernels approximate it) reaches beyond them, at about four times that error."""
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(256, 256, generator=g).bfloat16(), torch.randn(256, 256, generator=g).bfloat16()
+    measured = {}
+    for name, op, exact in (("mul", lambda: a * b, a.double() * b.double()), ("exp", a.exp, a.double().exp())):
+        with PerturbedArithmetic(7):
+            out = op()
+        nearest = exact.to(torch.bfloat16)
+        below = nearest.double() > exact
+        other = torch.nextafter(nearest, torch.where(below, -torch.inf, torch.inf).to(torch.bfloat16))
+        neighbours = ((out == nearest) | ((out == other) & (nearest.double() != exact))).double().mean().item()
+        squared = ((out.double() - exact).pow(2).mean() / (nearest.double() - exact).pow(2).mean()).item()
+        measured[name] = (neighbours, squared)
+    assert measured["mul"][0] == 1.0 and 1.8 < measured["mul"][1] < 2.2
+    assert measured["exp"][0] < 0.95 and measured["exp"][1] > 3.0
+
+
+def test_a_pointwise_ops_16_bit_error_is_a_function_of_its_one_tensors_values_in_each_run():
+    """A bfloat16 GELU, or a scale of one tensor, errs by the same amount wherever its input
+    takes the same value within a run (any kernel's error on it is a function of its input),
+    another amount in another run, and in each of several runs stacked in one call; a product
+    of two tensors (here the same scale as a tensor) draws each element's error afresh."""
+    values = torch.randn(64, generator=torch.Generator().manual_seed(8)).bfloat16()
+    x = values[torch.randint(0, 64, (2, 4096), generator=torch.Generator().manual_seed(9))]
+
+    def outputs_per_value(inputs: torch.Tensor, outputs: torch.Tensor) -> int:
+        return max(len(set(outputs[inputs == v].tolist())) for v in values.unique())
+
+    with PerturbedArithmetic(1):
+        one, scaled = torch.nn.functional.gelu(x), x * 0.7
+        product = x * torch.full_like(x, 0.7)  # the same values, from two tensors
+    with PerturbedArithmetic(2):
+        two = torch.nn.functional.gelu(x)
+    with PerturbedArithmetic(1, samples=2):
+        stacked = torch.nn.functional.gelu(x)
+    assert outputs_per_value(x, one) == 1 and outputs_per_value(x, two) == 1 and not torch.equal(one, two)
+    assert outputs_per_value(x, scaled) == 1 and not torch.equal(scaled, (x.float() * 0.7).bfloat16())
+    assert outputs_per_value(x[0], stacked[0]) == 1 and outputs_per_value(x[1], stacked[1]) == 1
+    assert outputs_per_value(torch.cat([x[0], x[1]]), torch.cat([stacked[0], stacked[1]])) > 1  # runs differ
+    assert outputs_per_value(x, product) > 1

@@ -1,0 +1,82 @@
+"""Pointwise ops' 16-bit results in the perturbed runs (:mod:`.perturb`): the elementwise
+functions that kernels approximate (exp, GELU, SiLU, ...) moved within half an ulp before
+they are rounded, where other 16-bit results are rounded stochastically (:func:`jitters`);
+the draws of a pointwise op of one 16-bit tensor a function of that tensor's values and of
+the run (:func:`keyed_draws`)."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+from .rounding import _UNIT_ROUNDOFF
+
+#: Elementwise functions that kernels compute by approximation (polynomials, tables, several
+#: steps) rather than as one correctly rounded operation. torch-xla lowers some of them to
+#: several ops that each round to the 16-bit dtype: its bfloat16 GELU errs along GELU's other
+#: form 1.6 to 2.2 times a correctly rounded one (bench/README.md), and with these rounded
+#: stochastically as the other 16-bit results, a torch-xla BERT layer read beyond its runs.
+APPROXIMATED_FUNCTIONS = frozenset(
+    {
+        "exp", "exp2", "expm1", "log", "log1p", "log2", "log10", "pow", "sqrt", "rsqrt",
+        "reciprocal", "sigmoid", "silu", "gelu", "tanh", "erf", "erfc", "erfinv", "softplus",
+        "elu", "selu", "celu", "mish", "logit", "log_sigmoid_forward", "sin", "cos", "tan",
+        "atan", "atan2", "sinh", "cosh", "_softmax", "_log_softmax",
+    }
+)  # fmt: skip
+
+
+def jitters(name: str, dtype: torch.dtype) -> bool:
+    """Whether a perturbed run in the ``"jitter"`` mode moves op ``name``'s result in
+    ``dtype`` within half an ulp (times its error scale) before rounding it to nearest, where
+    otherwise it rounds it stochastically (:func:`.rounding.another_rounding`). A float32 or
+    float64 result always: its kernel's own error (a library's exp, a long sum) varies beyond
+    one rounding. A 16-bit one only from ``APPROXIMATED_FUNCTIONS``: kernels compute the rest
+    (matmuls, sums, elementwise arithmetic, conversions) in float32 and round once, so
+    another kernel's result differs by one rounding at most; rounding the other legitimate
+    point stochastically gives twice a correct rounding's squared error, the move within half
+    an ulp three times (bfloat16 runs 1.87 times as noisy as torch-xla's ports, 1.34 after:
+    bench/README.md)."""
+    wide = _UNIT_ROUNDOFF.get(dtype, 0.0) <= _UNIT_ROUNDOFF[torch.float32]
+    return wide or name.rstrip("_") in APPROXIMATED_FUNCTIONS
+
+
+_MASK31 = (1 << 31) - 1
+_MIX = (0x2C1B3C6D, 0x297A2D39, 0x5BD1E995)
+
+
+def keyed_halves(x: torch.Tensor, name: str, seed: int, samples: int = 1) -> torch.Tensor:
+    """One 15-bit draw per element of a 16-bit ``x`` (int32, as
+    :func:`.rounding.random_halves`), a function of the element's value, of op ``name`` and of
+    the run: the seed, and with ``samples`` runs stacked along the first dimension, the
+    element's run. A kernel computing a function of one tensor errs by a fixed amount at each
+    of its values, and a 16-bit tensor takes a few thousand values: such errors do not average
+    out along a smooth direction as draws made afresh per element do (bench/README.md)."""
+    rows = x.shape[0] if x.dim() else 1
+    runs = samples if x.dim() and samples > 1 and rows % samples == 0 else 1
+    run = torch.arange(runs, device=x.device).repeat_interleave(rows // runs).view(-1, *([1] * (x.dim() - 1)))
+    key = (seed * 1_000_003 + zlib.crc32(name.encode())) & _MASK31
+    h = x.view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF).add_((run * 0x10001 + key) & _MASK31)
+    for multiplier in _MIX:  # a 31-bit integer mix: xor-shift, then multiply (no overflow in int64)
+        h.bitwise_xor_(h >> 15).mul_(multiplier).bitwise_and_(_MASK31)
+    return (h >> 8).bitwise_and_(0x7FFF).to(torch.int32)
+
+
+def keyed_draws(func: Any, args: tuple, value: torch.Tensor, seed: int, samples: int) -> torch.Tensor | None:
+    """The draws of a pointwise op's 16-bit result ``value`` in a run (``seed``; ``samples``
+    stacked), keyed by the values of its one tensor operand (:func:`keyed_halves`): the op
+    takes one tensor of the result's shape and dtype, the rest scalars (an activation, a
+    scale, a shift, a power; a chain of them, as a GELU written out in tensor ops is). Its
+    result is then a function of that tensor's values, and so is any kernel's error on it,
+    whether the op rounds once or an approximation errs. Else None (drawn afresh)."""
+    if value.dtype not in (torch.bfloat16, torch.float16) or torch.Tag.pointwise not in func.tags:
+        return None
+    tensors = {id(a): a for a in args if isinstance(a, torch.Tensor) and a.numel() > 1}
+    if len(tensors) != 1:
+        return None
+    (x,) = tensors.values()
+    if x.shape != value.shape or x.dtype != value.dtype:
+        return None
+    return keyed_halves(x, func.overloadpacket.__name__.rstrip("_"), seed, samples)
