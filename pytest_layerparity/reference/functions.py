@@ -37,8 +37,8 @@ def jitters(name: str, dtype: torch.dtype) -> bool:
     (matmuls, sums, elementwise arithmetic, conversions) in float32 and round once, so
     another kernel's result differs by one rounding at most; rounding the other legitimate
     point stochastically gives twice a correct rounding's squared error, the move within half
-    an ulp three times (bfloat16 runs 1.87 times as noisy as torch-xla's ports, 1.34 after:
-    bench/README.md)."""
+    an ulp three times (the runs' largest bfloat16 noise_ratio 1.87 times a torch-xla port's,
+    1.35 after: bench/README.md)."""
     wide = _UNIT_ROUNDOFF.get(dtype, 0.0) <= _UNIT_ROUNDOFF[torch.float32]
     return wide or name.rstrip("_") in APPROXIMATED_FUNCTIONS
 
