@@ -7,6 +7,8 @@ the run (:func:`keyed_draws`)."""
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -47,30 +49,40 @@ _MASK31 = (1 << 31) - 1
 _MIX = (0x2C1B3C6D, 0x297A2D39, 0x5BD1E995)
 
 
-def keyed_halves(x: torch.Tensor, name: str, seed: int, samples: int = 1) -> torch.Tensor:
+def keyed_halves(
+    x: torch.Tensor, name: str, seed: int, samples: int = 1, start: int = 0, stop: int | None = None
+) -> torch.Tensor:
     """One 15-bit draw per element of a 16-bit ``x`` (int32, as
-    :func:`.rounding.random_halves`), a function of the element's value, of op ``name`` and of
-    the run: the seed, and with ``samples`` runs stacked along the first dimension, the
-    element's run. A kernel computing a function of one tensor errs by a fixed amount at each
-    of its values, and a 16-bit tensor takes a few thousand values: such errors do not average
-    out along a smooth direction as draws made afresh per element do (bench/README.md)."""
+    :func:`.rounding.random_halves`; of its flat elements ``start`` to ``stop``), a function
+    of the element's value, of op ``name`` and of the run: the seed, and with ``samples`` runs
+    stacked along the first dimension, the element's run. A kernel computing a function of one
+    tensor errs by a fixed amount at each of its values, and a 16-bit tensor takes a few
+    thousand values: such errors do not average out along a smooth direction as draws made
+    afresh per element do (bench/README.md)."""
+    n = x.numel()
+    stop = n if stop is None else stop
     rows = x.shape[0] if x.dim() else 1
     runs = samples if x.dim() and samples > 1 and rows % samples == 0 else 1
-    run = torch.arange(runs, device=x.device).repeat_interleave(rows // runs).view(-1, *([1] * (x.dim() - 1)))
+    run = torch.arange(start, stop, device=x.device).floor_divide_(max(1, n // runs))
     key = (seed * 1_000_003 + zlib.crc32(name.encode())) & _MASK31
-    h = x.view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF).add_((run * 0x10001 + key) & _MASK31)
+    h = x.reshape(-1)[start:stop].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
+    h.add_(run.mul_(0x10001).add_(key).bitwise_and_(_MASK31))
     for multiplier in _MIX:  # a 31-bit integer mix: xor-shift, then multiply (no overflow in int64)
         h.bitwise_xor_(h >> 15).mul_(multiplier).bitwise_and_(_MASK31)
     return (h >> 8).bitwise_and_(0x7FFF).to(torch.int32)
 
 
-def keyed_draws(func: Any, args: tuple, value: torch.Tensor, seed: int, samples: int) -> torch.Tensor | None:
+def keyed_draws(
+    func: Any, args: tuple, value: torch.Tensor, seed: int, samples: int
+) -> Callable[[int, int], torch.Tensor] | None:
     """The draws of a pointwise op's 16-bit result ``value`` in a run (``seed``; ``samples``
     stacked), keyed by the values of its one tensor operand (:func:`keyed_halves`): the op
     takes one tensor of the result's shape and dtype, the rest scalars (an activation, a
     scale, a shift, a power; a chain of them, as a GELU written out in tensor ops is). Its
     result is then a function of that tensor's values, and so is any kernel's error on it,
-    whether the op rounds once or an approximation errs. Else None (drawn afresh)."""
+    whether the op rounds once or an approximation errs. Returned as the draws of the flat
+    elements ``start`` to ``stop`` (a block's at a time: :func:`.rounding.another_rounding`);
+    None where they are drawn afresh."""
     if value.dtype not in (torch.bfloat16, torch.float16) or torch.Tag.pointwise not in func.tags:
         return None
     tensors = {id(a): a for a in args if isinstance(a, torch.Tensor) and a.numel() > 1}
@@ -79,4 +91,4 @@ def keyed_draws(func: Any, args: tuple, value: torch.Tensor, seed: int, samples:
     (x,) = tensors.values()
     if x.shape != value.shape or x.dtype != value.dtype:
         return None
-    return keyed_halves(x, func.overloadpacket.__name__.rstrip("_"), seed, samples)
+    return partial(keyed_halves, x, func.overloadpacket.__name__.rstrip("_"), seed, samples)

@@ -390,8 +390,8 @@ class PerturbedArithmetic(TorchDispatchMode):
                 if self.sixteen_bit_sums and name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION:
                     wide = wide + self._accumulation_error(name, args, value.dtype, generator)
                 jitter = self.mode == "jitter" and jitters(name, value.dtype)
-                bits = keyed_draws(func, args, value, self.seed, self.samples)
-                perturbed = another_rounding(value, wide, generator, jitter, self._scale(value.dtype), bits)
+                draws = keyed_draws(func, args, value, self.seed, self.samples)
+                perturbed = another_rounding(value, wide, generator, jitter, self._scale(value.dtype), draws)
             if id(value) in inputs:  # an in-place op: perturb the tensor itself
                 value.copy_(perturbed)
                 results.append(value)

@@ -7,6 +7,7 @@ result given the op computed one precision wider (:func:`stochastic_round`,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -231,7 +232,7 @@ def another_rounding(
     generator: torch.Generator,
     jitter: bool = False,
     scale: float = 1.0,
-    bits: torch.Tensor | None = None,
+    draws: Callable[[int, int], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Another legitimate value of an op's ``result``, given the op computed one precision
     wider (``wide``): per element, the result's error against ``wide`` is kept or reflected
@@ -248,16 +249,17 @@ def another_rounding(
     sign, the rest (``UNIFORM_BITS``) a uniform number in (0, 1), at the middle of one of
     2^14 equal steps, for the jitter or the stochastic rounding. On the CPU a result of more
     than ``ROUNDING_BLOCK`` elements is worked through in blocks with the same draws as the
-    whole. ``bits``: each element's 15-bit draw, given (:func:`.functions.keyed_halves`)."""
+    whole. ``draws(start, stop)``: the 15-bit draws of the flat elements ``start`` to ``stop``,
+    given (:func:`.functions.keyed_draws`), in place of the generator's."""
     n = wide.numel()
     if wide.device.type != "cpu" or n <= ROUNDING_BLOCK:
-        return _another_rounding(result, wide, generator, jitter, scale, bits)
+        return _another_rounding(result, wide, generator, jitter, scale, None if draws is None else draws(0, n))
     out = torch.empty(wide.shape, dtype=result.dtype, device=wide.device)
     flat_out, flat_result, flat_wide = out.view(-1), result.reshape(-1), wide.reshape(-1)
     block = max(2, ROUNDING_BLOCK - ROUNDING_BLOCK % 2)
     for start in range(0, n, block):
         stop = min(start + block, n)
-        given = None if bits is None else bits.reshape(-1)[start:stop]
+        given = None if draws is None else draws(start, stop)
         part = _another_rounding(flat_result[start:stop], flat_wide[start:stop], generator, jitter, scale, given)
         flat_out[start:stop] = part
         del part
@@ -274,9 +276,8 @@ def _another_rounding(
 ) -> torch.Tensor:
     """:func:`another_rounding` of one block."""
     if bits is None:
-        bits = random_halves(wide.numel(), generator, wide.device).view(wide.shape)
-    else:
-        bits = bits.reshape(wide.shape).clone()  # used up in place below
+        bits = random_halves(wide.numel(), generator, wide.device)
+    bits = bits.view(wide.shape)  # used up in place below
     # the error where it is finite, else none (an infinite or NaN result is kept as computed)
     point = result.to(wide.dtype).sub_(wide).nan_to_num_(0.0, 0.0, 0.0)
     flip = (bits & 1).bitwise_xor_(1).to(_SAME_WIDTH_INT[wide.dtype])  # the lowest bit 1: kept, 0: reflected

@@ -796,3 +796,19 @@ def test_a_pointwise_ops_16_bit_error_is_a_function_of_its_one_tensors_values_in
     assert outputs_per_value(x[0], stacked[0]) == 1 and outputs_per_value(x[1], stacked[1]) == 1
     assert outputs_per_value(torch.cat([x[0], x[1]]), torch.cat([stacked[0], stacked[1]])) > 1  # runs differ
     assert outputs_per_value(x, product) > 1
+
+
+def test_keyed_draws_are_the_same_drawn_in_blocks(monkeypatch):
+    """A pointwise op's draws keyed by value are the same whether its result is rounded whole
+    or in blocks (the CPU's blocks keep the temporaries small), for stacked runs too."""
+    from pytest_layerparity.reference.functions import keyed_halves
+
+    x = torch.randn(4, 250, generator=torch.Generator().manual_seed(10)).bfloat16()
+    whole = keyed_halves(x, "gelu", 3, samples=2)
+    assert torch.equal(torch.cat([keyed_halves(x, "gelu", 3, 2, a, a + 100) for a in range(0, 1000, 100)]), whole)
+    outs = []
+    for block in (1 << 18, 100):
+        monkeypatch.setattr(rounding, "ROUNDING_BLOCK", block)
+        with PerturbedArithmetic(3, samples=2):
+            outs.append(torch.nn.functional.gelu(x))
+    assert torch.equal(outs[0], outs[1])
