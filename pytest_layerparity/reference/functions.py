@@ -91,4 +91,6 @@ def keyed_draws(
     (x,) = tensors.values()
     if x.shape != value.shape or x.dtype != value.dtype:
         return None
-    return partial(keyed_halves, x, func.overloadpacket.__name__.rstrip("_"), seed, samples)
+    # contiguous once: each block's draws read a slice of it (a strided operand would be
+    # copied whole for every block otherwise)
+    return partial(keyed_halves, x.contiguous(), func.overloadpacket.__name__.rstrip("_"), seed, samples)
