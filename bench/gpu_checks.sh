@@ -5,15 +5,16 @@
 # the main job in $OUT/goldens-cuda.tar.gz (test them here with `pytest --xla --golden-dir
 # DIR`), each pytest run's JUnit XML beside them, a cProfile of a batched extraction in
 # $OUT/extract.prof.
-#   bash bench/gpu_checks.sh [seconds for all of it, default 500] [the verdict bench's dtypes,
-#       default bfloat16 (173 s on an H200; all three took 262 s)] [the verdict bench's
-#       --hidden-size, default 64 (512 with five models: 91 s for bfloat16 on an H200)]
+#   bash bench/gpu_checks.sh [seconds for all of it, default 560: 432 s on an H200 without the
+#       last step] [the verdict bench's dtypes, default bfloat16 (206 s on an H200; all three
+#       took 262 s before)] [the verdict bench's --hidden-size, default 64 (512 with six
+#       models: 125 s for bfloat16 on an H200)]; float32 on six models after it
 set -u
 OUT=${OUT:-/tmp/gpu-checks}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 PLUGIN=(-p pytest_layerparity.plugin -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning)
-END=$(( $(date +%s) + ${1:-500} ))
+END=$(( $(date +%s) + ${1:-560} ))
 step() { echo; echo "=== $* ($(date +%T))"; }
 # within SECONDS COMMAND...: the command, stopped after SECONDS or when the budget runs out
 within() {
@@ -53,5 +54,9 @@ within 60 python3 -m pytest -q "${PLUGIN[@]}" tests/unit/test_perturb.py tests/u
 step "bench_verdicts: goldens on the CPU, correct ports and planted bugs on CUDA, ${2:-bfloat16}, width ${3:-64}"
 within 600 python3 bench/bench_verdicts.py --golden-device cpu --port-target cuda \
     --dtypes "${2:-bfloat16}" --hidden-size "${3:-64}" --skip-k --skip-sweep
+
+step "bench_verdicts on CUDA, float32, six models (104 s on an H200)"
+within 200 python3 bench/bench_verdicts.py --golden-device cpu --port-target cuda --dtypes float32 \
+    --models minimax_m2,llama,qwen3_moe,phi,gemma2,bert --skip-k --skip-sweep
 step done
 } 2>&1 | tee "$OUT/log"

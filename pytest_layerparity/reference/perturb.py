@@ -9,10 +9,10 @@ floating outputs replaced, in one of three modes:
   16-bit results, float64 for float32 ones); the result's error against that is kept or
   reflected at random per element (so an accumulation error keeps its size but not its
   sign, as another reduction order would), and the point reached is moved anywhere within
-  half an ulp and rounded to nearest (float32 results and approximated functions' 16-bit
-  ones: up to 1.5 ulp off at ``error_scale`` 1, the range math libraries document for exp,
-  erf, rsqrt; the default scale doubles both parts) or rounded stochastically (the other
-  16-bit results: kernels compute them in float32 and round once). See :func:`jitters`.
+  half an ulp and rounded to nearest (approximated functions: up to 1.5 ulp off at
+  ``error_scale`` 1, the range math libraries document for exp, erf, rsqrt; the default
+  scale doubles both parts for a float32 result) or rounded stochastically (the other
+  results: another summation order, one rounding). See :func:`.functions.approximated`.
 * ``"stochastic"`` (Verificarlo's and Verrou's): the same, every point rounded up or down
   at random, each neighbour in proportion to its closeness (a weaker null).
 * ``"random"`` (CADNA's and Verrou's random rounding): the result as computed times
@@ -25,13 +25,12 @@ max/min, integer results) are left exact.
 What a run models beyond rounding each op another way (all three answer the same question:
 which results a correct port's kernels legitimately give):
 
-* every float32 (or float64) result's error is ``ERROR_SCALE`` (2) times the reference
-  kernel's, reflected at random: kernels less accurate than the reference's but within what
-  math libraries document (1 to 2 ulp), summations in another order or blocking, a compiler
-  that rounds intermediates eager did not (torch-xla's float32 BERT layer measures 1.27 times
-  the eager error; see bench/README.md). A 16-bit result keeps scale 1 (kernels compute it
-  in float32 and round once); a pointwise op's on one 16-bit tensor is a function of that
-  tensor's value in each run, as any kernel's is (:func:`.functions.keyed_draws`);
+* an approximated function's float32 (or float64) result errs ``ERROR_SCALE`` (2) times the
+  reference kernel's, reflected at random: within what math libraries document (1 to 2
+  ulp); every other result keeps the reference's error, its sign drawn anew (another order
+  of a sum), and a 16-bit one scale 1 (computed in float32, rounded once); a pointwise op's
+  on one 16-bit tensor is a function of that tensor's value in each run, as any kernel's is
+  (:func:`.functions.keyed_draws`);
 * fused norms and softmax (``DECOMPOSED_OPS``) run as their decompositions, so their mean,
   variance and sum are perturbed on their own and their error is shared by the whole row;
 * a variance is computed half the time in one pass (E[x^2] - E[x]^2, ``one_pass_var_mean``),
@@ -83,7 +82,7 @@ from .algorithms import (
     layer_norm_in_own_dtype,
     one_pass_var_mean,
 )
-from .functions import jitters, keyed_draws
+from .functions import approximated, keyed_draws
 from .rounding import _UNIT_ROUNDOFF, _may_round, _rounds, another_rounding, sequential_sum_error_std
 from .wider import (
     FUSED_ATTENTION_OPS,
@@ -96,10 +95,9 @@ from .wider import (
 )
 
 MODES = ("jitter", "stochastic", "random")
-#: How much less accurate than the reference's kernels a legitimate run's are: each op's error
-#: twice the reference kernel's (vendor math libraries document 1 to 2 ulp for exp, erf,
-#: rsqrt; a blocked or sequential summation against the reference's pairwise one; a compiler
-#: that fuses, reassociates and rounds intermediates where eager did not).
+#: How much less accurate than the reference's kernels a legitimate run's approximated
+#: functions are in float32: twice the reference kernel's error (vendor math libraries
+#: document 1 to 2 ulp for exp, erf, rsqrt).
 ERROR_SCALE = 2.0
 #: Result dtypes whose matmuls a legitimate kernel may accumulate in the result's own dtype.
 SIXTEEN_BIT_ACCUMULATION = frozenset({torch.float16})
@@ -133,10 +131,11 @@ def _rounded_wide_result(func: Any, args: tuple, kwargs: dict, exact: list[Any] 
 class PerturbedArithmetic(TorchDispatchMode):
     """While active, rounded floating-point results are rounded another legitimate way (see
     the module's docstring for the ``mode``s). ``systematic`` scales the per-op bias of
-    the random mode. ``error_scale`` multiplies the error of every float32 or float64 result
-    in the other modes (how much less accurate than the reference's kernels this run's are;
-    default ERROR_SCALE; 16-bit results keep 1); ``sixteen_bit_sums``: float16 matmuls may sum
-    in float16 (``SIXTEEN_BIT_ACCUMULATION``). ``ops`` counts the results perturbed."""
+    the random mode. ``error_scale`` multiplies the error of an approximated function's
+    float32 or float64 result in the other modes (how much less accurate than the
+    reference's kernels this run's are; default ERROR_SCALE; every other result keeps 1);
+    ``sixteen_bit_sums``: float16 matmuls may sum in float16 (``SIXTEEN_BIT_ACCUMULATION``).
+    ``ops`` counts the results perturbed."""
 
     def __init__(
         self,
@@ -179,11 +178,12 @@ class PerturbedArithmetic(TorchDispatchMode):
         bias = (torch.rand((), generator=generator, dtype=work, device=tensor.device) * 2 - 1) * self.systematic
         return (tensor.detach().to(work) * (1 + u * (noise + bias))).to(tensor.dtype)
 
-    def _scale(self, dtype: torch.dtype) -> float:
-        """The error scale of a result in ``dtype``: ``error_scale`` for float32 and float64
-        results; 1 for 16-bit ones, which kernels compute in float32 and round once, so their
-        error is that rounding whatever the kernel's own accuracy."""
-        return self.error_scale if _UNIT_ROUNDOFF.get(dtype, 1.0) <= _UNIT_ROUNDOFF[torch.float32] else 1.0
+    def _scale(self, name: str, dtype: torch.dtype) -> float:
+        """The error scale of op ``name``'s result in ``dtype``: ``error_scale`` for an
+        approximated function's float32 or float64 result (:func:`.functions.approximated`);
+        else 1 (a 16-bit result is computed in float32 and rounded once whatever the kernel)."""
+        wide = _UNIT_ROUNDOFF.get(dtype, 1.0) <= _UNIT_ROUNDOFF[torch.float32]
+        return self.error_scale if wide and approximated(name) else 1.0
 
     def _topk_ties_broken(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``topk`` with exact ties among its candidates broken in a random order of this
@@ -389,9 +389,9 @@ class PerturbedArithmetic(TorchDispatchMode):
                 generator = self._generator(value.device)
                 if self.sixteen_bit_sums and name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION:
                     wide = wide + self._accumulation_error(name, args, value.dtype, generator)
-                jitter = self.mode == "jitter" and jitters(name, value.dtype)
+                jitter, scale = self.mode == "jitter" and approximated(name), self._scale(name, value.dtype)
                 draws = keyed_draws(func, args, value, self.seed, self.samples)
-                perturbed = another_rounding(value, wide, generator, jitter, self._scale(value.dtype), draws)
+                perturbed = another_rounding(value, wide, generator, jitter, scale, draws)
             if id(value) in inputs:  # an in-place op: perturb the tensor itself
                 value.copy_(perturbed)
                 results.append(value)
