@@ -148,9 +148,9 @@ def main() -> None:
     ids = torch.randint(0, WIDTH["vocab_size"], (1, args.seq_len), generator=torch.Generator().manual_seed(0))
     bf16_first, bf16 = plain_forward(model, torch.bfloat16, ids, args.repeats, args.device)
     fp32_first, fp32 = plain_forward(model, torch.float32, ids, args.repeats, args.device)
-    # The first perturbed op imports torch._dynamo (torch's dispatch modes are wrapped in its
-    # disable decorator): a one-time cost of the process, whatever the model (7.8 s of source
-    # compiled on a GPU machine without torch's bytecode cache), timed beside model loading.
+    # The first perturbed op would import torch._dynamo (torch's dispatch modes are wrapped in
+    # its disable decorator) if nothing before it has: a one-time cost of the process, whatever
+    # the model (seconds where torch's bytecode is not cached), timed beside model loading.
     started = time.perf_counter()
     importlib.import_module("torch._dynamo")
     imports = time.perf_counter() - started

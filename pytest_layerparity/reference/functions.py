@@ -37,7 +37,7 @@ def approximated(name: str) -> bool:
     error, kept or reflected, and is rounded stochastically, in every dtype: another kernel
     sums in another order (an error of the reference's size, its sign anew) and rounds once.
     So the runs' largest noise_ratio reads 1.35 times a torch-xla port's in bfloat16 (1.87
-    with every 16-bit result moved) and 1.43 in float32 (2.50 with every float32 result
+    with every 16-bit result moved) and 1.43 in float32 (2.51 with every float32 result
     moved at twice its error): bench/README.md."""
     return name.rstrip("_") in APPROXIMATED_FUNCTIONS
 
