@@ -67,6 +67,14 @@ def test_each_mode_stays_within_its_bound_and_varies_with_the_seed(mode, dtype):
     assert relative <= 3.0
 
 
+def _on_neighbours(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Where ``out`` is one of the two values of its dtype around ``exact`` (float64): the
+    nearest, or the next one on the exact value's side where it is not representable."""
+    nearest = exact.to(out.dtype)
+    toward = torch.where(nearest.double() > exact, -torch.inf, torch.inf).to(out.dtype)
+    return (out == nearest) | ((out == torch.nextafter(nearest, toward)) & (nearest.double() != exact))
+
+
 def test_a_float32_exp_is_moved_and_scaled_where_a_product_is_rounded_once():
     """In the jitter mode a float32 exp (an approximated function) is moved within half an
     ulp and its error doubled (the default error scale): it reaches beyond the 3u that rounding a
@@ -83,10 +91,7 @@ def test_a_float32_exp_is_moved_and_scaled_where_a_product_is_rounded_once():
         unscaled = torch.exp(a)
     assert reach > 3.0 and reach > ((unscaled.double() - wide_exp).abs() / wide_exp).max().item() / u
     assert ((product.double() - wide_product).abs() / wide_product.abs()).max().item() / u <= 3.0
-    nearest = wide_product.float()
-    toward = torch.where(nearest.double() < wide_product, float("inf"), -float("inf")).float()
-    neighbours = (product == nearest) | (product == torch.nextafter(nearest, toward))
-    assert bool(neighbours.all()) and not torch.equal(product, nearest)
+    assert bool(_on_neighbours(product, wide_product).all()) and not torch.equal(product, wide_product.float())
 
 
 def test_error_scale_multiplies_an_ops_error():
@@ -783,9 +788,7 @@ def test_a_16_bit_product_is_rounded_stochastically_and_an_approximated_function
         with PerturbedArithmetic(7):
             out = op()
         nearest = exact.to(torch.bfloat16)
-        below = nearest.double() > exact
-        other = torch.nextafter(nearest, torch.where(below, -torch.inf, torch.inf).to(torch.bfloat16))
-        neighbours = ((out == nearest) | ((out == other) & (nearest.double() != exact))).double().mean().item()
+        neighbours = _on_neighbours(out, exact).double().mean().item()
         squared = ((out.double() - exact).pow(2).mean() / (nearest.double() - exact).pow(2).mean()).item()
         measured[name] = (neighbours, squared)
     assert measured["mul"][0] == 1.0 and 1.8 < measured["mul"][1] < 2.2
