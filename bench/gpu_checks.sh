@@ -27,6 +27,9 @@ step environment
 nvidia-smi -L
 python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__, torch.cuda.get_device_name(0))"
 
+step "how far CUDA's float32 attention kernels lean toward zero, beside the perturbed runs' lean (10 s)"
+within 60 python3 bench/bench_tensor_core_attention.py
+
 step "bench_extraction on CUDA: each call's perturbed runs as one batch, then one at a time"
 within 120 python3 bench/bench_extraction.py --device cuda --layers 8 --seq-len 2048
 within 120 python3 bench/bench_extraction.py --device cuda --layers 8 --seq-len 2048 --one-at-a-time

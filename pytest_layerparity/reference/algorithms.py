@@ -1,7 +1,7 @@
 """Other legitimate algorithms of an op than the one torch's kernel uses, for the perturbed
 runs (:mod:`.perturb`) to draw from: fused kernels run as their decompositions, a variance in
 one pass, a float16 layer norm computed in float16, a 16-bit matmul with a bias whose product
-is rounded before the bias is added."""
+is rounded before the bias is added, a top-k that takes other equal candidates."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+
+from .wider import _named_arguments
 
 
 def _decomposed_ops() -> dict[Any, Any]:
@@ -221,3 +223,16 @@ def addmm_product(mat1: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
     """``mat1 @ mat2`` of 16-bit operands computed in float32 (their products exact, summed
     in float32) and rounded to nearest in their dtype: a kernel's product."""
     return torch.mm(mat1.float(), mat2.float()).to(mat1.dtype)
+
+
+def topk_ties_broken(func: Any, args: tuple, kwargs: dict, generator: torch.Generator) -> Any:
+    """``topk`` with exact ties among its candidates broken in an order drawn from
+    ``generator``: the candidates are shuffled along the dimension, chosen from, and mapped
+    back (the same values; which of equal candidates comes first is drawn)."""
+    named = _named_arguments(func, args, kwargs)
+    x, dim = named["self"], named.get("dim", -1)
+    if x.dim() == 0 or x.numel() == 0:
+        return func(*args, **kwargs)
+    order = torch.rand(x.shape, generator=generator, device=x.device).argsort(dim=dim)
+    values, picked = func(x.gather(dim, order), named["k"], dim, named.get("largest", True), named.get("sorted", True))
+    return values, order.gather(dim, picked)

@@ -41,6 +41,11 @@ if TYPE_CHECKING:
 
 #: Seeds of the perturbed runs: run k of any layer uses BASE_SEED + k.
 BASE_SEED = 1000
+#: What the perturbed runs compute, as a number raised with each change of it (an alternative
+#: drawn, an error scaled otherwise): a store's manifest records it, and an extraction into a
+#: store made under another refuses to mix their envelopes (the whole model's is kept where it
+#: verifies). 2: half the runs' fused float32 attention leaning toward zero (.tensor_cores).
+ENVELOPE_RULE = 2
 
 
 @dataclass

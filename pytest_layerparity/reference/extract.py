@@ -36,7 +36,7 @@ from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, UNCALLED_KEY, GoldenE
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit, mixed_dtype_failure
 from .devices import resolve_golden_device
-from .envelope import PerturbedRunner
+from .envelope import ENVELOPE_RULE, PerturbedRunner
 from .floor import FloorEvaluator
 from .inputs import input_description, make_input_ids
 from .memory import give_back_memory
@@ -414,6 +414,10 @@ class ReferenceSide:
             "reference_device": self.golden_device.split(":")[0],
             "inputs": input_description(self.settings),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "envelope": {
+                "rule": ENVELOPE_RULE,
+                "runs": 0 if self.settings.no_precision_floor else self.settings.envelope_samples,
+            },
             # of every layer (not only those selected), known once the reference has run
             **({UNCALLED_KEY: {str(i): c for i, c in self._run.uncalled.items()}} if self._run is not None else {}),
         }

@@ -42,7 +42,9 @@ which results a correct port's kernels legitimately give):
   normalised values, scale and shift each rounded to the dtype; in half the runs (drawn
   apart), every 16-bit matmul with a bias rounds its product before adding the bias
   (``PRODUCT_ROUNDED_ADDMM``), as XLA's dot-then-add does (its double rounding's lean
-  included). A backend lowers all such ops one way: a run takes an alternative for all or none;
+  included); in half the runs (drawn apart), a fused float32 attention's results lean toward
+  zero, as tensor cores return them (:mod:`.tensor_cores`). A backend lowers all such
+  ops one way: a run takes an alternative for all or none;
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
   (``SIXTEEN_BIT_ACCUMULATION``): tensor cores' float16-accumulate mode, XLA's CPU backend (its
   float16 dot measured 12 times eager's error: bench/README.md). Its error is drawn at the size
@@ -81,9 +83,11 @@ from .algorithms import (
     addmm_product,
     layer_norm_in_own_dtype,
     one_pass_var_mean,
+    topk_ties_broken,
 )
 from .functions import approximated, keyed_draws
-from .rounding import _UNIT_ROUNDOFF, _may_round, _rounds, another_rounding, sequential_sum_error_std
+from .rounding import _UNIT_ROUNDOFF, ACCUMULATING_OPS, _may_round, _rounds, accumulation_error, another_rounding
+from .tensor_cores import with_tensor_core_rows
 from .wider import (
     FUSED_ATTENTION_OPS,
     WIDENED_ATTENTION_OPS,
@@ -101,8 +105,6 @@ MODES = ("jitter", "stochastic", "random")
 ERROR_SCALE = 2.0
 #: Result dtypes whose matmuls a legitimate kernel may accumulate in the result's own dtype.
 SIXTEEN_BIT_ACCUMULATION = frozenset({torch.float16})
-#: Matmul ops, by packet name, with the positions of their two factors (m x k and k x n).
-ACCUMULATING_OPS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
 
 
 def _rounded_wide_result(func: Any, args: tuple, kwargs: dict, exact: list[Any] | None) -> torch.Tensor | None:
@@ -186,21 +188,9 @@ class PerturbedArithmetic(TorchDispatchMode):
         return self.error_scale if wide and approximated(name) else 1.0
 
     def _topk_ties_broken(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """``topk`` with exact ties among its candidates broken in a random order of this
-        run's: the candidates are shuffled along the dimension, chosen from, and mapped back
-        (the same values; which of equal candidates comes first is drawn)."""
-        named = _named_arguments(func, args, kwargs)
-        x, dim = named["self"], named.get("dim", -1)
-        if x.dim() == 0 or x.numel() == 0:
-            return func(*args, **kwargs)
-        if x.device not in self._tie_generators:
-            self._tie_generators[x.device] = torch.Generator(device=x.device).manual_seed(self.seed)
-        draw = torch.rand(x.shape, generator=self._tie_generators[x.device], device=x.device)
-        order = draw.argsort(dim=dim)
-        values, picked = func(
-            x.gather(dim, order), named["k"], dim, named.get("largest", True), named.get("sorted", True)
-        )
-        return values, order.gather(dim, picked)
+        device = args[0].device
+        generator = self._tie_generators.setdefault(device, torch.Generator(device=device).manual_seed(self.seed))
+        return topk_ties_broken(func, args, kwargs, generator)
 
     def _one_pass(self, x: torch.Tensor) -> bool:
         """Whether this variance runs in one pass (half the time, drawn per op)."""
@@ -296,10 +286,26 @@ class PerturbedArithmetic(TorchDispatchMode):
         x = next((a for a in floating if a.dim() > 1), floating[0] if floating else None)
         if self.mode == "random" or x is None or x.dim() == 0 or any(a.dtype not in dtypes for a in floating):
             return standard()
-        key = (other.__code__, x.device)
+        return self._either(x, other, standard, self._pick(other, x.device))
+
+    def _pick(self, alternative: Callable, device: torch.device) -> torch.Tensor:
+        """Which of the stacked runs take ``alternative`` (one boolean per run, half of them
+        on average): drawn once per run and alternative, for every op it applies to."""
+        key = (alternative.__code__, device)
         if key not in self._picks:
-            self._picks[key] = torch.rand(self.samples, generator=self._generator(x.device), device=x.device) < 0.5
-        return self._either(x, other, standard, self._picks[key])
+            self._picks[key] = torch.rand(self.samples, generator=self._generator(device), device=device) < 0.5
+        return self._picks[key]
+
+    def _attention(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A fused attention op, perturbed; in the runs that take it (half), a float32 one as
+        tensor cores return it (:func:`.tensor_cores.with_tensor_core_rows`)."""
+        result, query = self._perturbed(func, args, kwargs), args[0]
+        rows = query.shape[0] if query.dim() > 2 else 0
+        if self.mode == "random" or any(a.dtype != torch.float32 for a in args[:3]) or not rows or rows % self.samples:
+            return result
+        keep = self._pick(with_tensor_core_rows, query.device).repeat_interleave(rows // self.samples)
+        generator = self._generator(query.device)
+        return with_tensor_core_rows(func, args, kwargs, result, keep, generator) if bool(keep.any()) else result
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``var`` or ``var_mean`` (any overload) computed by :func:`one_pass_var_mean`, its
@@ -313,14 +319,6 @@ class PerturbedArithmetic(TorchDispatchMode):
                 named["self"], named.get("dim"), correction=correction, keepdim=bool(named.get("keepdim"))
             )
         return (var, mean) if func.overloadpacket is torch.ops.aten.var_mean else var
-
-    @staticmethod
-    def _accumulation_error(name: str, args: tuple, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
-        """A draw of the error of summing matmul ``name``'s products in ``dtype``
-        (Gaussian, the size :func:`sequential_sum_error_std` gives)."""
-        first, second = ACCUMULATING_OPS[name]
-        std = sequential_sum_error_std(args[first], args[second], dtype)
-        return std * torch.randn(std.shape, generator=generator, dtype=std.dtype, device=std.device)
 
     def _wider_results(self, func: Any, args: tuple, kwargs: dict) -> list[Any] | None:
         """The op's results computed from its inputs widened one step, or None when it
@@ -351,6 +349,8 @@ class PerturbedArithmetic(TorchDispatchMode):
                 return decomposition(*args, **kwargs)
         if func.overloadpacket in VARIANCE_OPS:
             return self._variance(func, args, kwargs)
+        if func.overloadpacket.__name__ in FUSED_ATTENTION_OPS:
+            return self._attention(func, args, kwargs)
         return self._perturbed(func, args, kwargs)
 
     def _perturbed(self, func: Any, args: tuple, kwargs: dict) -> Any:
@@ -388,7 +388,7 @@ class PerturbedArithmetic(TorchDispatchMode):
                 self.ops += 1
                 generator = self._generator(value.device)
                 if self.sixteen_bit_sums and name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION:
-                    wide = wide + self._accumulation_error(name, args, value.dtype, generator)
+                    wide = wide + accumulation_error(name, args, value.dtype, generator)
                 jitter, scale = self.mode == "jitter" and approximated(name), self._scale(name, value.dtype)
                 draws = keyed_draws(func, args, value, self.seed, self.samples)
                 perturbed = another_rounding(value, wide, generator, jitter, scale, draws)

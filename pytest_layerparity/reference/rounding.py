@@ -364,3 +364,15 @@ def sequential_sum_error_std(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtyp
         before = after
     total += step * ((a * a) @ (b * b)) / 6
     return (_UNIT_ROUNDOFF[dtype] ** 2 * total / (8 * math.log(2))).sqrt()
+
+
+#: Matmul ops, by packet name, with the positions of their two factors (m x k and k x n).
+ACCUMULATING_OPS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
+
+
+def accumulation_error(name: str, args: tuple, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """A draw of the error of summing matmul ``name``'s products (``ACCUMULATING_OPS``) in
+    ``dtype``: Gaussian, the size :func:`sequential_sum_error_std` gives."""
+    first, second = ACCUMULATING_OPS[name]
+    std = sequential_sum_error_std(args[first], args[second], dtype)
+    return std * torch.randn(std.shape, generator=generator, dtype=std.dtype, device=std.device)

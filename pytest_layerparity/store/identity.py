@@ -25,6 +25,8 @@ EXTRACTION_KEYS = (
     "inputs.seq_len",
     "inputs.prompt",
     "inputs.decode_steps",
+    "envelope.rule",
+    "envelope.runs",
 )
 # What a parity run checks against the model it was given (and the dtype, when asked for one).
 MODEL_KEYS = ("model.config_sha256", "model.num_layers", "model.hidden_size")

@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file
 from support import DEFAULT_MODEL
 
+from pytest_layerparity.reference.envelope import ENVELOPE_RULE
+
 
 @pytest.fixture
 def fresh(pytester):
@@ -116,6 +118,23 @@ def test_extract_into_a_store_of_another_input_is_refused_once_at_start(fresh):
     text = result.stdout.str() + result.stderr.str()
     assert text.count("this store holds goldens of another extraction") == 1
     assert "During handling" not in text
+
+
+def test_extract_into_a_store_of_another_envelope_is_refused(fresh):
+    """A store whose envelopes were made by other perturbed runs (another rule, another K) takes
+    no goldens of this extraction: its whole-model envelope, kept where it verifies, would be
+    judged beside layers' envelopes of another making."""
+    fresh.runpytest("--gpu-golden", "--extract", "--layers", "0").assert_outcomes(passed=1)
+    result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "1", "--envelope-samples", "6")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*another extraction (envelope.runs: store has 12, this run has 6); extract into*"])
+    manifest_path = fresh.path / "store" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["envelope"]  # a store made before its manifest recorded the rule
+    manifest_path.write_text(json.dumps(manifest))
+    result = fresh.runpytest("--gpu-golden", "--extract", "--layers", "1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*(envelope.rule: store has None, this run has {ENVELOPE_RULE}; *--force-regen*"])
 
 
 def test_force_regen_replaces_the_store_and_keeps_nothing_aside(fresh):
