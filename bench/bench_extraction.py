@@ -2,7 +2,7 @@
 floor and writing cost.
 
     python bench/bench_extraction.py [--layers 8] [--seq-len 512] [--device cuda] [--ieee-matmul]
-                                     [--logits-topk 0] [--one-at-a-time]
+                                     [--logits-topk 0] [--one-at-a-time] [--model-runs N]
 
 Model loading and the one-time import of ``torch._dynamo`` (which the first perturbed op
 would pay) are timed separately and left out of every ratio. One process, on the CPU or
@@ -13,7 +13,8 @@ exact_fast_matmul: TF32 on CUDA, oneDNN's bfloat16 mode on the CPU). ``--logits-
 extracts no whole-model golden (``layerparity_logits_topk = 0``), and so no whole-model
 envelope: per-layer verdicts alone. ``--one-at-a-time`` runs each call's perturbed runs one
 after the other, as the CPU does for a long call (reference/batching.py), to time what running
-them together as one batch saves on an accelerator.
+them together as one batch saves on an accelerator. ``--model-runs N`` makes the whole model's
+envelope of N perturbed runs instead of the plugin's rule (two thirds of a layer's).
 """
 
 from __future__ import annotations
@@ -126,7 +127,14 @@ def main() -> None:
     parser.add_argument(
         "--one-at-a-time", action="store_true", help="each call's perturbed runs one after the other, not as one batch"
     )
+    parser.add_argument(
+        "--model-runs", type=int, default=None, help="the whole model's perturbed runs (default: the plugin's rule)"
+    )
     args = parser.parse_args()
+    if args.model_runs is not None:
+        from pytest_layerparity.reference import extract
+
+        extract.model_envelope_samples = lambda _samples: args.model_runs
     if args.one_at_a_time:
         from pytest_layerparity.reference import batching, envelope, plan
 
@@ -163,6 +171,7 @@ def main() -> None:
         + (", wide matmuls in IEEE float32" if args.ieee_matmul else "")
         + (", no whole-model golden" if args.logits_topk == 0 else "")
         + (", perturbed runs one at a time" if args.one_at_a_time else "")
+        + (f", {args.model_runs} whole-model runs" if args.model_runs is not None else "")
     )
     print(f"{'what':<58} {'seconds':>8} {'ratio':>7}")
     print(f"{f'plain forward, bf16: first after loading / best of {args.repeats}':<58} {bf16_first:>8.2f} {bf16:>6.2f}")
