@@ -12,9 +12,9 @@ it (``branch_bias_attention`` up to 2.0 times its limit) while their noise_ratio
 1, and the kernel leaned by 1.4, 3.1 and 3.6 ulps of each result (the mean, causal attention
 of 32, 512 and 2048 tokens; bench/bench_tensor_core_attention.py, bench/README.md).
 
-A run that takes this way moves each result of such an attention toward zero by ``LEAN_ULPS``
-ulps of its own on average (drawn per element, uniform from none to twice that less the half
-ulp that rounding toward zero adds), from the wider result.
+A run that takes this way moves each result of such an attention, from its wider value,
+toward zero by ``LEAN_ULPS`` ulps of its own on average: a uniform draw per element of none to
+``2 * LEAN_ULPS - 1`` ulps, then rounded toward zero (half an ulp more on average).
 """
 
 from __future__ import annotations
