@@ -299,13 +299,14 @@ class PerturbedArithmetic(TorchDispatchMode):
     def _attention(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A fused attention op, perturbed; in the runs that take it (half), a float32 one as
         tensor cores return it (:func:`.tensor_cores.with_tensor_core_rows`)."""
-        result, query = self._perturbed(func, args, kwargs), args[0]
-        rows = query.shape[0] if query.dim() > 2 else 0
-        if self.mode == "random" or any(a.dtype != torch.float32 for a in args[:3]) or not rows or rows % self.samples:
+        rows, device = (args[0].shape[0] if args[0].dim() > 2 else 0), args[0].device  # the query's
+        float32 = self.mode != "random" and all(a.dtype == torch.float32 for a in args[:3]) and rows % self.samples == 0
+        exact = self._wider_results(func, args, kwargs) if float32 and rows else None  # once, for both ways
+        result = self._perturbed(func, args, kwargs, exact)
+        if exact is None:
             return result
-        keep = self._pick(with_tensor_core_rows, query.device).repeat_interleave(rows // self.samples)
-        generator = self._generator(query.device)
-        return with_tensor_core_rows(func, args, kwargs, result, keep, generator) if bool(keep.any()) else result
+        keep = self._pick(with_tensor_core_rows, device).repeat_interleave(rows // self.samples)
+        return with_tensor_core_rows(result, exact[0], keep, self._generator(device)) if keep.any() else result
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``var`` or ``var_mean`` (any overload) computed by :func:`one_pass_var_mean`, its
@@ -353,11 +354,10 @@ class PerturbedArithmetic(TorchDispatchMode):
             return self._attention(func, args, kwargs)
         return self._perturbed(func, args, kwargs)
 
-    def _perturbed(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        """``func`` run, its rounded floating results rounded another legitimate way."""
+    def _perturbed(self, func: Any, args: tuple, kwargs: dict, exact: list[Any] | None = None) -> Any:
+        """``func`` run, its rounded floating results rounded another legitimate way (around ``exact``, given)."""
         name = func.overloadpacket.__name__
-        exact = None
-        if self.mode != "random" and name != "_to_copy" and _may_round(func):
+        if exact is None and self.mode != "random" and name != "_to_copy" and _may_round(func):
             exact = self._wider_results(func, args, kwargs)  # before an in-place op changes its input
         source = args[0] if name == "_to_copy" and args else None
         out = _rounded_wide_result(func, args, kwargs, exact)

@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from .wider import attention_reference
-
 #: How far, on average, a fused float32 attention on tensor cores moves its results toward
 #: zero, in ulps of each: the largest lean measured on an H200 (3.6, at 2048 tokens), rounded up.
 LEAN_ULPS = 4.0
@@ -53,19 +51,11 @@ def leaned(wide: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return toward_zero(wide - wide.sign() * shift)
 
 
-def with_tensor_core_rows(
-    func: Any, args: tuple, kwargs: dict, result: Any, keep: torch.Tensor, generator: torch.Generator
-) -> Any:
-    """``result`` of fused attention op ``func`` (called with ``args`` and ``kwargs``; its
-    output first) with the rows that ``keep`` marks (one boolean per row of the query's first
-    dimension) as tensor cores return them: the wider result, :func:`leaned`."""
+def with_tensor_core_rows(result: Any, wide: torch.Tensor, keep: torch.Tensor, generator: torch.Generator) -> Any:
+    """``result`` of a fused attention op (its output first) with the rows that ``keep`` marks
+    (one boolean per row of the output's first dimension) as tensor cores return them: their
+    values one precision wider (``wide``, the output's shape), :func:`leaned`."""
     rows = keep.nonzero().squeeze(1)
-
-    def of_rows(a: Any) -> Any:  # a tensor with the runs' rows: the picked ones (a mask may broadcast)
-        return a[rows] if isinstance(a, torch.Tensor) and a.dim() > 2 and a.shape[0] == keep.shape[0] else a
-
-    picked = tuple(of_rows(a) for a in args)
-    named = {k: of_rows(v) if k in ("attn_mask", "attn_bias") else v for k, v in kwargs.items()}
     first = result[0] if isinstance(result, tuple) else result
-    output = first.index_copy(0, rows, leaned(attention_reference(func, picked, named), generator))
+    output = first.index_copy(0, rows, leaned(wide[rows], generator))
     return (output, *result[1:]) if isinstance(result, tuple) else output
