@@ -49,7 +49,7 @@ _MIX = (0x2C1B3C6D, 0x297A2D39, 0x5BD1E995)
 def keyed_halves(
     x: torch.Tensor, name: str, seed: int, samples: int = 1, start: int = 0, stop: int | None = None
 ) -> torch.Tensor:
-    """One 15-bit draw per element of a 16-bit ``x`` (int32, as
+    """One 15-bit draw per element of a 16-bit ``x`` (int16, as
     :func:`.rounding.random_halves`; of its flat elements ``start`` to ``stop``), a function
     of the element's value, of op ``name`` and of the run: the seed, and with ``samples`` runs
     stacked along the first dimension, the element's run. A kernel computing a function of one
@@ -66,7 +66,7 @@ def keyed_halves(
     h.add_(run.mul_(0x10001).add_(key).bitwise_and_(_MASK31))
     for multiplier in _MIX:  # a 31-bit integer mix: xor-shift, then multiply (no overflow in int64)
         h.bitwise_xor_(h >> 15).mul_(multiplier).bitwise_and_(_MASK31)
-    return (h >> 8).bitwise_and_(0x7FFF).to(torch.int32)
+    return (h >> 8).bitwise_and_(0x7FFF).to(torch.int16)
 
 
 def keyed_draws(

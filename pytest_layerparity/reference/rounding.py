@@ -7,6 +7,7 @@ result given the op computed one precision wider (:func:`stochastic_round`,
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -216,13 +217,16 @@ _SAME_WIDTH_INT = {
 
 
 def random_halves(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """``n`` random 15-bit integers (int32), two per 31-bit draw of ``generator``: the low
+    """``n`` random 15-bit integers (int16), two per 31-bit draw of ``generator``: the low
     and the high half of each. Drawing a random number costs a perturbed op more than the
     arithmetic around it (2 to 7 ns an element on the CPU against 0.1 for a multiply), and an
     element needs one sign bit and a position within an ulp, not 32 or 64 random bits.
     Drawing n in blocks of an even size gives the same n as drawing them at once."""
     raw = torch.empty((n + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
-    halves = torch.stack((raw & 0x7FFF, raw >> 16), dim=-1).view(-1)
+    if sys.byteorder == "little":  # the halves in place, the low one first
+        halves = raw.view(torch.int16).bitwise_and_(0x7FFF)
+    else:
+        halves = torch.stack((raw & 0x7FFF, raw >> 16), dim=-1).view(-1).to(torch.int16)
     return halves[:n] if halves.numel() != n else halves
 
 
@@ -286,13 +290,13 @@ def _another_rounding(
     if scale != 1.0:
         point.mul_(scale)
     point.add_(wide)  # wide + sign * error * scale
-    steps = bits.bitwise_right_shift_(1)  # the uniform number is (steps + 0.5) / 2^UNIFORM_BITS
     if jitter:  # anywhere within half an ulp (times scale) of the point, then to nearest
+        steps = bits.bitwise_right_shift_(1)  # the uniform number is (steps + 0.5) / 2^UNIFORM_BITS
         u = _UNIT_ROUNDOFF[result.dtype] * scale
         step = 2 * u * 2.0**-UNIFORM_BITS
         factor = steps.to(wide.dtype).mul_(step).add_(1 - u + step / 2)  # 1 + u * (2 uniform - 1)
         return point.mul_(factor).to(result.dtype)
-    return _round_away_at_random(point, result.dtype, steps)
+    return _round_away_at_random(point, result.dtype, bits)
 
 
 def _uniform(steps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -300,42 +304,48 @@ def _uniform(steps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return steps.to(dtype).add_(0.5).mul_(2.0**-UNIFORM_BITS)
 
 
-def _round_away_at_random(point: torch.Tensor, dtype: torch.dtype, steps: torch.Tensor) -> torch.Tensor:
+def _round_away_at_random(point: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
     """``point`` (the wide dtype) stochastically rounded to ``dtype``, given each element's
-    uniform draw as ``steps``, an integer in [0, 2^UNIFORM_BITS). Where ``dtype``'s normal
-    numbers hold the point's neighbours, by integer arithmetic on its bits: a draw spread over
-    the bits below ``dtype``'s significand is added to them and they are cleared, so the point
-    goes to its neighbour away from zero with the probability of its distance from the one
-    toward zero (the draw is (steps + 0.5) / 2^14 where 15 or more bits are dropped; float16
-    drops 13 from float32 and takes the top 13 of the 14, which makes it exactly unbiased).
-    A fifth to a third of the work of :func:`stochastic_round`, which takes the rest (below
-    ``dtype``'s smallest normal, zero excepted; beyond its largest finite value; infinities
-    and NaNs), any other pair of dtypes and every element off the CPU (where telling those
-    apart would wait for the device at every op), with the draw (steps + 0.5) / 2^14.
-    ``point`` is overwritten."""
+    15-bit draw ``bits`` (:func:`random_halves`), whose uniform number is (steps + 0.5) /
+    2^UNIFORM_BITS for steps = bits >> 1. Where ``dtype``'s normal numbers hold the point's
+    neighbours, by integer arithmetic on its bits: a draw spread over the bits below
+    ``dtype``'s significand is added to them and they are cleared, so the point goes to its
+    neighbour away from zero with the probability of its distance from the one toward zero
+    (the draw is (steps + 0.5) / 2^14 where 15 or more bits are dropped, (2 steps + 1) placed
+    just below them; float16 drops 13 from float32 and takes the top 13 of the 14, which
+    makes it exactly unbiased). A fifth to a third of the work of :func:`stochastic_round`,
+    which takes the rest (below ``dtype``'s smallest normal, zero excepted; beyond its largest
+    finite value; infinities and NaNs: one reduction tells whether there are any where no
+    subnormal can be), any other pair of dtypes and every element off the CPU (where telling
+    those apart would wait for the device at every op). ``point`` and ``bits`` are
+    overwritten."""
     drop = _DROPPED_BITS.get((dtype, point.dtype))
     if drop is None or point.device.type != "cpu":
-        return stochastic_round(point, dtype, None, _uniform(steps, point.dtype))
+        return stochastic_round(point, dtype, None, _uniform(bits.bitwise_right_shift_(1), point.dtype))
     info = torch.finfo(dtype)
-    size = point.abs()
-    odd = size <= info.max
-    odd.logical_not_()  # NaN, an infinity, or beyond dtype's largest finite value
-    if torch.finfo(point.dtype).tiny < info.tiny:  # a narrower exponent range: its subnormals too
-        odd |= (size < info.tiny) & (size != 0)
-    del size
+    subnormals = torch.finfo(point.dtype).tiny < info.tiny  # a narrower exponent range: its subnormals too
     aside = None
-    if bool(odd.any()):
-        aside = (odd, point[odd], steps[odd])
-    else:
-        del odd
-    bits = point.view(_SAME_WIDTH_INT[point.dtype])
-    draw = steps.to(bits.dtype)
-    if drop >= UNIFORM_BITS + 1:  # the middle of one of 2^14 equal steps of the dropped bits
-        draw.bitwise_left_shift_(drop - UNIFORM_BITS).add_(1 << (drop - UNIFORM_BITS - 1))
-    else:
-        draw.bitwise_right_shift_(UNIFORM_BITS - drop)
-    bits.add_(draw).bitwise_and_(-(1 << drop))
-    del draw
+    if not subnormals:
+        low, high = torch.aminmax(point)
+        if not -info.max <= float(low) <= float(high) <= info.max:  # NaN fails too
+            subnormals = True  # look element by element
+    if subnormals:
+        size = point.abs()
+        odd = size <= info.max
+        odd.logical_not_()  # NaN, an infinity, or beyond dtype's largest finite value
+        if torch.finfo(point.dtype).tiny < info.tiny:
+            odd |= (size < info.tiny) & (size != 0)
+        del size
+        if bool(odd.any()):
+            aside = (odd, point[odd], bits[odd] >> 1)
+        else:
+            del odd
+    ints = point.view(_SAME_WIDTH_INT[point.dtype])
+    if drop >= UNIFORM_BITS + 1:  # (2 steps + 1) at the top of the dropped bits: the middle of a step
+        ints.add_(bits.bitwise_or_(1).to(ints.dtype), alpha=1 << (drop - UNIFORM_BITS - 1))
+    else:  # (one dtype: a mixed one takes a slower path)
+        ints.add_(bits.bitwise_right_shift_(UNIFORM_BITS + 1 - drop).to(ints.dtype))
+    ints.bitwise_and_(-(1 << drop))
     out = point.to(dtype)  # exact: the point is on dtype's grid now
     if aside is not None:
         odd, values, their_steps = aside

@@ -437,7 +437,7 @@ def test_a_sixteen_bit_result_is_its_float32_result_rounded_once():
 def test_random_halves_are_uniform_15_bit_draws_the_same_in_blocks():
     g = torch.Generator().manual_seed(3)
     bits = rounding.random_halves(200001, g, torch.device("cpu"))
-    assert bits.shape == (200001,) and bits.dtype == torch.int32
+    assert bits.shape == (200001,) and bits.dtype == torch.int16
     assert int(bits.min()) >= 0 and int(bits.max()) < 2**15
     assert (bits & 1).double().mean().item() == pytest.approx(0.5, abs=0.01)
     assert (bits >> 1).double().mean().item() == pytest.approx((2**14 - 1) / 2, rel=0.01)
