@@ -3,7 +3,8 @@ lean (the mean of each output's error times its sign, in float32 ulps of the lar
 negative: toward zero), the median of each output's move toward zero in ulps of its own, and
 the error's size (its root mean square, in ulps of the largest output), for the CPU's flash
 kernel, the math attention in float32, what half the perturbed runs take
-(reference/tensor_cores.py's ``leaned``, from the exact attention) and, where CUDA is there,
+(reference/tensor_cores.py's ``leaned`` by each query's keys, from the exact attention; a
+query of too few keys to lean rounded to nearest) and, where CUDA is there,
 CUDA's memory-efficient and math kernels.
 
     python bench/bench_tensor_core_attention.py [--shapes 4x32x16,16x512x64,8x2048x128,4x1:33x16,8x1:2048x128]
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pytest_layerparity.reference.tensor_cores import float32_ulp, leaned
+from pytest_layerparity.reference.tensor_cores import float32_ulp, lean_ulps, leaned
 
 
 def measure(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float, float]:
@@ -46,7 +47,9 @@ def main() -> None:
         v += 0.5
         causal = queries == keys  # a decode step (fewer queries): every key seen
         exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
-        model = leaned(exact, torch.Generator().manual_seed(0))
+        seen = torch.arange(1, queries + 1).clamp_max(keys) if causal else torch.full((queries,), keys)
+        lean = lean_ulps(seen)[:, None]  # each query's, by the keys it sees
+        model = torch.where(lean > 0, leaned(exact, torch.Generator().manual_seed(0), lean), exact.float())
         outputs = [*kernels(q, k, v, causal), ("perturbed runs' lean (model)", model)]
         for name, out in outputs:
             lean, own, rms = measure(out, exact)

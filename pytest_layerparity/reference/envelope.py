@@ -44,8 +44,9 @@ BASE_SEED = 1000
 #: What the perturbed runs compute, as a number raised with each change of it (an alternative
 #: drawn, an error scaled otherwise): a store's manifest records it, and an extraction into a
 #: store made under another refuses to mix their envelopes (the whole model's is kept where it
-#: verifies). 2: half the runs' fused float32 attention leaning toward zero (.tensor_cores).
-ENVELOPE_RULE = 2
+#: verifies). 2: half the runs' fused float32 attention leaning toward zero (.tensor_cores);
+#: 3: that lean growing with the keys a query sees.
+ENVELOPE_RULE = 3
 
 
 @dataclass

@@ -306,7 +306,7 @@ class PerturbedArithmetic(TorchDispatchMode):
         if exact is None:
             return result
         keep = self._pick(with_tensor_core_rows, device).repeat_interleave(rows // self.samples)
-        return with_tensor_core_rows(result, exact[0], keep, self._generator(device)) if keep.any() else result
+        return with_tensor_core_rows(func, args, kwargs, result, exact[0], keep, self._generator(device))
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``var`` or ``var_mean`` (any overload) computed by :func:`one_pass_var_mean`, its

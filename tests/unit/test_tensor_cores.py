@@ -8,7 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from pytest_layerparity.reference.perturb import PerturbedArithmetic
-from pytest_layerparity.reference.tensor_cores import LEAN_ULPS, float32_ulp, leaned, toward_zero
+from pytest_layerparity.reference.tensor_cores import (
+    FULL_LEAN_KEYS,
+    LEAN_FROM_KEYS,
+    LEAN_ULPS,
+    float32_ulp,
+    lean_ulps,
+    leaned,
+    seen_keys,
+    toward_zero,
+)
 
 
 def _own_ulps(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
@@ -57,8 +66,8 @@ def test_half_the_runs_take_a_float32_attention_leaning_toward_zero(gqa):
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.double(), enable_gqa=gqa)
     for i in range(runs):
         moved = _own_ulps(out[i], exact[i])
-        if picked[i]:  # every result smaller, by the lean (elements near zero err more in their own ulps)
-            assert (moved >= 0).all() and abs(moved.median().item() - LEAN_ULPS) < 0.5
+        if picked[i]:  # every result smaller, by 24 keys' lean (elements near zero err more in their own ulps)
+            assert (moved >= 0).all() and abs(moved.median().item() - lean_ulps(torch.tensor(24)).item()) < 0.5
         else:  # the reference's error, its sign drawn anew
             assert abs(moved.median().item()) < 0.5 and (moved < 0).float().mean() > 0.3
 
@@ -68,3 +77,42 @@ def test_a_sixteen_bit_attention_takes_no_lean():
     with PerturbedArithmetic(1000, samples=4) as run:
         F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert not run._picks  # tensor cores' float32 sums are far within a 16-bit result's rounding
+
+
+def test_the_lean_grows_from_none_to_the_full_lean_with_the_keys_logarithm():
+    keys = torch.tensor([1, LEAN_FROM_KEYS, 16, FULL_LEAN_KEYS, 33, 4096])
+    assert lean_ulps(keys).tolist() == pytest.approx([0, 0, LEAN_ULPS / 2, LEAN_ULPS, LEAN_ULPS, LEAN_ULPS])
+    wide = torch.randn(100_000, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    assert abs(_own_ulps(leaned(wide, torch.Generator().manual_seed(6), 2.0), wide).mean().item() - 2.0) < 0.05
+
+
+SDPA_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def test_the_keys_a_query_sees_are_its_masks_and_causal_ones():
+    q, k, _ = _qkv(2, tokens=6)
+    assert seen_keys(SDPA_CPU, (q, k, k, 0.0, False), {}).tolist() == [6] * 6
+    assert seen_keys(SDPA_CPU, (q, k, k, 0.0, True), {}).tolist() == [1, 2, 3, 4, 5, 6]
+    few = torch.ones(6, 6, dtype=torch.bool).triu_(3)  # query i sees keys i + 3 on
+    additive = torch.zeros(2, 1, 6, 6).masked_fill_(~few, torch.finfo(torch.float32).min)
+    additive[1] = additive[1].masked_fill(~few, float("-inf"))
+    assert seen_keys(SDPA_CPU, (q, k, k, 0.0, False), {"attn_mask": few}).tolist() == [3, 2, 1, 0, 0, 0]
+    assert seen_keys(SDPA_CPU, (q, k, k, 0.0, False), {"attn_mask": additive}).tolist() == [[[3, 2, 1, 0, 0, 0]]] * 2
+    window = torch.ones(6, 6, dtype=torch.bool).triu_(-1)  # query i sees keys i - 1 on
+    assert seen_keys(SDPA_CPU, (q, k, k, 0.0, True), {"attn_mask": window}).tolist() == [1, 2, 2, 2, 2, 2]
+
+
+def test_a_causal_attention_leans_its_rows_by_the_keys_they_see():
+    runs, tokens = 4, 64
+    q, k, v = _qkv(runs, tokens=tokens)
+    with PerturbedArithmetic(1000, samples=runs) as run:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (picked,) = run._picks.values()
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    i = int(picked.nonzero()[0])
+    moved = _own_ulps(out[i], exact[i])  # heads x queries x head_dim
+    few, many = moved[:, :LEAN_FROM_KEYS], moved[:, FULL_LEAN_KEYS:]
+    assert abs(few.median().item()) < 0.5 and (few < 0).float().mean() > 0.3  # the perturbed value, no lean
+    assert (many >= 0).all() and abs(many.median().item() - LEAN_ULPS) < 0.5
+    middle = moved[:, 15]  # query 15 sees 16 keys: half the lean
+    assert (middle >= 0).all() and abs(middle.median().item() - LEAN_ULPS / 2) < 0.75
