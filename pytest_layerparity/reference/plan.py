@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..store.tensorfile import SAFETENSORS_ITEMSIZE, SAFETENSORS_TORCH_DTYPE
-from .batching import samples_per_forward
+from .batching import PAST_SHARE, samples_per_forward
 from .checkpoint import Checkpoint, split_by_conversion
 from .model import LAYER_LIST_CANDIDATES, hidden_size_from_config
 from .rounding import ROUNDING_BLOCK
@@ -382,7 +382,8 @@ def stream_extraction_needs(
                 cfg, runs * batch, seq, size, eager
             )
             if options.decode_steps:  # a decode step's runs together: each run's copy of the past
-                steps = samples_per_forward(options.envelope_samples, batch * (seq + options.decode_steps))
+                past = batch * (seq + options.decode_steps) // PAST_SHARE
+                steps = samples_per_forward(options.envelope_samples, batch + past)
                 perturbed = max(perturbed, steps * plan.kv_layer)
             widest = max(widest, perturbed)
             held[RUN_OUTPUT] = runs * batch * seq * hidden * size

@@ -427,3 +427,21 @@ def test_the_golden_flips_round_trip_and_a_malformed_list_is_refused():
     for broken in ("3", [1.5], [True], {"a": 1}):
         with pytest.raises(ValueError, match="golden_flips"):
             Envelope.from_metadata({**old, "golden_flips": broken})
+
+
+def test_a_decode_steps_runs_go_together_their_past_counted_at_a_share():
+    """A one-token step over 512 past tokens counts 1 + 512 / PAST_SHARE against
+    BATCHED_TOKENS: all 12 runs in one forward, where a 512-token prompt's go one at a time."""
+    from transformers.cache_utils import DynamicCache
+
+    from pytest_layerparity.capture.calls import capture_calls
+    from pytest_layerparity.reference.batching import PAST_SHARE, call_tokens, samples_per_forward
+
+    layer, cache, records = _CachedBlock().bfloat16(), DynamicCache(), {}
+    past = torch.randn(1, 1, 512, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    cache.update(past, past, 0)
+    with torch.no_grad(), capture_calls({0: layer}, records.__setitem__):
+        layer(torch.randn(1, 1, 16).bfloat16(), past_key_values=cache)
+    tokens = call_tokens(records[0].spec, records[0].tensors)
+    assert tokens == 1 + 512 // PAST_SHARE and samples_per_forward(12, tokens) == 12
+    assert samples_per_forward(12, 512) == 1
