@@ -42,6 +42,7 @@ from .inputs import input_description, make_input_ids
 from .memory import give_back_memory
 from .model import ModelError, build_skeleton, find_layer_list, layer_count_from_config
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
+from .prompt_cache import filled, filling, prompt_cache
 from .source import ModelSource
 from .spill import SpilledCalls, SpilledKV, mapped_empty
 
@@ -213,10 +214,14 @@ class ReferenceSide:
                 called: set[int] = set()
                 if stored is not None:
                     stack.enter_context(self._stored_calls(layer_list, layers, stored, device))
+                # the decode steps' cache filled by this forward, where it can be (.prompt_cache)
+                name = cache_argument(layer_list[0], self.model.cache_argument) if len(layer_list) else None
+                cache = prompt_cache(model, layer_list, name) if steps and stored is None and not streaming else None
                 with (
                     self._capturing(layer_list, layers, run.calls.__setitem__, routing),
                     called_layers(layer_list, called),
                     self._own_failure(model),
+                    filling(layer_list, cache, name),  # after the capture's hooks: out of its sight
                 ):
                     output = model(input_ids=ids.to(device), use_cache=False)
                 run.uncalled = {i: type(m).__name__ for i, m in enumerate(layer_list) if i not in called}
@@ -225,6 +230,8 @@ class ReferenceSide:
                 # streaming puts them on disk (seq x vocab: more than a layer's activations)
                 logits = (output.logits if has_logits else output.last_hidden_state).detach().to("cpu")
                 del output
+                full = has_logits and filled(cache, len(layer_list), ids.shape[-1])
+                prompt = (cache, logits[:, -1]) if full else None
                 if streaming:
                     run.spilled_io = SpilledCalls(self.store.root)
                     run.spilled_io[MODEL_IO_KEY] = CallRecord(tensors={"logits": logits})
@@ -235,7 +242,7 @@ class ReferenceSide:
                     kv = SpilledKV(self.store.root) if streaming else None  # flat in depth
                     if kv is not None:
                         stack.callback(kv.close)
-                    self._decode(model, layer_list, layers, ids.to(device), run, kv)
+                    self._decode(model, layer_list, layers, ids.to(device), run, kv, prompt)
         finally:
             handle.remove()
             for tick in ticks:
@@ -298,19 +305,21 @@ class ReferenceSide:
         ids: torch.Tensor,
         run: ReferenceRun,
         kv: SpilledKV | None = None,
+        prompt: tuple[Any, torch.Tensor] | None = None,
     ) -> None:
-        """The decode steps after the prompt: the prompt once more with the KV cache, then
+        """The decode steps after the prompt: the prompt once more with the KV cache (unless
+        ``prompt`` gives the cache the prompt's forward filled and its last logits), then
         ``--decode-steps`` greedy tokens, one forward each, recording every selected layer's
         call (its past keys and values included) per step. With ``kv``, the cache is held a
         layer at a time (the rest on disk). Each step feeds the model what its generate would
         (the new token, or the whole sequence to a model that slices the cached part off)."""
-        import torch
-
-        from ..target.model import step_input_ids
 
         def spilling() -> contextlib.AbstractContextManager[None]:
             return kv.hooks(layer_list) if kv is not None else contextlib.nullcontext()
 
+        if prompt is not None:
+            self._steps(model, layer_list, layers, ids, run, spilling, *prompt)
+            return
         # the prompt again, for its cache: of its logits only the last position's are used
         last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
         with spilling():
@@ -328,11 +337,30 @@ class ReferenceSide:
                 "for the prompt with use_cache=True, so it has no decode steps to record; extract with "
                 "--decode-steps 0"
             )
+        self._steps(model, layer_list, layers, ids, run, spilling, cache, output.logits[:, -1])
+
+    def _steps(
+        self,
+        model: PreTrainedModel,
+        layer_list: Any,
+        layers: list[int],
+        ids: torch.Tensor,
+        run: ReferenceRun,
+        spilling: Callable[[], contextlib.AbstractContextManager[None]],
+        cache: Any,
+        last: torch.Tensor,
+    ) -> None:
+        """The ``--decode-steps`` greedy steps after the prompt ``ids`` (its KV cache ``cache``,
+        its last position's logits ``last``), recorded as :meth:`_decode` says."""
+        import torch
+
+        from ..target.model import step_input_ids
+
         name = cache_argument(model.forward, "past_key_values")
         tokens = []
         sequence = ids
         for step in range(self.settings.decode_steps):
-            token = output.logits[:, -1].argmax(-1, keepdim=True)
+            token = last.argmax(-1, keepdim=True)
             tokens.append(token.cpu())
             sequence = torch.cat([sequence, token.to(sequence.device)], dim=-1)
             fed = step_input_ids(model, sequence, cache, name)  # what generate feeds the model
@@ -346,6 +374,7 @@ class ReferenceSide:
                     output = model(input_ids=fed, **{name: cache}, use_cache=True)
             except UnstorableCache as exc:  # an entry the config did not announce
                 raise ModelError(f"--decode-steps {self.settings.decode_steps}: {exc}") from None
+            last = output.logits[:, -1]
             run.decode_logits.append(output.logits[:, -1:].detach().to("cpu", copy=True))  # the new token's
             for i, tensors in routing.items():
                 run.decode_calls.add((i, step), tensors)
