@@ -14,6 +14,7 @@ cache did not fill, the caller runs the prompt again as before."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,7 +45,8 @@ def filling(layer_list: Any, cache: Any, name: str | None) -> Iterator[None]:
     """While the block runs, each layer called without a cache (``name`` None or absent) gets
     ``cache`` under ``name`` for its forward alone: given after the hooks registered before this
     block (a capture records the call as the model made it), taken back before theirs see the
-    output. Nothing where ``cache`` is None."""
+    output. A layer that takes it positionally (GPT-2's blocks) is left as called: the cache
+    stays empty there, and the caller runs the prompt again. Nothing where ``cache`` is None."""
     if cache is None:
         yield
         return
@@ -52,6 +54,9 @@ def filling(layer_list: Any, cache: Any, name: str | None) -> Iterator[None]:
     given: set[int] = set()
 
     def give(module: Any, args: tuple, kwargs: dict) -> None:
+        parameters = list(inspect.signature(module.forward).parameters)
+        if name in parameters and len(args) > parameters.index(name):  # positional: left alone
+            return
         if kwargs.get(name) is None:
             kwargs[name] = cache
             given.add(id(module))

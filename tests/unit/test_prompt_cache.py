@@ -14,15 +14,8 @@ from pytest_layerparity.store.callspec import cache_argument, returned_cache
 
 def _model(**overrides) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=64,
-        **overrides,
-    )
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = LlamaConfig(**{**sizes, "num_hidden_layers": 2, "vocab_size": 64, **overrides})
     return LlamaForCausalLM(config).eval()
 
 
@@ -77,3 +70,23 @@ def test_a_layer_called_with_a_cache_keeps_its_own(given):
     assert filled(mine, len(layers), 5) is not given  # the model's own cache went to its layers
     if given:
         assert filled(returned_cache(out), len(layers), 5)
+
+
+def test_a_layer_that_takes_its_cache_positionally_is_left_as_called():
+    """GPT-2's blocks take the cache as their second positional argument: handing it under its
+    name too would call them with it twice; they are left as called and the cache stays empty."""
+
+    class Block(torch.nn.Module):
+        def forward(self, hidden, cache=None, mask=None):
+            if cache is not None:
+                cache.update(hidden[:, None], hidden[:, None], 0)
+            return hidden
+
+    block = torch.nn.ModuleList([Block()])
+    cache = prompt_cache(_model(num_hidden_layers=1), block, "cache")
+    with filling(block, cache, "cache"):
+        block[0](torch.ones(1, 3, 4), None, None)
+    assert not filled(cache, 1, 3)
+    with filling(block, cache, "cache"):
+        block[0](torch.ones(1, 3, 4), mask=None)
+    assert filled(cache, 1, 3)
