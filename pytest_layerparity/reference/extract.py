@@ -42,7 +42,7 @@ from .inputs import input_description, make_input_ids
 from .memory import give_back_memory
 from .model import ModelError, build_skeleton, find_layer_list, layer_count_from_config
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
-from .prompt_cache import filled, filling, prompt_cache
+from .prompt_cache import filled, filling, prompt_cache, with_or_without
 from .source import ModelSource
 from .spill import SpilledCalls, SpilledKV, mapped_empty
 
@@ -217,13 +217,18 @@ class ReferenceSide:
                 # the decode steps' cache filled by this forward, where it can be (.prompt_cache)
                 name = cache_argument(layer_list[0], self.model.cache_argument) if len(layer_list) else None
                 cache = prompt_cache(model, layer_list, name) if steps and stored is None and not streaming else None
-                with (
-                    self._capturing(layer_list, layers, run.calls.__setitem__, routing),
-                    called_layers(layer_list, called),
-                    self._own_failure(model),
-                    filling(layer_list, cache, name),  # after the capture's hooks: out of its sight
-                ):
-                    output = model(input_ids=ids.to(device), use_cache=False)
+
+                def capturing(given: Any, model: Any = model) -> Any:  # (deleted after: run() lets go of the model)
+                    with (
+                        self._capturing(layer_list, layers, run.calls.__setitem__, routing),
+                        called_layers(layer_list, called),
+                        self._own_failure(model),
+                        filling(layer_list, given, name),  # after the capture's hooks: out of its sight
+                    ):
+                        return model(input_ids=ids.to(device), use_cache=False)
+
+                output, cache = with_or_without(capturing, cache)
+                del capturing
                 run.uncalled = {i: type(m).__name__ for i, m in enumerate(layer_list) if i not in called}
                 has_logits = getattr(output, "logits", None) is not None
                 # the prompt's logits, held once: the tensor itself where it is on the CPU already;

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: Layer kinds whose cache entry is a ``DynamicCache`` layer that returns a prefill's keys and
 #: values as given.
@@ -83,3 +85,14 @@ def filled(cache: Any, layers: int, tokens: int) -> bool:
         return len(cache.layers) == layers and all(cache.get_seq_length(i) == tokens for i in range(layers))
     except (AttributeError, TypeError, IndexError):
         return False
+
+
+def with_or_without(forward: Callable[[Any], T], cache: Any) -> tuple[T, Any]:
+    """``forward(cache)`` and the cache; where it raises with a cache (a layer that does not
+    take one of this kind), ``forward(None)`` and None: the prompt's goldens as without one."""
+    if cache is None:
+        return forward(None), None
+    try:
+        return forward(cache), cache
+    except Exception:
+        return forward(None), None

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pytest_layerparity.capture.calls import capture_calls
-from pytest_layerparity.reference.prompt_cache import filled, filling, prompt_cache
+from pytest_layerparity.reference.prompt_cache import filled, filling, prompt_cache, with_or_without
 from pytest_layerparity.store.callspec import cache_argument, returned_cache
 
 
@@ -90,3 +90,18 @@ def test_a_layer_that_takes_its_cache_positionally_is_left_as_called():
     with filling(block, cache, "cache"):
         block[0](torch.ones(1, 3, 4), mask=None)
     assert filled(cache, 1, 3)
+
+
+def test_a_forward_that_refuses_the_cache_runs_again_without_it():
+    calls = []
+
+    def forward(cache):
+        calls.append(cache)
+        if cache is not None:
+            raise AttributeError("'DynamicCache' object has no attribute 'self_attention_cache'")
+        return "output"
+
+    assert with_or_without(forward, "a cache") == ("output", None) and calls == ["a cache", None]
+    assert with_or_without(lambda cache: cache, None) == (None, None)
+    with pytest.raises(ValueError, match="its own"):  # a failure without one is the model's
+        with_or_without(lambda cache: (_ for _ in ()).throw(ValueError("its own")), None)
