@@ -318,49 +318,35 @@ class ReferenceSide:
         call (its past keys and values included) per step. With ``kv``, the cache is held a
         layer at a time (the rest on disk). Each step feeds the model what its generate would
         (the new token, or the whole sequence to a model that slices the cached part off)."""
+        import torch
+
+        from ..target.model import step_input_ids
 
         def spilling() -> contextlib.AbstractContextManager[None]:
             return kv.hooks(layer_list) if kv is not None else contextlib.nullcontext()
 
         if prompt is not None:
-            self._steps(model, layer_list, layers, ids, run, spilling, *prompt)
-            return
-        # the prompt again, for its cache: of its logits only the last position's are used
-        last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        with spilling():
-            output = model(input_ids=ids, use_cache=True, **last_only)
-        cache = returned_cache(output)
-        if getattr(output, "logits", None) is None:  # an encoder: no next token to decode, said in the summary
-            run.decode_skipped = (
-                f"none: {type(model).__name__} has no LM head (no logits, no next token to decode); its goldens are "
-                "the prompt's"
-            )
-            return
-        if cache is None:
-            raise ModelError(
-                f"--decode-steps {self.settings.decode_steps}: {type(model).__name__} returned no KV cache "
-                "for the prompt with use_cache=True, so it has no decode steps to record; extract with "
-                "--decode-steps 0"
-            )
-        self._steps(model, layer_list, layers, ids, run, spilling, cache, output.logits[:, -1])
-
-    def _steps(
-        self,
-        model: PreTrainedModel,
-        layer_list: Any,
-        layers: list[int],
-        ids: torch.Tensor,
-        run: ReferenceRun,
-        spilling: Callable[[], contextlib.AbstractContextManager[None]],
-        cache: Any,
-        last: torch.Tensor,
-    ) -> None:
-        """The ``--decode-steps`` greedy steps after the prompt ``ids`` (its KV cache ``cache``,
-        its last position's logits ``last``), recorded as :meth:`_decode` says."""
-        import torch
-
-        from ..target.model import step_input_ids
-
+            cache, last = prompt
+        else:
+            # the prompt again, for its cache: of its logits only the last position's are used
+            parameters = inspect.signature(model.forward).parameters
+            last_only = {"logits_to_keep": 1} if "logits_to_keep" in parameters else {}
+            with spilling():
+                output = model(input_ids=ids, use_cache=True, **last_only)
+            cache = returned_cache(output)
+            if getattr(output, "logits", None) is None:  # an encoder: no next token to decode, said in the summary
+                run.decode_skipped = (
+                    f"none: {type(model).__name__} has no LM head (no logits, no next token to decode); its goldens "
+                    "are the prompt's"
+                )
+                return
+            if cache is None:
+                raise ModelError(
+                    f"--decode-steps {self.settings.decode_steps}: {type(model).__name__} returned no KV cache "
+                    "for the prompt with use_cache=True, so it has no decode steps to record; extract with "
+                    "--decode-steps 0"
+                )
+            last = output.logits[:, -1]
         name = cache_argument(model.forward, "past_key_values")
         tokens = []
         sequence = ids

@@ -55,13 +55,18 @@ def filling(layer_list: Any, cache: Any, name: str | None) -> Iterator[None]:
 
     given: set[int] = set()
 
-    def give(module: Any, args: tuple, kwargs: dict) -> None:
-        parameters = list(inspect.signature(module.forward).parameters)
-        if name in parameters and len(args) > parameters.index(name):  # positional: left alone
-            return
-        if kwargs.get(name) is None:
-            kwargs[name] = cache
-            given.add(id(module))
+    def giver(layer: Any) -> Callable[[Any, tuple, dict], None]:
+        parameters = list(inspect.signature(layer.forward).parameters)  # read once per layer
+        position = parameters.index(name) if name in parameters else None
+
+        def give(module: Any, args: tuple, kwargs: dict) -> None:
+            if position is not None and len(args) > position:  # passed positionally: left alone
+                return
+            if kwargs.get(name) is None:
+                kwargs[name] = cache
+                given.add(id(module))
+
+        return give
 
     def take_back(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         if id(module) in given:
@@ -71,7 +76,7 @@ def filling(layer_list: Any, cache: Any, name: str | None) -> Iterator[None]:
     handles = []
     try:
         for layer in layer_list:
-            handles.append(layer.register_forward_pre_hook(give, with_kwargs=True))
+            handles.append(layer.register_forward_pre_hook(giver(layer), with_kwargs=True))
             handles.append(layer.register_forward_hook(take_back, with_kwargs=True, prepend=True))
         yield
     finally:

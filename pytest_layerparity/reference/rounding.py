@@ -325,15 +325,15 @@ def _round_away_at_random(point: torch.Tensor, dtype: torch.dtype, bits: torch.T
     info = torch.finfo(dtype)
     subnormals = torch.finfo(point.dtype).tiny < info.tiny  # a narrower exponent range: its subnormals too
     aside = None
+    per_element = subnormals  # else one reduction tells whether any value lies beyond dtype's range
     if not subnormals:
         low, high = torch.aminmax(point)
-        if not -info.max <= float(low) <= float(high) <= info.max:  # NaN fails too
-            subnormals = True  # look element by element
-    if subnormals:
+        per_element = not -info.max <= float(low) <= float(high) <= info.max  # NaN fails too
+    if per_element:
         size = point.abs()
         odd = size <= info.max
         odd.logical_not_()  # NaN, an infinity, or beyond dtype's largest finite value
-        if torch.finfo(point.dtype).tiny < info.tiny:
+        if subnormals:
             odd |= (size < info.tiny) & (size != 0)
         del size
         if bool(odd.any()):
