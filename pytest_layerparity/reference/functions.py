@@ -33,12 +33,14 @@ def approximated(name: str) -> bool:
     (``APPROXIMATED_FUNCTIONS``): in the ``"jitter"`` mode moved within half an ulp (times its
     error scale) before it is rounded to nearest, and in float32 or float64 its error against
     the wider result taken ``error_scale`` times (math libraries document 1 to 2 ulp). Any
-    other result (matmuls, sums, elementwise arithmetic, conversions) keeps the reference's
-    error, kept or reflected, and is rounded stochastically, in every dtype: another kernel
-    sums in another order (an error of the reference's size, its sign anew) and rounds once.
-    So the runs' largest noise_ratio reads 1.35 times a torch-xla port's in bfloat16 (1.87
-    with every 16-bit result moved) and 1.43 in float32 (2.51 with every float32 result
-    moved at twice its error): bench/README.md."""
+    other result (matmuls, sums, elementwise arithmetic, conversions) is rounded
+    stochastically: in float32 from the reference's error kept or reflected (another kernel
+    sums in another order: an error of the reference's size, its sign anew), a 16-bit one
+    from halfway to the reference's result (any kernel computes it in float32 and rounds to
+    nearest: ``perturb.SIXTEEN_BIT_PULL``). So the runs' largest noise_ratio reads 1.22 times
+    a torch-xla port's in bfloat16 (1.35 with 16-bit results rounded stochastically from
+    their error kept or reflected, 1.87 with every 16-bit result moved) and 1.43 in float32
+    (2.51 with every float32 result moved at twice its error): bench/README.md."""
     return name.rstrip("_") in APPROXIMATED_FUNCTIONS
 
 

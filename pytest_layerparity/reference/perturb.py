@@ -5,16 +5,14 @@ Under :class:`PerturbedArithmetic`, each op whose result is rounded (matmuls, su
 elementwise arithmetic, transcendental functions, conversions to a narrower dtype) has its
 floating outputs replaced, in one of three modes:
 
-* ``"jitter"`` (the default): the op is computed again one precision wider (float32 for
-  16-bit results, float64 for float32 ones); the result's error against that is kept or
-  reflected at random per element (so an accumulation error keeps its size but not its
-  sign, as another reduction order would), and the point reached is moved anywhere within
-  half an ulp and rounded to nearest (approximated functions: up to 1.5 ulp off at
-  ``error_scale`` 1, the range math libraries document for exp, erf, rsqrt; the default
-  scale doubles both parts for a float32 result) or rounded stochastically (the other
-  results: another summation order, one rounding). See :func:`.functions.approximated`.
-* ``"stochastic"`` (Verificarlo's and Verrou's): the same, every point rounded up or down
-  at random, each neighbour in proportion to its closeness (a weaker null).
+* ``"jitter"`` (the default): the op is computed again one precision wider; a float32
+  result's error against that is kept or reflected at random per element (another reduction
+  order: its size kept, not its sign), a 16-bit one's halved (``SIXTEEN_BIT_PULL``), and the
+  point reached is moved within half an ulp and rounded to nearest (approximated functions,
+  :func:`.functions.approximated`: up to 1.5 ulp off, the default scale doubling both parts
+  for a float32 result) or rounded stochastically (the other results: one rounding).
+* ``"stochastic"`` (Verificarlo's and Verrou's): every point, reflected or kept, rounded up
+  or down at random, each neighbour in proportion to its closeness (a weaker null).
 * ``"random"`` (CADNA's and Verrou's random rounding): the result as computed times
   ``1 + u * (e + s)``, ``u`` the output dtype's unit roundoff, ``e`` drawn per element from
   U(-1, 1) and ``s`` once per op from U(-systematic, systematic), rounded back.
@@ -26,11 +24,8 @@ What a run models beyond rounding each op another way (all three answer the same
 which results a correct port's kernels legitimately give):
 
 * an approximated function's float32 (or float64) result errs ``ERROR_SCALE`` (2) times the
-  reference kernel's, reflected at random: within what math libraries document (1 to 2
-  ulp); every other result keeps the reference's error, its sign drawn anew (another order
-  of a sum), and a 16-bit one scale 1 (computed in float32, rounded once); a pointwise op's
-  on one 16-bit tensor is a function of that tensor's value in each run, as any kernel's is
-  (:func:`.functions.keyed_draws`);
+  reference kernel's (math libraries document 1 to 2 ulp); a pointwise op's on one 16-bit
+  tensor is a function of that tensor's value in each run (:func:`.functions.keyed_draws`);
 * fused norms and softmax (``DECOMPOSED_OPS``) run as their decompositions, so their mean,
   variance and sum are perturbed on their own and their error is shared by the whole row;
 * a variance is computed half the time in one pass (E[x^2] - E[x]^2, ``one_pass_var_mean``),
@@ -46,19 +41,15 @@ which results a correct port's kernels legitimately give):
   zero, as tensor cores return them (:mod:`.tensor_cores`). A backend lowers all such
   ops one way: a run takes an alternative for all or none;
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
-  (``SIXTEEN_BIT_ACCUMULATION``): tensor cores' float16-accumulate mode, XLA's CPU backend (its
-  float16 dot measured 12 times eager's error: bench/README.md). Its error is drawn at the size
-  of one sequential float16 sum of the same products (:func:`sequential_sum_error_std`), the
-  least accurate of the orders such kernels use; without ``sixteen_bit_sums`` it is not (a
-  backend that sums them in float32: Neuron's PSUM, cuBLAS, eager CPU). Not for bfloat16: no
-  kernel sums in bfloat16 (8 significant bits).
+  (``SIXTEEN_BIT_ACCUMULATION``), as tensor cores' float16-accumulate mode and XLA's CPU
+  backend do: its error drawn at the size of one sequential float16 sum of the same products
+  (:func:`sequential_sum_error_std`); not without ``sixteen_bit_sums`` (Neuron's PSUM, cuBLAS,
+  eager CPU sum in float32), nor in bfloat16 (no kernel sums in 8 significant bits).
 
 With ``break_ties``, a run also breaks exact ties among ``topk``'s candidates in an order of
-its own (the values are the same; which of equal candidates it takes is drawn per call): a
-router's or a sparse-attention indexer's choice among equal scores (DeepSeek-V3.2's indexer
-scores many keys exactly 0) is the implementation's, and another backend's top-k takes
-others. The layer tests judge such choices one router at a time (a flip between equal scores
-is a near tie); the whole model's envelope runs with it: what follows is within its reach.
+its own, drawn per call: which of equal scores a router or a sparse-attention indexer takes
+(DeepSeek-V3.2's indexer scores many keys exactly 0) is the implementation's. The layer tests
+judge such choices one router at a time; the whole model's envelope runs with it.
 
 Each run under a new seed is one legitimate implementation of the same layer: the spread of
 a statistic over runs is what a correct port's statistic is judged against.
@@ -105,6 +96,12 @@ MODES = ("jitter", "stochastic", "random")
 ERROR_SCALE = 2.0
 #: Result dtypes whose matmuls a legitimate kernel may accumulate in the result's own dtype.
 SIXTEEN_BIT_ACCUMULATION = frozenset({torch.float16})
+#: A 16-bit result any kernel computes in float32 and rounds to nearest (not an approximated
+#: function's) is rounded stochastically from this fraction of the way from its exact value to
+#: the reference's result: 1.5 times a correct rounding's squared error, where a correct port's
+#: is one and stochastic rounding's two (its spread between runs 1.25 times that of
+#: independent correct roundings).
+SIXTEEN_BIT_PULL = 0.5
 
 
 def _rounded_wide_result(func: Any, args: tuple, kwargs: dict, exact: list[Any] | None) -> torch.Tensor | None:
@@ -387,11 +384,14 @@ class PerturbedArithmetic(TorchDispatchMode):
                     continue
                 self.ops += 1
                 generator = self._generator(value.device)
-                if self.sixteen_bit_sums and name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION:
+                summed = self.sixteen_bit_sums and name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION
+                if summed:
                     wide = wide + accumulation_error(name, args, value.dtype, generator)
                 jitter, scale = self.mode == "jitter" and approximated(name), self._scale(name, value.dtype)
+                pull = SIXTEEN_BIT_PULL if self.mode == "jitter" and not (jitter or summed) else None
                 draws = keyed_draws(func, args, value, self.seed, self.samples)
-                perturbed = another_rounding(value, wide, generator, jitter, scale, draws)
+                pull = pull if value.dtype in (torch.bfloat16, torch.float16) else None
+                perturbed = another_rounding(value, wide, generator, jitter, scale, draws, pull)
             if id(value) in inputs:  # an in-place op: perturb the tensor itself
                 value.copy_(perturbed)
                 results.append(value)

@@ -237,10 +237,13 @@ def another_rounding(
     jitter: bool = False,
     scale: float = 1.0,
     draws: Callable[[int, int], torch.Tensor] | None = None,
+    pull: float | None = None,
 ) -> torch.Tensor:
     """Another legitimate value of an op's ``result``, given the op computed one precision
     wider (``wide``): per element, the result's error against ``wide`` is kept or reflected
-    (at random, half and half), and the point reached is rounded stochastically.
+    (at random, half and half), and the point reached is rounded stochastically. With
+    ``pull``, the error is neither kept nor reflected but that fraction of it taken (the
+    point between ``wide`` and the result), and the draw's sign bit goes unused.
 
     For an elementwise op (``result`` is ``wide`` rounded to nearest) this is exactly
     stochastic rounding of ``wide``. For a reduction (a matmul or a sum accumulated in the
@@ -257,14 +260,14 @@ def another_rounding(
     given (:func:`.functions.keyed_draws`), in place of the generator's."""
     n = wide.numel()
     if wide.device.type != "cpu" or n <= ROUNDING_BLOCK:
-        return _another_rounding(result, wide, generator, jitter, scale, None if draws is None else draws(0, n))
+        return _another_rounding(result, wide, generator, jitter, scale, None if draws is None else draws(0, n), pull)
     out = torch.empty(wide.shape, dtype=result.dtype, device=wide.device)
     flat_out, flat_result, flat_wide = out.view(-1), result.reshape(-1), wide.reshape(-1)
     block = max(2, ROUNDING_BLOCK - ROUNDING_BLOCK % 2)
     for start in range(0, n, block):
         stop = min(start + block, n)
         given = None if draws is None else draws(start, stop)
-        part = _another_rounding(flat_result[start:stop], flat_wide[start:stop], generator, jitter, scale, given)
+        part = _another_rounding(flat_result[start:stop], flat_wide[start:stop], generator, jitter, scale, given, pull)
         flat_out[start:stop] = part
         del part
     return out
@@ -277,6 +280,7 @@ def _another_rounding(
     jitter: bool,
     scale: float,
     bits: torch.Tensor | None = None,
+    pull: float | None = None,
 ) -> torch.Tensor:
     """:func:`another_rounding` of one block."""
     if bits is None:
@@ -284,11 +288,12 @@ def _another_rounding(
     bits = bits.view(wide.shape)  # used up in place below
     # the error where it is finite, else none (an infinite or NaN result is kept as computed)
     point = result.to(wide.dtype).sub_(wide).nan_to_num_(0.0, 0.0, 0.0)
-    flip = (bits & 1).bitwise_xor_(1).to(_SAME_WIDTH_INT[wide.dtype])  # the lowest bit 1: kept, 0: reflected
-    point.view(flip.dtype).bitwise_xor_(flip.bitwise_left_shift_(8 * wide.element_size() - 1))
-    del flip
-    if scale != 1.0:
-        point.mul_(scale)
+    if pull is None:
+        flip = (bits & 1).bitwise_xor_(1).to(_SAME_WIDTH_INT[wide.dtype])  # the lowest bit 1: kept, 0: reflected
+        point.view(flip.dtype).bitwise_xor_(flip.bitwise_left_shift_(8 * wide.element_size() - 1))
+        del flip
+    if scale * (1.0 if pull is None else pull) != 1.0:
+        point.mul_(scale * (1.0 if pull is None else pull))
     point.add_(wide)  # wide + sign * error * scale
     if jitter:  # anywhere within half an ulp (times scale) of the point, then to nearest
         steps = bits.bitwise_right_shift_(1)  # the uniform number is (steps + 0.5) / 2^UNIFORM_BITS

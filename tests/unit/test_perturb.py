@@ -38,6 +38,34 @@ def test_another_rounding_of_an_elementwise_result_is_stochastic_rounding():
     assert (out != result).double().mean().item() == pytest.approx(0.3, abs=0.02)
 
 
+def test_a_pulled_rounding_takes_the_other_neighbour_half_as_often():
+    """With ``pull`` 0.5 an elementwise result 0.3 ulp from its exact value goes to the other
+    neighbour with half stochastic rounding's probability (0.15), never elsewhere."""
+    wide = torch.full((20000,), 1.0) + 0.3 * 2**-7
+    result = wide.to(torch.bfloat16)
+    out = another_rounding(result, wide, torch.Generator().manual_seed(1), pull=0.5)
+    assert bool(_on_neighbours(out, wide.double()).all())
+    assert (out != result).double().mean().item() == pytest.approx(0.15, abs=0.015)
+
+
+def test_a_bfloat16_matmul_errs_between_a_correct_and_a_stochastic_rounding():
+    """A bfloat16 matmul under the jitter mode errs 1.5 times a correct rounding's squared
+    error (the point halfway to the reference's result, rounded stochastically), another way
+    in each run; stochastic rounding (the ``stochastic`` mode) errs twice it."""
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(128, 256, generator=g).bfloat16(), torch.randn(256, 128, generator=g).bfloat16()
+    wide = a.double() @ b.double()
+    correct = (wide.bfloat16().double() - wide).square().mean().item()
+    runs = {}
+    for seed, mode in ((3, "jitter"), (4, "jitter"), (3, "stochastic")):
+        with PerturbedArithmetic(seed, mode):
+            runs[seed, mode] = a @ b
+    one = runs[3, "jitter"]
+    assert (one.double() - wide).square().mean().item() / correct == pytest.approx(1.5, abs=0.1)
+    assert (runs[3, "stochastic"].double() - wide).square().mean().item() / correct == pytest.approx(2.0, abs=0.12)
+    assert bool(_on_neighbours(one, wide).all()) and not torch.equal(one, runs[4, "jitter"])
+
+
 def test_another_rounding_keeps_the_size_of_an_accumulation_error():
     wide = torch.linspace(1, 2, 4096, dtype=torch.float64)
     result = (wide + 5 * 2**-24 * wide).to(torch.float32)  # 5 ulp off, as a long reduction may be
@@ -283,17 +311,19 @@ def test_the_math_attention_reference_goes_through_the_queries_in_blocks(length,
     assert query_block(length, 8, 64) == max(1, length * 8 // 64)  # several blocks whenever length > 8
 
 
-def _plain_another_rounding(result, wide, generator, jitter, scale):
+def _plain_another_rounding(result, wide, generator, jitter, scale, pull=None):
     """The rule written plainly, out of place (the oracle of the in-place code): each
     element's 15 random bits the low or the high half of a 31-bit draw, its lowest bit the
-    sign, the other 14 a uniform number at the middle of one of 2^14 steps."""
+    sign (unused with ``pull``), the other 14 a uniform number at the middle of one of 2^14
+    steps."""
     n = wide.numel()
     raw = torch.empty((n + 1) // 2, dtype=torch.int32).random_(generator=generator).long()  # in [0, 2^31)
     bits = torch.stack([raw % 2**15, raw // 2**16], dim=-1).reshape(-1)[:n].view(wide.shape)
     sign = (bits % 2).to(wide.dtype) * 2 - 1
     uniform = ((bits // 2).to(wide.dtype) + 0.5) / 2**14
     error = result.to(wide.dtype) - wide
-    point = torch.where(torch.isfinite(error), wide + sign * error * scale, wide)
+    moved = sign * error * scale if pull is None else error * (scale * pull)
+    point = torch.where(torch.isfinite(error), wide + moved, wide)
     if jitter:
         u = rounding.unit_roundoff(result.dtype) * scale
         return (point * (1 + u * (uniform * 2 - 1))).to(result.dtype)
@@ -322,9 +352,9 @@ PAIRS = [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch
 
 
 @pytest.mark.parametrize("block", [rounding.ROUNDING_BLOCK, 999, 1000])
-@pytest.mark.parametrize("jitter", [False, True])
+@pytest.mark.parametrize(("jitter", "pull"), [(False, None), (True, None), (False, 0.5)])
 @pytest.mark.parametrize(("narrow", "wide"), PAIRS)
-def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, narrow, wide, jitter, block):
+def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, narrow, wide, jitter, pull, block):
     """In place, and in blocks (the same draws as the whole, the generator left where the
     whole leaves it)."""
     monkeypatch.setattr(rounding, "ROUNDING_BLOCK", block)
@@ -334,8 +364,8 @@ def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, 
     exact[5], exact[7], exact[9] = float("inf"), float("nan"), 1e-40
     result = (exact * (1 + 1e-3 * torch.randn(5000, generator=g, dtype=wide))).to(narrow)
     mine, plain = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    got = rounding.another_rounding(result.view(50, 100), exact.view(50, 100), mine, jitter, 2.0).view(-1)
-    want = _plain_another_rounding(result, exact, plain, jitter, 2.0)
+    got = rounding.another_rounding(result.view(50, 100), exact.view(50, 100), mine, jitter, 2.0, pull=pull).view(-1)
+    want = _plain_another_rounding(result, exact, plain, jitter, 2.0, pull)
     assert torch.equal(torch.rand(4, generator=mine), torch.rand(4, generator=plain))
     assert got.dtype == narrow
     assert torch.equal(got.float().nan_to_num(123.0), want.float().nan_to_num(123.0))
@@ -779,7 +809,7 @@ def test_a_run_takes_an_alternative_for_every_such_op_or_for_none():
 
 def test_a_16_bit_product_is_rounded_stochastically_and_an_approximated_function_jittered():
     """A bfloat16 product (computed in float32 and rounded once by any kernel) lands on one of
-    the exact value's two neighbours with twice a correct rounding's squared error; a bfloat16
+    the exact value's two neighbours with 1.5 times a correct rounding's squared error; a bfloat16
     exp (kernels approximate it) reaches beyond them, at about four times that error."""
     g = torch.Generator().manual_seed(6)
     a, b = torch.randn(256, 256, generator=g).bfloat16(), torch.randn(256, 256, generator=g).bfloat16()
@@ -791,7 +821,7 @@ def test_a_16_bit_product_is_rounded_stochastically_and_an_approximated_function
         neighbours = _on_neighbours(out, exact).double().mean().item()
         squared = ((out.double() - exact).pow(2).mean() / (nearest.double() - exact).pow(2).mean()).item()
         measured[name] = (neighbours, squared)
-    assert measured["mul"][0] == 1.0 and 1.8 < measured["mul"][1] < 2.2
+    assert measured["mul"][0] == 1.0 and 1.35 < measured["mul"][1] < 1.65
     assert measured["exp"][0] < 0.95 and measured["exp"][1] > 3.0
 
 
