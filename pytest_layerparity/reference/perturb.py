@@ -388,9 +388,9 @@ class PerturbedArithmetic(TorchDispatchMode):
                 if summed:
                     wide = wide + accumulation_error(name, args, value.dtype, generator)
                 jitter, scale = self.mode == "jitter" and approximated(name), self._scale(name, value.dtype)
-                pull = SIXTEEN_BIT_PULL if self.mode == "jitter" and not (jitter or summed) else None
+                sixteen = value.dtype in (torch.bfloat16, torch.float16)
+                pull = SIXTEEN_BIT_PULL if self.mode == "jitter" and sixteen and not (jitter or summed) else None
                 draws = keyed_draws(func, args, value, self.seed, self.samples)
-                pull = pull if value.dtype in (torch.bfloat16, torch.float16) else None
                 perturbed = another_rounding(value, wide, generator, jitter, scale, draws, pull)
             if id(value) in inputs:  # an in-place op: perturb the tensor itself
                 value.copy_(perturbed)

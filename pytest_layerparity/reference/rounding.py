@@ -292,9 +292,10 @@ def _another_rounding(
         flip = (bits & 1).bitwise_xor_(1).to(_SAME_WIDTH_INT[wide.dtype])  # the lowest bit 1: kept, 0: reflected
         point.view(flip.dtype).bitwise_xor_(flip.bitwise_left_shift_(8 * wide.element_size() - 1))
         del flip
-    if scale * (1.0 if pull is None else pull) != 1.0:
-        point.mul_(scale * (1.0 if pull is None else pull))
-    point.add_(wide)  # wide + sign * error * scale
+    factor = scale if pull is None else scale * pull
+    if factor != 1.0:
+        point.mul_(factor)
+    point.add_(wide)  # wide + sign * error * scale (with pull: wide + error * scale * pull)
     if jitter:  # anywhere within half an ulp (times scale) of the point, then to nearest
         steps = bits.bitwise_right_shift_(1)  # the uniform number is (steps + 0.5) / 2^UNIFORM_BITS
         u = _UNIT_ROUNDOFF[result.dtype] * scale
