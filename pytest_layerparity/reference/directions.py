@@ -1,9 +1,9 @@
 """Directions of a layer's output that ``branch_bias`` is measured along beside the
 branches', each the output's move under one small change of the layer's arithmetic, made in
 the precision floor's pass (:mod:`.floor`): the attention's temperature
-(:func:`temperature_direction`) and the norms' epsilon (:func:`norm_epsilon_direction`). A
-port that gets one of them wrong moves its output along that direction, and along no
-branch's output."""
+(:func:`temperature_direction`), the norms' epsilon (:func:`norm_epsilon_direction`) and
+GELU's other form (:func:`gelu_form_direction`). A port that gets one of them wrong moves its
+output along that direction, and along no branch's output."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ NORM_EPSILON_STEP = 1e-3
 #: The attributes a norm keeps its epsilon in (Llama's and most RMSNorms', torch's norms',
 #: a few others').
 EPSILON_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
+#: GELU's form (``floor.branch.gelu_form``): what the layer's output does when each GELU in it
+#: computes its other common form, the tanh approximation where it computes erf's and erf's
+#: where it computes the approximation (a port that reads ``hidden_act`` as the other one).
+#: Its modules by class: torch's ``GELU`` and transformers' activations.
+GELU_FORM_BRANCH = "gelu_form"
+ERF_GELUS = frozenset({"GELUActivation"})
+TANH_GELUS = frozenset({"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"})
 #: The softmax functions whose 4-D input :class:`SofterAttention` scales.
 SOFTMAX_FUNCTIONS = frozenset({torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax, torch.special.softmax})
 
@@ -124,6 +131,50 @@ def norm_epsilon_direction(
         return None
     with raised_norm_epsilon(layer, NORM_EPSILON_STEP * spread) as norms:
         if not norms:
+            return None
+        moved = run()
+    return _direction(moved, out, max_output_cosine)
+
+
+def _gelu_form(module: torch.nn.Module) -> str | None:
+    """The ``approximate`` of the GELU form ``module`` computes ("none": erf's, "tanh"), or
+    None where it is no GELU of a known form."""
+    if isinstance(module, torch.nn.GELU):
+        return module.approximate
+    name = type(module).__name__
+    return "none" if name in ERF_GELUS else "tanh" if name in TANH_GELUS else None
+
+
+@contextmanager
+def other_gelu_form(layer: torch.nn.Module) -> Iterator[int]:
+    """While active, each GELU module in ``layer`` (:func:`_gelu_form`) computes the other
+    form; yields how many there are, and gives each its own forward back."""
+    swapped: list[tuple[torch.nn.Module, Any]] = []
+    for module in layer.modules():
+        form = _gelu_form(module)
+        if form is None:
+            continue
+        other = "tanh" if form == "none" else "none"
+        swapped.append((module, module.__dict__.get("forward")))  # an instance's own forward (a hook's) kept
+        module.forward = lambda x, other=other: torch.nn.functional.gelu(x, approximate=other)
+    try:
+        yield len(swapped)
+    finally:
+        for module, own in swapped:
+            if own is None:
+                del module.forward
+            else:
+                module.forward = own
+
+
+def gelu_form_direction(
+    layer: torch.nn.Module, run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
+) -> torch.Tensor | None:
+    """How the layer's output ``out`` moves with each GELU in the other form
+    (:func:`other_gelu_form`): ``run()`` so, as :func:`_direction`; None where the layer has
+    no GELU module of a known form."""
+    with other_gelu_form(layer) as gelus:
+        if not gelus:
             return None
         moved = run()
     return _direction(moved, out, max_output_cosine)

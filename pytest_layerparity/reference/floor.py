@@ -148,9 +148,9 @@ class FloorEvaluator:
         ``hidden`` when given, for chains), in the floor dtype. Returns the output and the
         routers' exact logits and scores (``floor.routing.*``), the output of each of the
         layer's branches in the golden's dtype (``floor.branch.*``, :func:`capture_branches`:
-        the directions ``branch_bias`` is measured along) and the attention temperature's and
-        the norms' epsilon's (``floor.branch.attention_temperature``, ``.norm_epsilon``,
-        :mod:`.directions`), and for a decode step the keys and
+        the directions ``branch_bias`` is measured along) and the attention temperature's, the
+        norms' epsilon's and GELU's other form's (``floor.branch.attention_temperature``,
+        ``.norm_epsilon``, ``.gelu_form``: :mod:`.directions`), and for a decode step the keys and
         values the layer appended to its KV cache (``floor.cache.new_keys``/``new_values``).
         ``layer``: the layer already loaded (by :meth:`load`), else it is loaded and given back.
         Without ``extras``, the output alone (a chain's floor step: the routers, branches and
@@ -158,8 +158,10 @@ class FloorEvaluator:
         import torch
 
         from .directions import (
+            GELU_FORM_BRANCH,
             NORM_EPSILON_BRANCH,
             TEMPERATURE_BRANCH,
+            gelu_form_direction,
             norm_epsilon_direction,
             temperature_direction,
         )
@@ -207,6 +209,7 @@ class FloorEvaluator:
 
             keep(TEMPERATURE_BRANCH, temperature_direction(again, out, MAX_BRANCH_OUTPUT_COSINE))
             keep(NORM_EPSILON_BRANCH, norm_epsilon_direction(layer, hidden_in, again, out, MAX_BRANCH_OUTPUT_COSINE))
+            keep(GELU_FORM_BRANCH, gelu_form_direction(layer, again, out, MAX_BRANCH_OUTPUT_COSINE))
         appended = appended_kv(args, kwargs, spec, upcast) if extras else None
         if appended is not None:
             found[FLOOR_NEW_KEYS], found[FLOOR_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)

@@ -324,3 +324,52 @@ def test_the_floors_pass_finds_the_norms_epsilon_direction_on_prompts_and_decode
     mlp = torch.nn.Linear(8, 8)
     x = torch.randn(3, 8)
     assert norm_epsilon_direction(mlp, x, lambda: mlp(x), mlp(x), 0.95) is None
+
+
+def test_other_gelu_form_swaps_each_gelu_and_gives_each_its_forward_back():
+    """erf's GELU computes the tanh approximation and the approximation erf's while active (torch's
+    GELU and transformers' activations alike); afterwards each module computes its own form
+    again, and a forward an instance had of its own (a hook's) is the one it gets back."""
+    from transformers.activations import ACT2FN
+
+    from pytest_layerparity.reference.directions import other_gelu_form
+
+    x = torch.linspace(-4, 4, 101, dtype=torch.float64)
+    erf, tanh = torch.nn.functional.gelu(x), torch.nn.functional.gelu(x, approximate="tanh")
+    layer = torch.nn.Module()
+    layer.a, layer.b, layer.c = ACT2FN["gelu"], ACT2FN["gelu_new"], torch.nn.GELU(approximate="tanh")
+    layer.d = torch.nn.SiLU()
+    hooked = torch.nn.GELU()
+    hooked.forward = lambda v: torch.nn.functional.gelu(v) + 1  # as a hook wraps it
+    layer.e = hooked
+    with other_gelu_form(layer) as swapped:
+        assert swapped == 4
+        torch.testing.assert_close(layer.a(x), tanh)
+        torch.testing.assert_close(layer.b(x), erf)
+        torch.testing.assert_close(layer.c(x), erf)
+        torch.testing.assert_close(layer.e(x), tanh)
+    torch.testing.assert_close(layer.a(x), erf)
+    torch.testing.assert_close(layer.b(x), tanh, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(layer.c(x), tanh)
+    torch.testing.assert_close(layer.e(x), erf + 1)
+    assert "forward" not in layer.a.__dict__
+
+
+def test_the_gelu_form_direction_is_what_reading_the_other_hidden_act_does():
+    """Along it lies what a port that computes the other GELU form does (an MLP with erf's GELU
+    read as the tanh approximation); an MLP without GELU has none."""
+    from transformers.activations import ACT2FN
+
+    from pytest_layerparity.reference.directions import gelu_form_direction
+
+    g = torch.Generator().manual_seed(3)
+    up, down = torch.nn.Linear(16, 64).double(), torch.nn.Linear(64, 16).double()
+    x = 3 * torch.randn(32, 16, generator=g, dtype=torch.float64)
+    mlp = torch.nn.Sequential(up, ACT2FN["gelu"], down).requires_grad_(False)
+    out = mlp(x)
+    direction = gelu_form_direction(mlp, lambda: mlp(x), out, 0.95)
+    effect = (torch.nn.Sequential(up, ACT2FN["gelu_pytorch_tanh"], down)(x) - out).flatten()
+    assert direction is not None and direction.norm() == pytest.approx(float(out.norm()))
+    assert float(effect @ direction.flatten()) / float(effect.norm() * direction.norm()) > 0.999
+    silu = torch.nn.Sequential(up, torch.nn.SiLU(), down)
+    assert gelu_form_direction(silu, lambda: silu(x), silu(x), 0.95) is None
