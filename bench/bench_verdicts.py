@@ -378,16 +378,18 @@ def gelu_variant_swapped(layer, config):
     it uses the approximation."""
     from transformers.activations import ACT2FN
 
+    from pytest_layerparity.reference.directions import ERF_GELUS, TANH_GELUS
+
     for module in layer.modules():
         for attr in ("act", "act_fn", "activation_fn", "intermediate_act_fn"):
             act = getattr(module, attr, None)
             if act is None:
                 continue
             name = type(act).__name__
-            if name == "GELUActivation":
+            if name in ERF_GELUS:
                 setattr(module, attr, ACT2FN["gelu_pytorch_tanh"])
                 return layer
-            if name in ("NewGELUActivation", "PytorchGELUTanh", "GELUTanh", "FastGELUActivation"):
+            if name in TANH_GELUS:
                 setattr(module, attr, ACT2FN["gelu"])
                 return layer
     return None
