@@ -52,7 +52,7 @@ def keyed_halves(
     x: torch.Tensor, name: str, seed: int, samples: int = 1, start: int = 0, stop: int | None = None
 ) -> torch.Tensor:
     """One 15-bit draw per element of a 16-bit ``x`` (int16, as
-    :func:`.rounding.random_halves`; of its flat elements ``start`` to ``stop``), a function
+    :func:`.draws.counter_halves`; of its flat elements ``start`` to ``stop``), a function
     of the element's value, of op ``name`` and of the run: the seed, and with ``samples`` runs
     stacked along the first dimension, the element's run. A kernel computing a function of one
     tensor errs by a fixed amount at each of its values, and a 16-bit tensor takes a few

@@ -7,11 +7,13 @@ result given the op computed one precision wider (:func:`stochastic_round`,
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
+
+from .draws import counter_halves, counter_key, random_halves
 
 # Ops whose floating results involve no rounding (data movement, selection, exact arithmetic).
 EXACT_OPS = frozenset(
@@ -194,10 +196,9 @@ def stochastic_round(
 #: Elements another_rounding works on at once (on the CPU): its wide temporaries (the error,
 #: the point reached, the rounding's draws) are a block's, not several copies of the result,
 #: and stay in the cache between its passes (measured on 2M bfloat16 results from cold
-#: memory: 2.7 ns an element in blocks of 2^18, 6.1 in blocks of 2^20). Even: two elements
-#: share one 32-bit draw (:func:`random_halves`).
+#: memory: 2.7 ns an element in blocks of 2^18, 6.1 in blocks of 2^20).
 ROUNDING_BLOCK = 1 << 18
-#: Bits of the uniform draw of each element after its sign bit (:func:`random_halves`): a
+#: Bits of the uniform draw of each element after its sign bit (:func:`counter_halves`): a
 #: point placed within an ulp to 1/16384 of it, far finer than the rounding that follows.
 UNIFORM_BITS = 14
 
@@ -214,20 +215,6 @@ _SAME_WIDTH_INT = {
     torch.float32: torch.int32,
     torch.float64: torch.int64,
 }
-
-
-def random_halves(n: int, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """``n`` random 15-bit integers (int16), two per 31-bit draw of ``generator``: the low
-    and the high half of each. Drawing a random number costs a perturbed op more than the
-    arithmetic around it (2 to 7 ns an element on the CPU against 0.1 for a multiply), and an
-    element needs one sign bit and a position within an ulp, not 32 or 64 random bits.
-    Drawing n in blocks of an even size gives the same n as drawing them at once."""
-    raw = torch.empty((n + 1) // 2, dtype=torch.int32, device=device).random_(generator=generator)
-    if sys.byteorder == "little":  # the halves in place, the low one first
-        halves = raw.view(torch.int16).bitwise_and_(0x7FFF)
-    else:
-        halves = torch.stack((raw & 0x7FFF, raw >> 16), dim=-1).view(-1).to(torch.int16)
-    return halves[:n] if halves.numel() != n else halves
 
 
 def another_rounding(
@@ -252,18 +239,21 @@ def another_rounding(
     make every run more accurate than the golden. ``scale`` multiplies both errors: a kernel
     that is that many times less accurate than the reference's.
 
-    Each element's randomness is one 15-bit draw (:func:`random_halves`): its lowest bit the
-    sign, the rest (``UNIFORM_BITS``) a uniform number in (0, 1), at the middle of one of
-    2^14 equal steps, for the jitter or the stochastic rounding. On the CPU a result of more
+    Each element's randomness is one 15-bit draw: its lowest bit the sign, the rest
+    (``UNIFORM_BITS``) a uniform number in (0, 1), at the middle of one of 2^14 equal steps,
+    for the jitter or the stochastic rounding; on the CPU :func:`counter_halves` of a key
+    drawn from ``generator``, elsewhere :func:`random_halves`. On the CPU a result of more
     than ``ROUNDING_BLOCK`` elements is worked through in blocks with the same draws as the
     whole. ``draws(start, stop)``: the 15-bit draws of the flat elements ``start`` to ``stop``,
     given (:func:`.functions.keyed_draws`), in place of the generator's."""
     n = wide.numel()
+    if draws is None and wide.device.type == "cpu":
+        draws = partial(counter_halves, counter_key(generator))
     if wide.device.type != "cpu" or n <= ROUNDING_BLOCK:
         return _another_rounding(result, wide, generator, jitter, scale, None if draws is None else draws(0, n), pull)
     out = torch.empty(wide.shape, dtype=result.dtype, device=wide.device)
     flat_out, flat_result, flat_wide = out.view(-1), result.reshape(-1), wide.reshape(-1)
-    block = max(2, ROUNDING_BLOCK - ROUNDING_BLOCK % 2)
+    block = max(1, ROUNDING_BLOCK)
     for start in range(0, n, block):
         stop = min(start + block, n)
         given = None if draws is None else draws(start, stop)
@@ -286,16 +276,20 @@ def _another_rounding(
     if bits is None:
         bits = random_halves(wide.numel(), generator, wide.device)
     bits = bits.view(wide.shape)  # used up in place below
-    # the error where it is finite, else none (an infinite or NaN result is kept as computed)
-    point = result.to(wide.dtype).sub_(wide).nan_to_num_(0.0, 0.0, 0.0)
-    if pull is None:
+    if pull is not None:  # result * f + wide * (1 - f) in two passes (an infinite result stays infinite)
+        factor = scale * pull
+        point = result.to(wide.dtype)
+        if factor != 1.0:
+            point.mul_(factor).add_(wide, alpha=1 - factor)
+    else:
+        # the error where it is finite, else none (an infinite or NaN result is kept as computed)
+        point = result.to(wide.dtype).sub_(wide).nan_to_num_(0.0, 0.0, 0.0)
         flip = (bits & 1).bitwise_xor_(1).to(_SAME_WIDTH_INT[wide.dtype])  # the lowest bit 1: kept, 0: reflected
         point.view(flip.dtype).bitwise_xor_(flip.bitwise_left_shift_(8 * wide.element_size() - 1))
         del flip
-    factor = scale if pull is None else scale * pull
-    if factor != 1.0:
-        point.mul_(factor)
-    point.add_(wide)  # wide + sign * error * scale (with pull: wide + error * scale * pull)
+        if scale != 1.0:
+            point.mul_(scale)
+        point.add_(wide)  # wide + sign * error * scale
     if jitter:  # anywhere within half an ulp (times scale) of the point, then to nearest
         steps = bits.bitwise_right_shift_(1)  # the uniform number is (steps + 0.5) / 2^UNIFORM_BITS
         u = _UNIT_ROUNDOFF[result.dtype] * scale
@@ -312,7 +306,7 @@ def _uniform(steps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _round_away_at_random(point: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
     """``point`` (the wide dtype) stochastically rounded to ``dtype``, given each element's
-    15-bit draw ``bits`` (:func:`random_halves`), whose uniform number is (steps + 0.5) /
+    15-bit draw ``bits`` (:mod:`.draws`), whose uniform number is (steps + 0.5) /
     2^UNIFORM_BITS for steps = bits >> 1. Where ``dtype``'s normal numbers hold the point's
     neighbours, by integer arithmetic on its bits: a draw spread over the bits below
     ``dtype``'s significand is added to them and they are cleared, so the point goes to its

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_layerparity.reference import rounding
+from pytest_layerparity.reference import draws, rounding
 from pytest_layerparity.reference.algorithms import one_pass_var_mean
 from pytest_layerparity.reference.perturb import PerturbedArithmetic
 from pytest_layerparity.reference.rounding import another_rounding, sequential_sum_error_std, stochastic_round
@@ -311,19 +311,31 @@ def test_the_math_attention_reference_goes_through_the_queries_in_blocks(length,
     assert query_block(length, 8, 64) == max(1, length * 8 // 64)  # several blocks whenever length > 8
 
 
+def _splitmix64(key, counter):
+    """SplitMix64's output for ``counter`` of the stream ``key``, in Python integers."""
+    z = (key + (counter + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return z ^ (z >> 31)
+
+
 def _plain_another_rounding(result, wide, generator, jitter, scale, pull=None):
     """The rule written plainly, out of place (the oracle of the in-place code): each
-    element's 15 random bits the low or the high half of a 31-bit draw, its lowest bit the
-    sign (unused with ``pull``), the other 14 a uniform number at the middle of one of 2^14
-    steps."""
+    element e's 15 random bits the (e % 4)-th 16-bit field of SplitMix64's output for
+    counter e // 4 of a 62-bit key drawn from the generator, its lowest bit the sign (unused
+    with ``pull``), the other 14 a uniform number at the middle of one of 2^14 steps."""
     n = wide.numel()
-    raw = torch.empty((n + 1) // 2, dtype=torch.int32).random_(generator=generator).long()  # in [0, 2^31)
-    bits = torch.stack([raw % 2**15, raw // 2**16], dim=-1).reshape(-1)[:n].view(wide.shape)
+    key = int(torch.randint(0, 2**62, (1,), generator=generator))
+    words = [_splitmix64(key, c) for c in range((n + 3) // 4)]
+    bits = torch.tensor([words[e // 4] >> (16 * (e % 4)) & 0x7FFF for e in range(n)]).view(wide.shape)
     sign = (bits % 2).to(wide.dtype) * 2 - 1
     uniform = ((bits // 2).to(wide.dtype) + 0.5) / 2**14
     error = result.to(wide.dtype) - wide
-    moved = sign * error * scale if pull is None else error * (scale * pull)
-    point = torch.where(torch.isfinite(error), wide + moved, wide)
+    if pull is None:
+        point = torch.where(torch.isfinite(error), wide + sign * error * scale, wide)
+    else:  # the point between the result and wide (an infinite result kept)
+        f = scale * pull
+        point = result.to(wide.dtype) * f + wide * (1 - f) if f != 1 else result.to(wide.dtype)
     if jitter:
         u = rounding.unit_roundoff(result.dtype) * scale
         return (point * (1 + u * (uniform * 2 - 1))).to(result.dtype)
@@ -352,9 +364,13 @@ PAIRS = [(torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch
 
 
 @pytest.mark.parametrize("block", [rounding.ROUNDING_BLOCK, 999, 1000])
-@pytest.mark.parametrize(("jitter", "pull"), [(False, None), (True, None), (False, 0.5)])
+@pytest.mark.parametrize(
+    ("jitter", "pull", "scale"), [(False, None, 2.0), (True, None, 2.0), (False, 0.5, 2.0), (False, 0.5, 1.0)]
+)
 @pytest.mark.parametrize(("narrow", "wide"), PAIRS)
-def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, narrow, wide, jitter, pull, block):
+def test_another_rounding_in_place_draws_what_the_plain_rule_draws(
+    monkeypatch, narrow, wide, jitter, pull, scale, block
+):
     """In place, and in blocks (the same draws as the whole, the generator left where the
     whole leaves it)."""
     monkeypatch.setattr(rounding, "ROUNDING_BLOCK", block)
@@ -364,8 +380,8 @@ def test_another_rounding_in_place_draws_what_the_plain_rule_draws(monkeypatch, 
     exact[5], exact[7], exact[9] = float("inf"), float("nan"), 1e-40
     result = (exact * (1 + 1e-3 * torch.randn(5000, generator=g, dtype=wide))).to(narrow)
     mine, plain = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    got = rounding.another_rounding(result.view(50, 100), exact.view(50, 100), mine, jitter, 2.0, pull=pull).view(-1)
-    want = _plain_another_rounding(result, exact, plain, jitter, 2.0, pull)
+    got = rounding.another_rounding(result.view(50, 100), exact.view(50, 100), mine, jitter, scale, pull=pull).view(-1)
+    want = _plain_another_rounding(result, exact, plain, jitter, scale, pull)
     assert torch.equal(torch.rand(4, generator=mine), torch.rand(4, generator=plain))
     assert got.dtype == narrow
     assert torch.equal(got.float().nan_to_num(123.0), want.float().nan_to_num(123.0))
@@ -466,15 +482,40 @@ def test_a_sixteen_bit_result_is_its_float32_result_rounded_once():
 
 def test_random_halves_are_uniform_15_bit_draws_the_same_in_blocks():
     g = torch.Generator().manual_seed(3)
-    bits = rounding.random_halves(200001, g, torch.device("cpu"))
+    bits = draws.random_halves(200001, g, torch.device("cpu"))
     assert bits.shape == (200001,) and bits.dtype == torch.int16
     assert int(bits.min()) >= 0 and int(bits.max()) < 2**15
     assert (bits & 1).double().mean().item() == pytest.approx(0.5, abs=0.01)
     assert (bits >> 1).double().mean().item() == pytest.approx((2**14 - 1) / 2, rel=0.01)
-    whole = rounding.random_halves(1000, torch.Generator().manual_seed(4), torch.device("cpu"))
+    whole = draws.random_halves(1000, torch.Generator().manual_seed(4), torch.device("cpu"))
     parts = torch.Generator().manual_seed(4)
-    blocks = torch.cat([rounding.random_halves(n, parts, torch.device("cpu")) for n in (400, 600)])
+    blocks = torch.cat([draws.random_halves(n, parts, torch.device("cpu")) for n in (400, 600)])
     assert torch.equal(whole, blocks)
+
+
+@pytest.mark.parametrize("byteorder", ["little", "big"])
+def test_counter_halves_are_splitmix64_fields_the_same_in_any_block(monkeypatch, byteorder):
+    monkeypatch.setattr(draws.sys, "byteorder", byteorder)
+    key = draws.counter_key(torch.Generator().manual_seed(5))
+    assert 0 <= key < 2**62
+    got = draws.counter_halves(key, 7, 31)
+    assert got.dtype == torch.int16
+    assert got.tolist() == [_splitmix64(key, e // 4) >> (16 * (e % 4)) & 0x7FFF for e in range(7, 31)]
+    whole = draws.counter_halves(key, 0, 1001)
+    assert torch.equal(
+        torch.cat([draws.counter_halves(key, a, min(a + 333, 1001)) for a in range(0, 1001, 333)]), whole
+    )
+    many = draws.counter_halves(key, 0, 400001)
+    assert int(many.min()) >= 0 and int(many.max()) < 2**15
+    assert (many & 1).double().mean().item() == pytest.approx(0.5, abs=0.005)
+    steps = (many >> 1).long()
+    counts = torch.bincount(steps, minlength=2**14).double()
+    expected = many.numel() / 2**14
+    assert ((counts - expected) ** 2 / expected).sum().item() / (2**14 - 1) == pytest.approx(1.0, abs=0.05)
+    lagged = torch.corrcoef(torch.stack([steps[:-1].double(), steps[1:].double()]))[0, 1].item()
+    assert abs(lagged) < 0.01
+    other = draws.counter_halves(key + 1, 0, 400001)  # a neighbouring key: another stream
+    assert abs(torch.corrcoef(torch.stack([many.double(), other.double()]))[0, 1].item()) < 0.01
 
 
 def test_a_bfloat16_matmul_on_the_cpu_is_widened_in_bfloat16_arithmetic_alone():
