@@ -14,7 +14,7 @@ extracts no whole-model golden (``layerparity_logits_topk = 0``), and so no whol
 envelope: per-layer verdicts alone. ``--one-at-a-time`` runs each call's perturbed runs one
 after the other, as the CPU does for a long call (reference/batching.py), to time what running
 them together as one batch saves on an accelerator. ``--model-runs N`` makes the whole model's
-envelope of N perturbed runs instead of the plugin's rule (two thirds of a layer's).
+envelope of N perturbed runs instead of the plugin's rule (half a layer's and one).
 """
 
 from __future__ import annotations

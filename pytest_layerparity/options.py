@@ -510,7 +510,7 @@ OPTIONS = (
         "envelope_samples",
         "--envelope-samples",
         "Perturbed runs (Monte Carlo arithmetic) of each layer that make its noise envelope, at extraction and "
-        "for each chained run (the whole model's envelope takes two thirds as many); 0: none (fixed limits). "
+        "for each chained run (the whole model's envelope takes half as many and one); 0: none (fixed limits). "
         "Default: 12.",
         type=non_negative_int,
         default=12,
