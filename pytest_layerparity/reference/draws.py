@@ -55,7 +55,8 @@ def counter_halves(key: int, start: int, stop: int) -> torch.Tensor:
     z.bitwise_xor_((z >> 30).bitwise_and_((1 << 34) - 1)).mul_(mix1)
     z.bitwise_xor_((z >> 27).bitwise_and_((1 << 37) - 1)).mul_(mix2)
     z.bitwise_xor_((z >> 31).bitwise_and_((1 << 33) - 1))
-    if sys.byteorder != "little":  # the fields from the lowest up, as a little-endian view lays them
-        z = torch.stack([z >> shift for shift in (0, 16, 32, 48)], dim=-1)
-    halves = z.view(torch.int16) if sys.byteorder == "little" else z.to(torch.int16).view(-1)
+    if sys.byteorder == "little":  # the four fields in place, the lowest first
+        halves = z.view(torch.int16)
+    else:
+        halves = torch.stack([z >> shift for shift in (0, 16, 32, 48)], dim=-1).to(torch.int16).view(-1)
     return halves.bitwise_and_(0x7FFF)[start - 4 * first : stop - 4 * first]

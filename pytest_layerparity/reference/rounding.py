@@ -247,16 +247,17 @@ def another_rounding(
     whole. ``draws(start, stop)``: the 15-bit draws of the flat elements ``start`` to ``stop``,
     given (:func:`.functions.keyed_draws`), in place of the generator's."""
     n = wide.numel()
-    if draws is None and wide.device.type == "cpu":
-        draws = partial(counter_halves, counter_key(generator))
-    if wide.device.type != "cpu" or n <= ROUNDING_BLOCK:
+    if wide.device.type != "cpu":
         return _another_rounding(result, wide, generator, jitter, scale, None if draws is None else draws(0, n), pull)
+    if draws is None:
+        draws = partial(counter_halves, counter_key(generator))
+    if n <= ROUNDING_BLOCK:
+        return _another_rounding(result, wide, generator, jitter, scale, draws(0, n), pull)
     out = torch.empty(wide.shape, dtype=result.dtype, device=wide.device)
     flat_out, flat_result, flat_wide = out.view(-1), result.reshape(-1), wide.reshape(-1)
-    block = max(1, ROUNDING_BLOCK)
-    for start in range(0, n, block):
-        stop = min(start + block, n)
-        given = None if draws is None else draws(start, stop)
+    for start in range(0, n, ROUNDING_BLOCK):
+        stop = min(start + ROUNDING_BLOCK, n)
+        given = draws(start, stop)
         part = _another_rounding(flat_result[start:stop], flat_wide[start:stop], generator, jitter, scale, given, pull)
         flat_out[start:stop] = part
         del part
