@@ -74,24 +74,35 @@ def dot_sizes(device: torch.device) -> None:
 
 
 def gelu_forms(device: torch.device) -> None:
-    """Each GELU kernel's error along the swap of GELU's forms, as a share of the swap."""
-    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3)) * 2
+    """Each GELU kernel's error along the swap of GELU's forms, as a share of the swap, on
+    inputs N(0, scale^2) of several scales; and torch-xla's share beyond eager's (eager rounds
+    a float32 result once: a correctly rounded kernel), what ``directions.GELU_KERNEL_LEAN``
+    allows a correct kernel."""
+    base = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
     print("GELU: the error's share of the swap to the other form (a swapped port reads 1)")
-    print(f"{'dtype':<9} {'form':<5} {'|swap| / |rounding|':>19} {'eager share':>11} {'xla share':>9}")
+    print(
+        f"{'dtype':<9} {'form':<5} {'scale':>5} {'|swap| / |rounding|':>19} {'eager share':>11} {'xla share':>9} "
+        f"{'xla - eager':>11}"
+    )
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        xd = x.to(dtype)
+        largest = 0.0
         for form, other in (("none", "tanh"), ("tanh", "none")):
-            exact = F.gelu(xd.double(), approximate=form)
-            swap = F.gelu(xd.double(), approximate=other) - exact
-            rounding = float((exact.to(dtype).double() - exact).norm())
-            shares = [
-                float((result.double() - exact) @ swap) / float(swap @ swap)
-                for result in (F.gelu(xd, approximate=form), F.gelu(xd.to(device), approximate=form).cpu())
-            ]
-            print(
-                f"{str(dtype).removeprefix('torch.'):<9} {form:<5} {float(swap.norm()) / rounding:>19.3f} "
-                f"{shares[0]:>+11.3f} {shares[1]:>+9.3f}"
-            )
+            for scale in (0.5, 1.0, 2.0, 4.0):
+                xd = (base * scale).to(dtype)
+                exact = F.gelu(xd.double(), approximate=form)
+                swap = F.gelu(xd.double(), approximate=other) - exact
+                rounding = float((exact.to(dtype).double() - exact).norm())
+                shares = [
+                    float((result.double() - exact) @ swap) / float(swap @ swap)
+                    for result in (F.gelu(xd, approximate=form), F.gelu(xd.to(device), approximate=form).cpu())
+                ]
+                largest = max(largest, abs(shares[1] - shares[0]))
+                name = str(dtype).removeprefix("torch.")
+                print(
+                    f"{name:<9} {form:<5} {scale:>5g} {float(swap.norm()) / rounding:>19.3f} "
+                    f"{shares[0]:>+11.3f} {shares[1]:>+9.3f} {shares[1] - shares[0]:>+11.3f}"
+                )
+        print(f"{str(dtype).removeprefix('torch.'):<9} the largest |xla - eager|: {largest:.3f}")
 
 
 def main() -> None:

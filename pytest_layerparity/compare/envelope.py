@@ -199,8 +199,11 @@ class Envelope:
             golden_branch_bias=golden_branch,
         )
 
-    def limits(self, false_alarm_rate: float) -> EnvelopeLimits:
-        """The prediction limits at ``false_alarm_rate`` per test."""
+    def limits(self, false_alarm_rate: float, lean: Mapping[str, float] | None = None) -> EnvelopeLimits:
+        """The prediction limits at ``false_alarm_rate`` per test; ``lean``: per branch, how
+        much wider its range is on each side (a kernel's lean along a bug's move,
+        ``compare.verdict.kernel_lean``)."""
+        lean = {name: lean[name] for name in self.branch_bias if name in lean} if lean else {}
         k = self.samples
         per_statistic = false_alarm_rate / (len(STATISTICS) + len(self.branch_bias))
         q_ratio = t_quantile(1 - per_statistic, k - 1)
@@ -211,9 +214,9 @@ class Envelope:
             mean, sd = _mean_sd([math.log(max(v, 1e-300)) for v in values])
             return math.exp(min(mean + q_ratio * sd * widen, 700.0))  # no OverflowError on a degenerate sample
 
-        def bias_range(values: Sequence[float], golden: float) -> tuple[float, float]:
+        def bias_range(values: Sequence[float], golden: float, more: float = 0.0) -> tuple[float, float]:
             mean, sd = _mean_sd(values)
-            half = q_bias * max(sd, MIN_BIAS_SD) * widen
+            half = q_bias * max(sd, MIN_BIAS_SD) * widen + more
             centres = (0.0, mean, golden)
             return min(centres) - half, max(centres) + half
 
@@ -233,8 +236,10 @@ class Envelope:
                 if getattr(self, name)
             },
             branch_bias={
-                name: bias_range(values, self.golden_branch_bias[name]) for name, values in self.branch_bias.items()
+                name: bias_range(values, self.golden_branch_bias[name], lean.get(name, 0.0))
+                for name, values in self.branch_bias.items()
             },
+            lean=lean,
         )
 
 
@@ -255,9 +260,15 @@ class EnvelopeLimits:
     #: Per branch of the layer: the range its ``branch_bias`` is held to (empty without branches).
     branch_bias: dict[str, tuple[float, float]] = field(default_factory=dict)
     method: str = "mca"  # the runs' (:attr:`Envelope.method`)
+    #: Per branch whose range a kernel's lean widens: by how much on each side (noise units).
+    lean: dict[str, float] = field(default_factory=dict)
 
     def describe(self) -> str:
-        branches = "".join(f", branch_bias_{n} in [{lo:.3g}, {hi:.3g}]" for n, (lo, hi) in self.branch_bias.items())
+        branches = "".join(
+            f", branch_bias_{n} in [{lo:.3g}, {hi:.3g}]"
+            + (f" (a kernel's lean {self.lean[n]:.3g} each side)" if n in self.lean else "")
+            for n, (lo, hi) in self.branch_bias.items()
+        )
         how = " (float16 matmuls summed in float32, as the target does)" if self.method == FLOAT32_SUMS else ""
         return (
             f"noise envelope from {self.samples} perturbed runs of this layer{how}: they reach noise_ratio "

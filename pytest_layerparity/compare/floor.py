@@ -31,12 +31,21 @@ FLOOR_KEY = FLOOR_PREFIX + "output"
 #: ``reference.floor.contribution_branches``) in the floor's pass, stored in the golden's
 #: dtype: the directions ``branch_bias`` measures the target's error along.
 BRANCH_PREFIX = FLOOR_PREFIX + "branch."
+#: Where a direction's move is itself a bug's whole effect (GELU's other form: the swap), its
+#: size as a multiple of the stored direction's norm (``floor.move.<name>``, one number): what
+#: a port with that bug reads along it (:attr:`FloorStats.branch_move`).
+MOVE_PREFIX = FLOOR_PREFIX + "move."
 
 
 def branch_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The branch outputs a golden holds, by branch name (in the names' order: a failure's table
     and JUnit list them the same way in every run)."""
     return {k[len(BRANCH_PREFIX) :]: v for k, v in sorted(tensors.items()) if k.startswith(BRANCH_PREFIX)}
+
+
+def branch_moves(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """The moves' sizes a golden holds (``MOVE_PREFIX``), by direction name."""
+    return {k[len(MOVE_PREFIX) :]: float(v) for k, v in tensors.items() if k.startswith(MOVE_PREFIX)}
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,9 @@ class FloorStats:
     #: units, and (golden - ref) along it
     branch_z: dict[str, float] = field(default_factory=dict)
     golden_branch_z: dict[str, float] = field(default_factory=dict)
+    #: per direction whose move the golden stores (``MOVE_PREFIX``): that move along the
+    #: direction, in noise units (what a port with the bug reads beyond the floor)
+    branch_move: dict[str, float] = field(default_factory=dict)
 
     @property
     def contribution_bias(self) -> float | None:
@@ -217,10 +229,12 @@ def floor_stats(
     hidden_in: torch.Tensor | None = None,
     keep_tokens: torch.Tensor | None = None,
     directions: Mapping[str, torch.Tensor] | None = None,
+    moves: Mapping[str, float] | None = None,
 ) -> FloorStats:
     """The statistics against the floor ``reference``, over tokens (optionally only the
     ``keep_tokens`` boolean mask); ``directions``: the branches' outputs (by name) whose
-    ``branch_bias`` is measured too."""
+    ``branch_bias`` is measured too; ``moves``: the sizes of those whose move the golden
+    stores (:func:`branch_moves`)."""
     sums, tokens, elements = _sums(golden, target, reference, hidden_in, keep_tokens, directions)
     if tokens == 0:
         return FloorStats(0.0, 0.0, -1, 0.0, 0.0, None, 0)
@@ -246,13 +260,15 @@ def floor_stats(
             scale = (elements**0.5) / golden_error
             z_t = sums.tg_u / unorm * scale
             z_g = sums.gr_u / unorm * scale
-    branch_z, golden_branch_z = {}, {}
+    branch_z, golden_branch_z, branch_move = {}, {}, {}
     if golden_error > 0:  # the same along each branch's output
         scale = (elements**0.5) / golden_error
         for name, (v_sq, tg_v, gr_v) in sums.branches.items():
             if v_sq > 0:
                 branch_z[name] = tg_v / v_sq**0.5 * scale
                 golden_branch_z[name] = gr_v / v_sq**0.5 * scale
+                if moves and name in moves:
+                    branch_move[name] = moves[name] * v_sq**0.5 * scale
     return FloorStats(
         ratio,
         float(per_token[worst]),
@@ -265,4 +281,5 @@ def floor_stats(
         z_g,
         branch_z,
         golden_branch_z,
+        branch_move,
     )

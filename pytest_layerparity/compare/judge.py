@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .envelope import Envelope, EnvelopeLimits
-from .floor import FLOOR_KEY, FloorStats, branch_directions, floor_stats, token_mask
+from .floor import FLOOR_KEY, FloorStats, branch_directions, branch_moves, floor_stats, token_mask
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
 from .routing import RoutingAgreement, agreement, golden_floor_flips, router_names
-from .verdict import Check, evaluate
+from .verdict import Check, evaluate, kernel_lean
 
 if TYPE_CHECKING:
     from ..options import Settings
@@ -94,6 +94,7 @@ def judge(
     envelope: Envelope | None = None,
     tainted: Sequence[int] = (),
     branches: Mapping[str, torch.Tensor] | None = None,
+    moves: Mapping[str, float] | None = None,
     golden_flips: Sequence[int] = (),
 ) -> LayerOutcome:
     """Hold ``target`` against ``golden`` (and against the precision floor ``floor``,
@@ -101,7 +102,8 @@ def judge(
     when given). ``tainted``: tokens a chain already let diverge on a near-tie routing flip
     in an earlier layer, left out of the statistics against the floor. ``branches``: the
     outputs of the layer's branches in the floor's pass (by name), whose directions the
-    target's error is measured along too. ``golden_flips``: tokens whose experts the golden
+    target's error is measured along too, and ``moves`` the sizes of those whose move the
+    golden stores (``compare.floor.branch_moves``). ``golden_flips``: tokens whose experts the golden
     chose otherwise than its floor, left out of the statistics against the floor (with
     ``--near-ties strict`` too: there the floor is no measure of the golden's rounding)."""
     target_cpu = target.detach().to("cpu")
@@ -132,8 +134,10 @@ def judge(
         verdict_cosine = compare_tensors(rows_g[keep], rows_t[keep]).cosine_similarity
     stats = None
     if floor is not None and tuple(floor.shape) == tuple(golden.shape):
-        stats = floor_stats(golden, target_cpu, floor, hidden_in, keep, branches)
-    limits = envelope.limits(settings.false_alarm_rate) if envelope is not None and stats is not None else None
+        stats = floor_stats(golden, target_cpu, floor, hidden_in, keep, branches, moves)
+    limits = None
+    if envelope is not None and stats is not None:
+        limits = envelope.limits(settings.false_alarm_rate, kernel_lean(stats, dtype))
     return LayerOutcome(
         layer=layer,
         metrics=metrics,
@@ -206,6 +210,7 @@ def judge_golden(
         envelope=envelope,
         tainted=tainted,
         branches=branch_directions(golden_tensors),
+        moves=branch_moves(golden_tensors),
         # as the envelope's runs were judged: an envelope made before the rule has none
         golden_flips=golden_floor_flips(dict(golden_tensors))
         if envelope is None or envelope.golden_flips is not None

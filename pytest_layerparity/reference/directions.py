@@ -89,16 +89,17 @@ def raised_norm_epsilon(layer: torch.nn.Module, step: float) -> Iterator[int]:
             setattr(module, attribute, value)
 
 
-def _direction(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float) -> torch.Tensor | None:
-    """``moved - out`` scaled to ``out``'s norm (a direction: its size is not used); None where
-    the move is nil, not finite, or along the output itself (a cosine over
-    ``max_output_cosine``, the branches' own bound: a scale of the whole output)."""
+def _direction(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float) -> tuple[torch.Tensor, float] | None:
+    """``moved - out`` scaled to ``out``'s norm (a direction), and the move's norm over that
+    (its size, where the move is a bug's whole effect); None where the move is nil, not
+    finite, or along the output itself (a cosine over ``max_output_cosine``, the branches' own
+    bound: a scale of the whole output)."""
     d = moved.detach().sub_(out)  # in the pass's own dtype: one more output-sized tensor
     size, out_size = float(d.norm()), float(out.norm())
     along = float((d.flatten() @ out.detach().flatten().to(d.dtype)).abs())
     if not (0 < size < float("inf")) or out_size == 0 or along > max_output_cosine * size * out_size:
         return None
-    return d.mul_(out_size / size)
+    return d.mul_(out_size / size), size / out_size
 
 
 def temperature_direction(
@@ -110,7 +111,8 @@ def temperature_direction(
     softer = SofterAttention(1 - TEMPERATURE_STEP)
     with softer:
         moved = run()
-    return _direction(moved, out, max_output_cosine) if softer.hits else None
+    found = _direction(moved, out, max_output_cosine) if softer.hits else None
+    return found[0] if found is not None else None  # the step's size is arbitrary
 
 
 def norm_epsilon_direction(
@@ -133,7 +135,8 @@ def norm_epsilon_direction(
         if not norms:
             return None
         moved = run()
-    return _direction(moved, out, max_output_cosine)
+    found = _direction(moved, out, max_output_cosine)
+    return found[0] if found is not None else None  # the step's size is arbitrary
 
 
 def _gelu_form(module: torch.nn.Module) -> str | None:
@@ -169,10 +172,10 @@ def other_gelu_form(layer: torch.nn.Module) -> Iterator[int]:
 
 def gelu_form_direction(
     layer: torch.nn.Module, run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor, float] | None:
     """How the layer's output ``out`` moves with each GELU in the other form
-    (:func:`other_gelu_form`): ``run()`` so, as :func:`_direction`; None where the layer has
-    no GELU module of a known form."""
+    (:func:`other_gelu_form`): ``run()`` so, as :func:`_direction` (the direction and the
+    swap's size over its norm); None where the layer has no GELU module of a known form."""
     with other_gelu_form(layer) as gelus:
         if not gelus:
             return None

@@ -38,6 +38,7 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
         if noise.delta_cosine is not None:
             out.append((f"{prefix}delta_cosine", noise.delta_cosine))
         out += [(f"{prefix}branch_bias_{name}", value) for name, value in noise.branch_bias.items()]
+        out += [(f"{prefix}branch_move_{name}", value) for name, value in noise.branch_move.items()]  # a bug's reading
     limits = outcome.envelope
     if limits is not None:
         out += [

@@ -150,6 +150,34 @@ def test_goldens_hold_each_branch_and_a_bug_inside_one_fails_along_it(pytester, 
         assert f'name="{name}"' in xml
 
 
+def test_a_gelu_models_goldens_keep_the_swaps_size_and_its_correct_port_passes(pytester):
+    """Extraction of a GELU decoder (GPT-NeoX, float16) stores the direction of GELU's other
+    form and the swap's size beside it; the correct port on torch-xla passes, its JUnit range
+    along that direction widened by the float16 kernels' lean."""
+    from tiny_models import make
+
+    from pytest_layerparity.compare.floor import MOVE_PREFIX
+    from pytest_layerparity.options import make_settings
+    from pytest_layerparity.session import LayerParitySession
+    from pytest_layerparity.store.golden import GoldenStore
+
+    model = make("gpt_neox", pytester.path / "neox", num_layers=2)
+    store = pytester.path / "store"
+    settings = make_settings(gpu_golden=True, extract=True, model=str(model), golden_dir=str(store), dtype="float16")
+    session = LayerParitySession(settings, ROOT)
+    for i in range(2):
+        session.extract_layer(i)
+    entry = GoldenStore(store).load("layer_1")
+    size = entry.tensors[MOVE_PREFIX + "gelu_form"]
+    assert size.dim() == 0 and 0 < float(size) < 1e-2  # the forms differ by a small part of the output
+    assert "gelu_form" in entry.envelope.branch_bias
+    _ini(pytester, model, store)
+    result = pytester.runpytest("--xla", "--layers", "0-1", "--junitxml", "j.xml")
+    result.assert_outcomes(passed=4)  # 2 layers, their decode steps
+    xml = (pytester.path / "j.xml").read_text()
+    assert 'name="branch_bias_gelu_form_low"' in xml
+
+
 def test_bisect_names_the_planted_layer(pytester, bf16_store):
     pytester.makeconftest(
         """

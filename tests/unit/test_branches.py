@@ -10,7 +10,7 @@ import torch
 from test_judge import layer_like
 
 from pytest_layerparity.compare.envelope import Envelope, t_quantile
-from pytest_layerparity.compare.floor import BRANCH_PREFIX, branch_directions, floor_stats
+from pytest_layerparity.compare.floor import BRANCH_PREFIX, MOVE_PREFIX, branch_directions, branch_moves, floor_stats
 from pytest_layerparity.compare.judge import judge, judge_golden
 from pytest_layerparity.options import make_settings
 from pytest_layerparity.reference.floor import capture_branches
@@ -111,6 +111,105 @@ def test_the_judge_fails_a_target_off_along_one_branch_and_names_it():
     # the same through judge() with the branches given, and none without them
     plain = judge(0, golden, golden + 3e-4 * attention, settings, "float32", floor=ref, hidden_in=x)
     assert not any(c.name.startswith("branch_bias") for c in plain.checks)
+
+
+def _swap_golden(size_in_noise_units: float, seed: int = 4):
+    """A golden whose ``gelu_form`` direction stores a move that reads ``size_in_noise_units``
+    (the swap, as a port with it reads), and that move (float64)."""
+    x, ref, golden = layer_like(noise=1e-3)
+    v = branch(ref.shape, seed)
+    scale = ref.numel() ** 0.5 / float((golden - ref).norm())
+    size = size_in_noise_units / (float(v.norm()) * scale)
+    tensors = {
+        "output": golden,
+        "floor.output": ref,
+        BRANCH_PREFIX + "gelu_form": v,
+        MOVE_PREFIX + "gelu_form": torch.tensor(size, dtype=torch.float32),
+    }
+    return x, ref, golden, tensors, size * v
+
+
+def test_a_stored_move_reads_as_a_port_with_that_bug_reads():
+    """The move's size (``floor.move.*``, a multiple of the stored direction) is read in noise
+    units; a target off the floor by exactly the move reads that along the direction."""
+    x, ref, golden, tensors, move = _swap_golden(100.0)
+    assert branch_moves(tensors) == {"gelu_form": pytest.approx(float(tensors[MOVE_PREFIX + "gelu_form"]))}
+    assert set(branch_directions(tensors)) == {"gelu_form"}  # the size is no direction
+    directions, moves = branch_directions(tensors), branch_moves(tensors)
+    stats = floor_stats(golden, ref + move, ref, x, directions=directions, moves=moves)
+    assert stats.branch_move["gelu_form"] == pytest.approx(100.0, rel=1e-5)
+    assert stats.branch_bias["gelu_form"] == pytest.approx(stats.branch_move["gelu_form"], rel=1e-5)
+    assert floor_stats(golden, golden, ref, x, directions=directions).branch_move == {}  # none given
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_kernels_lean_along_gelus_other_form_passes_and_the_swap_fails(dtype):
+    """Without an envelope: the fixed range around the golden's bias, widened on each side by
+    the dtype's share of the swap (``KERNEL_LEAN``). A port leaning a fifth of the swap
+    passes, the whole swap fails; the leaning port fails where the golden stores no move."""
+    from pytest_layerparity.compare.verdict import DEFAULT_KERNEL_LEAN, KERNEL_LEAN
+
+    x, _, golden, tensors, move = _swap_golden(100.0)
+    settings = make_settings()
+
+    def check(target, held=tensors):
+        outcome = judge_golden(0, held, "output", target, {}, settings, dtype, hidden_in=x)
+        return next(c for c in outcome.checks if c.name == "branch_bias_gelu_form")
+
+    leaning, swapped = check(golden + 0.2 * move), check(golden + move)
+    assert leaning.ok and not swapped.ok
+    share = KERNEL_LEAN.get(dtype, DEFAULT_KERNEL_LEAN)
+    assert leaning.limit - leaning.low == pytest.approx(2 * (6.0 + share * 100.0), rel=1e-4)
+    without = {k: v for k, v in tensors.items() if not k.startswith(MOVE_PREFIX)}
+    assert not check(golden + 0.2 * move, without).ok  # 20 noise units against the fixed 6
+
+
+@pytest.mark.parametrize(("dtype", "size"), [("bfloat16", 100.0), ("float16", 5.0)])
+def test_no_check_along_a_move_that_a_port_with_its_bug_would_pass(dtype, size):
+    """In bfloat16 correct kernels lean further than the swap goes, and a swap of a few noise
+    units stays within the fixed range in any dtype: a port with the swap would pass, so a
+    check along it could only fail correct ports. None is made (other statistics may fail
+    it); the statistic is still measured."""
+    x, _, golden, tensors, move = _swap_golden(size)
+    outcome = judge_golden(0, tensors, "output", golden + move, {}, make_settings(), dtype, hidden_in=x)
+    assert not any(c.name == "branch_bias_gelu_form" for c in outcome.checks)
+    stats = outcome.floor
+    assert stats.branch_bias["gelu_form"] == pytest.approx(stats.golden_branch_z["gelu_form"] + size, rel=1e-4)
+
+
+def test_an_envelopes_branch_range_widens_by_the_lean_given_and_says_so():
+    from pytest_layerparity.report.properties import properties
+
+    env = envelope_with_branches()
+    plain, leaning = env.limits(1e-3), env.limits(1e-3, {"mlp": 5.0, "absent": 9.0})
+    low, high = plain.branch_bias["mlp"]
+    assert leaning.branch_bias["mlp"] == pytest.approx((low - 5.0, high + 5.0))
+    assert leaning.branch_bias["self_attn"] == plain.branch_bias["self_attn"]
+    assert leaning.lean == {"mlp": 5.0}  # a branch the envelope lacks is no range
+    assert "a kernel's lean 5 each side" in leaning.describe() and "lean" not in plain.describe()
+    # through the judge: the golden's move widens its envelope's range, and JUnit carries it
+    x, _, golden, tensors, move = _swap_golden(100.0)
+    held = Envelope(
+        env.noise_ratio,
+        env.token_noise_ratio,
+        env.contribution_bias,
+        env.golden_bias,
+        branch_bias={"gelu_form": (0.5, -0.5, 1.0, 0.0)},
+        golden_branch_bias={"gelu_form": 0.0},
+    )
+    outcome = judge_golden(
+        0, tensors, "output", golden + 0.2 * move, {}, make_settings(), "float16", hidden_in=x, envelope=held
+    )
+    assert outcome.envelope.lean == {"gelu_form": pytest.approx(30.0, rel=1e-4)}
+    check = next(c for c in outcome.checks if c.name == "branch_bias_gelu_form")
+    assert check.ok and (check.low, check.limit) == outcome.envelope.branch_bias["gelu_form"]
+    props = dict(properties(outcome))
+    assert (props["branch_bias_gelu_form_low"], props["branch_bias_gelu_form_high"]) == (check.low, check.limit)
+    assert props["branch_move_gelu_form"] == pytest.approx(100.0, rel=1e-5)  # what a swapped port reads
+    swapped = judge_golden(
+        0, tensors, "output", golden + move, {}, make_settings(), "float16", hidden_in=x, envelope=held
+    )
+    assert not swapped.passed
 
 
 class _Layer(torch.nn.Module):
@@ -357,7 +456,8 @@ def test_other_gelu_form_swaps_each_gelu_and_gives_each_its_forward_back():
 
 def test_the_gelu_form_direction_is_what_reading_the_other_hidden_act_does():
     """Along it lies what a port that computes the other GELU form does (an MLP with erf's GELU
-    read as the tanh approximation); an MLP without GELU has none."""
+    read as the tanh approximation), and the size it comes with is that port's move; an MLP
+    without GELU has none."""
     from transformers.activations import ACT2FN
 
     from pytest_layerparity.reference.directions import gelu_form_direction
@@ -367,9 +467,13 @@ def test_the_gelu_form_direction_is_what_reading_the_other_hidden_act_does():
     x = 3 * torch.randn(32, 16, generator=g, dtype=torch.float64)
     mlp = torch.nn.Sequential(up, ACT2FN["gelu"], down).requires_grad_(False)
     out = mlp(x)
-    direction = gelu_form_direction(mlp, lambda: mlp(x), out, 0.95)
+    found = gelu_form_direction(mlp, lambda: mlp(x), out, 0.95)
     effect = (torch.nn.Sequential(up, ACT2FN["gelu_pytorch_tanh"], down)(x) - out).flatten()
-    assert direction is not None and direction.norm() == pytest.approx(float(out.norm()))
+    assert found is not None
+    direction, size = found
+    assert direction.norm() == pytest.approx(float(out.norm()))
     assert float(effect @ direction.flatten()) / float(effect.norm() * direction.norm()) > 0.999
+    assert size * float(direction.norm()) == pytest.approx(float(effect.norm()), rel=1e-9)
+    assert 0 < size < 1e-2  # the forms differ by a small fraction of the output
     silu = torch.nn.Sequential(up, torch.nn.SiLU(), down)
     assert gelu_form_direction(silu, lambda: silu(x), silu(x), 0.95) is None
