@@ -103,9 +103,10 @@ def judge(
     in an earlier layer, left out of the statistics against the floor. ``branches``: the
     outputs of the layer's branches in the floor's pass (by name), whose directions the
     target's error is measured along too, and ``moves`` the sizes of those whose move the
-    golden stores (``compare.floor.branch_moves``). ``golden_flips``: tokens whose experts the golden
-    chose otherwise than its floor, left out of the statistics against the floor (with
-    ``--near-ties strict`` too: there the floor is no measure of the golden's rounding)."""
+    golden stores (``compare.floor.branch_moves``). ``golden_flips``: tokens whose experts
+    the golden chose otherwise than its floor, left out of the statistics against the floor
+    (with ``--near-ties strict`` too: there the floor is no measure of the golden's
+    rounding)."""
     target_cpu = target.detach().to("cpu")
     if tuple(golden.shape) != tuple(target_cpu.shape):
         raise AssertionError(

@@ -89,7 +89,7 @@ def raised_norm_epsilon(layer: torch.nn.Module, step: float) -> Iterator[int]:
             setattr(module, attribute, value)
 
 
-def _direction(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float) -> tuple[torch.Tensor, float] | None:
+def _move(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float) -> tuple[torch.Tensor, float] | None:
     """``moved - out`` scaled to ``out``'s norm (a direction), and the move's norm over that
     (its size, where the move is a bug's whole effect); None where the move is nil, not
     finite, or along the output itself (a cosine over ``max_output_cosine``, the branches' own
@@ -102,6 +102,12 @@ def _direction(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float)
     return d.mul_(out_size / size), size / out_size
 
 
+def _direction(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float) -> torch.Tensor | None:
+    """:func:`_move`'s direction alone (a step of arbitrary size: its size is not used)."""
+    found = _move(moved, out, max_output_cosine)
+    return None if found is None else found[0]
+
+
 def temperature_direction(
     run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
 ) -> torch.Tensor | None:
@@ -111,8 +117,7 @@ def temperature_direction(
     softer = SofterAttention(1 - TEMPERATURE_STEP)
     with softer:
         moved = run()
-    found = _direction(moved, out, max_output_cosine) if softer.hits else None
-    return found[0] if found is not None else None  # the step's size is arbitrary
+    return _direction(moved, out, max_output_cosine) if softer.hits else None
 
 
 def norm_epsilon_direction(
@@ -135,8 +140,7 @@ def norm_epsilon_direction(
         if not norms:
             return None
         moved = run()
-    found = _direction(moved, out, max_output_cosine)
-    return found[0] if found is not None else None  # the step's size is arbitrary
+    return _direction(moved, out, max_output_cosine)
 
 
 def _gelu_form(module: torch.nn.Module) -> str | None:
@@ -174,10 +178,10 @@ def gelu_form_direction(
     layer: torch.nn.Module, run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
 ) -> tuple[torch.Tensor, float] | None:
     """How the layer's output ``out`` moves with each GELU in the other form
-    (:func:`other_gelu_form`): ``run()`` so, as :func:`_direction` (the direction and the
-    swap's size over its norm); None where the layer has no GELU module of a known form."""
+    (:func:`other_gelu_form`): ``run()`` so, as :func:`_move` (the direction and the swap's
+    size over its norm); None where the layer has no GELU module of a known form."""
     with other_gelu_form(layer) as gelus:
         if not gelus:
             return None
         moved = run()
-    return _direction(moved, out, max_output_cosine)
+    return _move(moved, out, max_output_cosine)
