@@ -2,14 +2,16 @@
 floor and writing cost.
 
     python bench/bench_extraction.py [--layers 8] [--seq-len 512] [--device cuda] [--ieee-matmul]
-                                     [--logits-topk 0] [--one-at-a-time] [--model-runs N]
+                                     [--logits-topk 0] [--one-at-a-time] [--model-runs N] [--no-perturbation]
 
 Model loading and the one-time import of ``torch._dynamo`` (which the first perturbed op
 would pay) are timed separately and left out of every ratio. One process, on the CPU or
 (``--device cuda``) the model and the goldens' runs on the GPU; ``--ieee-matmul`` times the
 perturbed runs' wide matmuls of 16-bit operands in IEEE float32, as before they were computed
 in 16-bit arithmetic that holds such operands exactly (reference/wider.py's
-exact_fast_matmul: TF32 on CUDA, oneDNN's bfloat16 mode on the CPU). ``--logits-topk 0``
+exact_fast_matmul: TF32 on CUDA, oneDNN's bfloat16 mode on the CPU). ``--no-perturbation``
+runs the envelopes' runs in the model's own arithmetic (their limits then mean nothing): the
+least that many runs cost. ``--logits-topk 0``
 extracts no whole-model golden (``layerparity_logits_topk = 0``), and so no whole-model
 envelope: per-layer verdicts alone. ``--one-at-a-time`` runs each call's perturbed runs one
 after the other, as the CPU does for a long call (reference/batching.py), to time what running
@@ -130,7 +132,19 @@ def main() -> None:
     parser.add_argument(
         "--model-runs", type=int, default=None, help="the whole model's perturbed runs (default: the plugin's rule)"
     )
+    parser.add_argument(
+        "--no-perturbation",
+        action="store_true",
+        help="the envelopes' runs in the model's own arithmetic (no op rounded anew): what the runs cost at their ops' "
+        "own speed, the least this many runs can cost",
+    )
     args = parser.parse_args()
+    if args.no_perturbation:
+        from pytest_layerparity.reference.perturb import PerturbedArithmetic
+
+        PerturbedArithmetic.__torch_dispatch__ = lambda _self, func, _types, args=(), kwargs=None: func(
+            *args, **(kwargs or {})
+        )
     if args.model_runs is not None:
         from pytest_layerparity.reference import extract
 
@@ -172,6 +186,7 @@ def main() -> None:
         + (", no whole-model golden" if args.logits_topk == 0 else "")
         + (", perturbed runs one at a time" if args.one_at_a_time else "")
         + (f", {args.model_runs} whole-model runs" if args.model_runs is not None else "")
+        + (", runs not perturbed" if args.no_perturbation else "")
     )
     print(f"{'what':<58} {'seconds':>8} {'ratio':>7}")
     print(f"{f'plain forward, bf16: first after loading / best of {args.repeats}':<58} {bf16_first:>8.2f} {bf16:>6.2f}")

@@ -1,15 +1,18 @@
 """How many perturbed runs the whole model's envelope needs: correct ports and planted bugs
 through the whole-model test (teacher-forced logits on torch-xla), each judged against the
-envelope of the first K runs of one extraction (K = 12 by default; the runs' seeds are
-BASE_SEED + k, so the first K of twelve are what an extraction with K runs makes).
+envelope of the first K runs of one extraction (its whole-model envelope made of max(K)
+runs, 12 by default; the runs' seeds are BASE_SEED + k, so the first K of twelve are what an
+extraction with K runs makes; the plugin's default is 7).
 
     PJRT_DEVICE=CPU python bench/bench_model_k.py [--dtypes bfloat16,float32,float16] [--ks 4,6,8,12]
                                                   [--seq-len 32] [--embedded-seeds 16]
 
-The greedy-flip check takes the largest near-tie margin over all twelve runs for every K (the
-envelope keeps the margins of all runs together); the KL limit and the logit scale's range
-are the envelope's own rules on the first K runs (and, as "KL alone", the KL without the
-logit scale). The decoders of bench_verdicts.py, 4 layers, 32 tokens (or ``--seq-len``), 2
+The greedy-flip check's near-tie bound takes the margins flipped in all max(K) runs for every
+K (the envelope keeps them together) and the margin drifts of the first K; the KL limit and
+the logit scale's range are the envelope's own rules on the first K runs. Each K is judged
+three ways: the plugin's rule, "KL alone" (no logit scale) and "flips only" (no margin drift:
+the near-tie bound before the drift was kept). Each correct port's line shows its flips and
+the runs' drifts. The decoders of bench_verdicts.py, 4 layers, 32 tokens (or ``--seq-len``), 2
 decode steps; each bug of bench_verdicts.BUGS planted in the middle layer, and bugs after the
 last layer (``AFTER_LAST_LAYER``: the final norm's weight or the LM head scaled). One process holds
 every compiled program: at 128 tokens run the decoders in two halves (``--models``), as
@@ -32,11 +35,31 @@ from scratch import work_folder
 
 from pytest_layerparity.compare import logits as logits_module
 from pytest_layerparity.compare.logits import ModelEnvelope
+from pytest_layerparity.reference import extract as reference_extract
 from pytest_layerparity.store.golden import MODEL_LOGITS_KEY, GoldenStore
 
+#: Each layer's perturbed runs in the bench's extractions: the plugin's default. The whole
+#: model's envelope takes max(--ks) runs whatever the layers' (the plugin's rule,
+#: ``model_envelope_samples``, would make it 7 of 12).
+LAYER_SAMPLES = 12
 
-def judged_at(ks: list[int], run) -> dict[int, bool]:
-    """``run()`` (one whole-model test) judged at each K: whether it fails."""
+
+#: The rules each K is also judged by: the KL alone (no logit scale), and the near-tie bound
+#: of the runs' flipped margins alone (no margin drift: the rule before the drift was kept).
+VARIANTS = ("", "KL alone", "flips only")
+
+
+def _variant(envelope: ModelEnvelope, variant: str) -> ModelEnvelope:
+    if variant == "KL alone":
+        return ModelEnvelope(envelope.kl_median, envelope.flip_margins, (), envelope.margin_drift)
+    if variant == "flips only":
+        return ModelEnvelope(envelope.kl_median, envelope.flip_margins, envelope.logit_scale)
+    return envelope
+
+
+def judged_at(ks: list[int], run, show: str | None = None) -> dict[tuple[int, str], bool]:
+    """``run()`` (one whole-model test) judged at each K and by each of ``VARIANTS``: whether
+    it fails. ``show``: print that label, the target's flips and the runs' margin drifts."""
     seen = []
     original = logits_module.judge_logits
 
@@ -52,10 +75,15 @@ def judged_at(ks: list[int], run) -> dict[int, bool]:
     golden, logits, dtype, tie, rate, envelope = seen[-1]
     out = {}
     for k in ks:
-        first = envelope.first(k)
-        kl_alone = ModelEnvelope(first.kl_median, first.flip_margins)  # without the logit scale
-        out[k] = not original(golden, logits, dtype, tie, rate, first).passed
-        out[-k] = not original(golden, logits, dtype, tie, rate, kl_alone).passed
+        for variant in VARIANTS:
+            judged = original(golden, logits, dtype, tie, rate, _variant(envelope.first(k), variant))
+            out[k, variant] = not judged.passed
+    if show is not None:
+        stats = logits_module.logits_stats(golden, logits)
+        margins = ", ".join(f"{m:.3g}" for m in stats.margins[:6]) or "-"
+        drift = ", ".join(f"{d:.3g}" for d in envelope.margin_drift)
+        flips = max(envelope.flip_margins, default=0.0)
+        print(f"  {show}: flips at margins {margins}; runs' largest flipped margin {flips:.3g}, margin drift {drift}")
     return out
 
 
@@ -120,7 +148,7 @@ def embedded_seeds(ks: list[int], seeds: int) -> None:
             envelope = whole_model_envelope(hf_step(model), golden, "cpu", max(ks))
             for k in ks:
                 first = envelope.first(k)
-                alone = ModelEnvelope(first.kl_median, first.flip_margins)
+                alone = _variant(first, "KL alone")
                 caught[k][0] += not judge_logits(golden, logits, "bfloat16", 0.01, 0.001, first).passed
                 caught[k][1] += not judge_logits(golden, logits, "bfloat16", 0.01, 0.001, alone).passed
                 limits[k].append(first.kl_limit(0.001))
@@ -148,9 +176,10 @@ def main() -> None:
     if args.embedded_seeds:
         embedded_seeds(ks, args.embedded_seeds)
         return
+    reference_extract.model_envelope_samples = lambda _samples: max(ks)
     work = work_folder("model-k-")
     started = time.time()
-    both = [*ks, *(-k for k in ks)]  # -K: the same envelope without the logit scale (the KL alone)
+    both = [(k, variant) for variant in VARIANTS for k in ks]
     alarms = {k: [] for k in both}
     caught = dict.fromkeys(both, 0)
     bugs_run = 0
@@ -158,10 +187,10 @@ def main() -> None:
     for name, model, extra in bv.models(work, 4, tuple(args.models.split(","))):
         for dtype in args.dtypes.split(","):
             store = work / f"{name}-{dtype}"
-            bv.extract(model, store, extra, dtype, range(4), max(ks), seq_len=args.seq_len)
+            bv.extract(model, store, extra, dtype, range(4), LAYER_SAMPLES, seq_len=args.seq_len)
             entry = GoldenStore(store).load(MODEL_LOGITS_KEY)
             port = bv.session(model, store, extra, target="xla")
-            correct = judged_at(ks, lambda s=port, e=entry: s.target.parity_model(e))
+            correct = judged_at(ks, lambda s=port, e=entry: s.target.parity_model(e), f"{name} {dtype}")
             for k in both:
                 if correct[k]:
                     alarms[k].append(f"{name} {dtype}")
@@ -180,19 +209,20 @@ def main() -> None:
                     if not failed:
                         passed_after[k].append(f"{name} {dtype} {label}")
                 after_run += 1
-            so_far = ", ".join(f"K={k} {caught[k]}" for k in ks)
+            so_far = ", ".join(f"K={k} {caught[k, '']}" for k in ks)
             print(f"{name} {dtype} done ({time.time() - started:.0f} s); bugs caught so far of {bugs_run}: {so_far}")
     elapsed = time.time() - started
     print(f"\nwhole-model test against the first K perturbed runs, {args.seq_len} tokens ({elapsed:.0f} s)")
-    print(f"{'K':>14} {'false alarms':>14} {'bugs caught':>14}")
+    print(f"{'K':>16} {'false alarms':>14} {'bugs caught':>14}")
     models = len(args.models.split(",")) * len(args.dtypes.split(","))
-    for k in both:
-        label = f"{abs(k)}{' (KL alone)' if k < 0 else ''}"
-        print(f"{label:>14} {len(alarms[k]):>6} of {models:<5} {caught[k]:>6} of {bugs_run:<5}  {'; '.join(alarms[k])}")
+    for k, variant in both:
+        label = f"{k}{f' ({variant})' if variant else ''}"
+        row = f"{len(alarms[k, variant]):>6} of {models:<5} {caught[k, variant]:>6} of {bugs_run:<5}"
+        print(f"{label:>16} {row}  {'; '.join(alarms[k, variant])}")
     print(f"\nbugs after the last layer ({', '.join(AFTER_LAST_LAYER)}), caught of {after_run}")
-    for k in both:
-        label = f"{abs(k)}{' (KL alone)' if k < 0 else ''}"
-        print(f"{label:>14} {after[k]:>6}  passed: {'; '.join(passed_after[k]) or '-'}")
+    for k, variant in both:
+        label = f"{k}{f' ({variant})' if variant else ''}"
+        print(f"{label:>16} {after[k, variant]:>6}  passed: {'; '.join(passed_after[k, variant]) or '-'}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ ids and logits and the log-sum-exp of all of them, enough for the checks below a
 fraction of a vocabulary-wide tensor. What the target is held to:
 
 * **top-1 agreement**: the share of positions whose greedy token is the golden's. A flip where
-  the golden's own top-2 margin is within rounding (at most the largest margin a legitimately
-  perturbed run flipped at, or a few units of the dtype's rounding of the top logit) is a
-  near tie: reported, not failed. Any other flip fails. The perturbed runs also take their
+  the golden's own top-2 margin is within rounding (at most the most a legitimately perturbed
+  run's greedy margin shrank at any position, or a few units of the dtype's rounding of the
+  top logit) is a near tie: reported, not failed. Any other flip fails. The perturbed runs also take their
   own choice among exactly equal top-k candidates inside the layers (a sparse indexer's keys
   scored 0, which another backend's top-k picks otherwise), so the flips that follow such a
   choice are within what they reach.
@@ -104,6 +104,7 @@ class LogitsStats:
     flipped: list[int]  # flat positions whose greedy token is not the golden's
     margins: list[float]  # the golden's top-2 margin at each flipped position
     logit_scale: float = 1.0  # the slope of its centred top-k logits on the golden's, middle half of positions
+    margin_drift: float = 0.0  # the most a position's greedy margin shrank from the golden's top-2 margin
 
     @property
     def first_divergence(self) -> int | None:
@@ -121,7 +122,7 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
         raise ValueError(f"the target gave logits for {rows.shape[0]} positions, the golden holds {ids.shape[0]}")
     log_p = top.double() - lse.double()[:, None]
     k = ids.shape[-1]
-    kl_parts, greedy_parts, overlap_parts, at_topk = [], [], [], []
+    kl_parts, greedy_parts, overlap_parts, at_topk, gap_parts = [], [], [], [], []
     for block in blocks:
         target, want, lp = rows[block].to("cpu", torch.float64), ids[block], log_p[block]
         log_q = torch.log_softmax(target, dim=-1).gather(-1, want)
@@ -130,13 +131,16 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
         rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp_min(1e-300).log() - q_rest.log()), 0.0)
         kl_parts.append((lp.exp() * (lp - log_q)).sum(-1) + rest)
         greedy_parts.append(target.argmax(-1))
-        target_top = target.topk(k, dim=-1).indices
+        best, target_top = target.topk(k, dim=-1)
         overlap_parts.append((target_top[:, :, None] == want[:, None, :]).any(-1).double().mean(-1))
         at_topk.append(target.gather(-1, want))
+        if k > 1:  # the golden's greedy token's logit over the best other one's
+            gap_parts.append(at_topk[-1][:, 0] - torch.where(target_top[:, 0] == want[:, 0], best[:, 1], best[:, 0]))
         del target, log_q
     kl, greedy, overlap = torch.cat(kl_parts), torch.cat(greedy_parts), torch.cat(overlap_parts)
     flipped = (greedy != ids[:, 0]).nonzero().flatten().tolist()
     margins = (top[:, 0] - top[:, 1]).tolist() if k > 1 else [math.inf] * ids.shape[0]
+    drift = (top[:, 0] - top[:, 1]).double() - torch.cat(gap_parts) if k > 1 else None
     kl = kl.clamp_min(0)
     g, spread = _centred(top.double())
     t, _ = _centred(torch.cat(at_topk))
@@ -151,6 +155,7 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
         flipped=flipped,
         margins=[margins[i] for i in flipped],
         logit_scale=_middle_mean(slopes),
+        margin_drift=float(drift.max()) if drift is not None else 0.0,
     )
 
 
@@ -187,12 +192,14 @@ def scale_rounding_sd(golden: Mapping[str, torch.Tensor], dtype: str) -> float:
 @dataclass(frozen=True)
 class ModelEnvelope:
     """What K legitimately perturbed reference runs of the whole model reached: the median
-    KL of each run and the golden margins at which runs flipped a greedy token."""
+    KL of each run, the golden margins at which runs flipped a greedy token and how far
+    each run's greedy margins shrank at most."""
 
     kl_median: tuple[float, ...]
     flip_margins: tuple[float, ...]
-    #: each run's logit scale (empty in an envelope made before it was kept)
+    # each run's logit scale and largest margin drift (empty in an envelope made before it was kept)
     logit_scale: tuple[float, ...] = ()
+    margin_drift: tuple[float, ...] = ()
 
     @property
     def samples(self) -> int:
@@ -204,15 +211,17 @@ class ModelEnvelope:
             tuple(r.kl_median for r in runs),
             tuple(m for r in runs for m in r.margins),
             tuple(r.logit_scale for r in runs),
+            tuple(r.margin_drift for r in runs),
         )
 
     def first(self, k: int) -> ModelEnvelope:
         """The envelope of the first ``k`` runs (the flip margins of all of them)."""
-        return ModelEnvelope(self.kl_median[:k], self.flip_margins, self.logit_scale[:k])
+        return ModelEnvelope(self.kl_median[:k], self.flip_margins, self.logit_scale[:k], self.margin_drift[:k])
 
     def as_metadata(self) -> dict[str, Any]:
-        scale = {"logit_scale": list(self.logit_scale)} if self.logit_scale else {}
-        return {"kl_median": list(self.kl_median), "flip_margins": list(self.flip_margins), **scale}
+        runs = {"logit_scale": self.logit_scale, "margin_drift": self.margin_drift}
+        kept = {key: list(values) for key, values in runs.items() if values}
+        return {"kl_median": list(self.kl_median), "flip_margins": list(self.flip_margins), **kept}
 
     @classmethod
     def from_metadata(cls, data: Mapping[str, Any] | None) -> ModelEnvelope | None:
@@ -225,13 +234,8 @@ class ModelEnvelope:
             raise ValueError(f"malformed whole-model envelope ({exc!r})") from exc
         if len(kl) < 2 or any(not math.isfinite(v) or v < 0 for v in kl):
             raise ValueError("malformed whole-model envelope: needs 2 or more finite, non-negative KL samples")
-        try:
-            scale = tuple(float(v) for v in data.get("logit_scale", ()))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"malformed whole-model envelope: logit_scale ({exc!r})") from exc
-        if scale and (len(scale) != len(kl) or not all(map(math.isfinite, scale))):
-            raise ValueError("malformed whole-model envelope: logit_scale does not match the runs")
-        return cls(kl, margins, scale)
+        scale, drift = (_per_run(data, key, len(kl)) for key in ("logit_scale", "margin_drift"))
+        return cls(kl, margins, scale, drift)
 
     def _rate(self, false_alarm_rate: float) -> float:
         """The rate each statistic gets: the session's split over the KL and the logit scale."""
@@ -245,6 +249,13 @@ class ModelEnvelope:
         q = t_quantile(1 - self._rate(false_alarm_rate), k - 1)
         return math.exp(min(mean + q * sd * math.sqrt(1 + 1 / k), 700.0))
 
+    @property
+    def tie_margin(self) -> float:
+        """The largest golden margin a flip may have and be a near tie: the most any run's
+        greedy margin shrank anywhere, flipped or not (a correct target's logits move as much
+        elsewhere, and flip there where the margin is as small)."""
+        return max((*self.flip_margins, *self.margin_drift), default=0.0)
+
     def scale_range(self, false_alarm_rate: float, least_sd: float) -> tuple[float, float] | None:
         """The range a correct target's logit scale is held to (None without the runs' own):
         {1, the runs' mean} widened on each side by the t quantile times their spread (at
@@ -255,6 +266,17 @@ class ModelEnvelope:
         mean, sd = _mean_sd(list(self.logit_scale))
         half = t_quantile(1 - self._rate(false_alarm_rate) / 2, k - 1) * max(sd, least_sd) * math.sqrt(1 + 1 / k)
         return min(1.0, mean) - half, max(1.0, mean) + half
+
+
+def _per_run(data: Mapping[str, Any], key: str, runs: int) -> tuple[float, ...]:
+    """An envelope's optional figure of each run (``key``: none, or one finite number a run)."""
+    try:
+        values = tuple(float(v) for v in data.get(key, ()))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed whole-model envelope: {key} ({exc!r})") from exc
+    if values and (len(values) != runs or not all(map(math.isfinite, values))):
+        raise ValueError(f"malformed whole-model envelope: {key} does not match the runs")
+    return values
 
 
 @dataclass
@@ -282,13 +304,8 @@ def tokens_before_divergence(flipped: Sequence[int], batch: int, prompt: int, st
     """Of the ``steps + 1`` tokens generated after a ``prompt``-token prompt (flat positions
     ``row * (prompt + steps) + prompt - 1 + j``), how many the target's greedy tokens match
     before the first flip, in the worst of the ``batch`` rows."""
-    flips = set(flipped)
-    width = prompt + steps
-    matched = []
-    for row in range(batch):
-        first = row * width + prompt - 1
-        matched.append(next((j for j in range(steps + 1) if first + j in flips), steps + 1))
-    return min(matched, default=0)
+    flips, firsts = set(flipped), [row * (prompt + steps) + prompt - 1 for row in range(batch)]
+    return min((next((j for j in range(steps + 1) if f + j in flips), steps + 1) for f in firsts), default=0)
 
 
 def judge_logits(
@@ -304,8 +321,7 @@ def judge_logits(
     finite = bool(torch.isfinite(logits).all())
     stats = logits_stats(golden, logits)
     top = golden[TOPK_LOGITS].float().reshape(stats.positions, -1)[:, 0]
-    envelope_margin = max(envelope.flip_margins, default=0.0) if envelope is not None else 0.0
-    near, hard = [], []
+    envelope_margin, near, hard = envelope.tie_margin if envelope is not None else 0.0, [], []
     for position, margin in zip(stats.flipped, stats.margins, strict=True):
         bound = max(envelope_margin, tie_tolerance * abs(float(top[position])))
         (near if margin <= bound else hard).append(position)
@@ -376,7 +392,7 @@ def describe_model_outcome(outcome: ModelOutcome, where: str) -> str:
     if outcome.kl_limit is not None:
         lines.append(
             f"  noise envelope from {outcome.samples} perturbed reference runs of the whole model: they reach "
-            f"median KL {outcome.kl_reached:.3g} (limit {outcome.kl_limit:.3g}) and flipped greedy tokens at golden "
-            f"margins up to {outcome.tie_margin:.3g}"
+            f"median KL {outcome.kl_reached:.3g} (limit {outcome.kl_limit:.3g}) and shrank or flipped greedy "
+            f"margins by up to {outcome.tie_margin:.3g}"
         )
     return "\n".join(lines)

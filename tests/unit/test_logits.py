@@ -77,6 +77,38 @@ def test_a_flip_on_a_near_tie_is_reported_and_one_outside_fails():
     assert outcome.hard_flips == [] and outcome.passed
 
 
+def test_a_runs_largest_margin_drift_anywhere_bounds_the_near_ties_beyond_the_margins_it_flipped():
+    """A run's logits move at every position; they flip a token only where the margin is
+    smaller than the move. A correct target's logits move as much, at positions whose
+    margins may be smaller: the runs' largest shrink of a greedy margin, flipped or not,
+    bounds a near tie; a flip beyond it still fails."""
+    logits = _logits(3)
+    golden = compact_logits(logits, 8)
+    top = golden["topk_logits"][0].double()
+    margins = top[:, 0] - top[:, 1]
+    run = logits.clone()
+    ids = golden["topk_ids"][0].long()
+    run[0, 2, ids[2, 0]] -= 0.5 * float(margins[2])  # position 2's greedy margin halved, not flipped
+    stats = logits_stats(golden, run)
+    assert stats.flipped == [] and stats.margin_drift == pytest.approx(0.5 * float(margins[2]), abs=1e-5)
+    flipped = logits.clone()
+    flipped[0, 2, ids[2, 1]] += 1.25 * float(margins[2])  # the runner-up overtakes by a quarter margin
+    assert logits_stats(golden, flipped).margin_drift == pytest.approx(1.25 * float(margins[2]), abs=1e-5)
+
+    small, large = sorted(range(20), key=lambda p: float(margins[p]))[:2]
+    target = logits.clone()
+    for position in (small, large):  # the greedy token of the two smallest margins flips
+        target[0, position, ids[position, 1]] = logits[0, position, ids[position, 0]] + 1e-3
+    between = (float(margins[small]) + float(margins[large])) / 2
+    runs = ModelEnvelope((1.0, 2.0, 3.0), (float(margins[small]) / 2,), (), (between / 2, between, between / 3))
+    assert runs.tie_margin == between
+    outcome = judge_logits(golden, target, "float32", 0.0, 1e-3, runs)
+    assert outcome.near_ties == [small] and outcome.hard_flips == [large] and not outcome.passed
+    assert "by up to" in describe_model_outcome(outcome, "on cpu")
+    flips_only = ModelEnvelope((1.0, 2.0, 3.0), (float(margins[small]) / 2,))  # made before the drift was kept
+    assert judge_logits(golden, target, "float32", 0.0, 1e-3, flips_only).hard_flips == sorted((small, large))
+
+
 def test_the_median_kl_is_held_to_the_envelope_of_perturbed_runs():
     logits = _logits(4)
     golden = compact_logits(logits, 8)
@@ -137,6 +169,11 @@ def test_an_envelope_is_read_back_and_a_malformed_one_refused():
     assert ModelEnvelope.from_metadata(env.as_metadata()) == env
     scaled = ModelEnvelope((1e-4, 3e-4), (0.5,), (1.0001, 0.9999))
     assert ModelEnvelope.from_metadata(scaled.as_metadata()) == scaled
+    drifted = ModelEnvelope((1e-4, 3e-4), (0.5,), (1.0001, 0.9999), (0.25, 0.75))
+    assert ModelEnvelope.from_metadata(drifted.as_metadata()) == drifted
+    assert drifted.first(1).margin_drift == (0.25,)
+    with pytest.raises(ValueError, match="margin_drift does not match the runs"):
+        ModelEnvelope.from_metadata({**drifted.as_metadata(), "margin_drift": [0.25, math.nan]})
     with pytest.raises(ValueError, match="logit_scale does not match the runs"):
         ModelEnvelope.from_metadata({**scaled.as_metadata(), "logit_scale": [1.0]})
     assert ModelEnvelope.from_metadata(None) is None
