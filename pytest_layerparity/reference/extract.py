@@ -575,14 +575,12 @@ class ReferenceSide:
 
 def model_envelope_samples(samples: int) -> int:
     """Perturbed runs of the whole model's envelope for ``samples`` runs of each layer's: half
-    as many and one more (7 of the default 12), at least 2; none where a layer has none. Its
-    statistics, the median KL and the logit scale, gain little from more:
-    bench/bench_model_k.py, ten decoders in three dtypes at 32 tokens, each test judged
-    against the first K of 12 runs: 0 false alarms in 30 at every K from 4; layer bugs caught
-    277, 284, 286, 286, 286 of 351 at K = 4, 6, 7, 8, 12, bugs after the last layer 72, 81,
-    84, 85, 85 of 90 (the 1% final-norm scale in bfloat16 the one that 7 and 8 tell apart). A
-    whole-model run costs as much as all the layers' runs of a prompt together (a third of
-    extraction's time at 8)."""
+    as many and one more (7 of the default 12), at least 2; none where a layer has none.
+    bench/bench_model_k.py, ten decoders in three dtypes, each test judged against the first
+    K of 12 runs: 0 false alarms in 30 at K = 7 and 12; layer bugs caught 283 and 292 of 351
+    at 32 tokens (286 and 291 at 128), bugs after the last layer 85 and 87 of 90 (88 and 89).
+    A whole-model run costs as much as all the layers' runs of a prompt together (at 7, about
+    a third of extraction's time), so the rest are left to the layers' own tests."""
     return max(2, samples // 2 + 1) if samples > 1 else samples
 
 
