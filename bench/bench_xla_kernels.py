@@ -1,7 +1,7 @@
 """How torch-xla's CPU kernels round, op by op, against eager and the exact result: what the
 noise envelope's perturbation model has to cover for a correct port on that backend.
 
-    PJRT_DEVICE=CPU python bench/bench_xla_kernels.py
+    PJRT_DEVICE=CPU python bench/bench_xla_kernels.py [--gelu-forms | --dot-sizes] [--device cuda]
 
 For each op and 16-bit dtype, on one random input (64 x 4096, N(0, 2)), against the op
 computed in float64 on the same 16-bit input:
@@ -24,6 +24,9 @@ kernel that leans by rounding alone reads what it reads here.
 ``--dot-sizes``: the float16 matmul alone over shapes m x k @ k x n, its error against the
 exact product over eager's (eager sums in float32 and rounds once): where torch-xla's CPU
 backend sums the products in float16 (a ratio near 12) and where in float32 (1).
+
+``--device cuda``: CUDA's kernels in torch-xla's place (the same tables; on a lent GPU
+machine, where torch-xla is not installed).
 """
 
 from __future__ import annotations
@@ -75,14 +78,14 @@ def dot_sizes(device: torch.device) -> None:
 
 def gelu_forms(device: torch.device) -> None:
     """Each GELU kernel's error along the swap of GELU's forms, as a share of the swap, on
-    inputs N(0, scale^2) of several scales; and torch-xla's share beyond eager's (eager rounds
-    a float32 result once: a correctly rounded kernel), what ``directions.GELU_KERNEL_LEAN``
+    inputs N(0, scale^2) of several scales; and the device's share beyond eager's (eager
+    rounds a float32 result once: a correctly rounded kernel), what ``verdict.KERNEL_LEAN``
     allows a correct kernel."""
     base = torch.randn(1 << 20, generator=torch.Generator().manual_seed(3))
     print("GELU: the error's share of the swap to the other form (a swapped port reads 1)")
     print(
-        f"{'dtype':<9} {'form':<5} {'scale':>5} {'|swap| / |rounding|':>19} {'eager share':>11} {'xla share':>9} "
-        f"{'xla - eager':>11}"
+        f"{'dtype':<9} {'form':<5} {'scale':>5} {'|swap| / |rounding|':>19} {'eager share':>11} "
+        f"{'device share':>12} {'device - eager':>14}"
     )
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         largest = 0.0
@@ -100,26 +103,30 @@ def gelu_forms(device: torch.device) -> None:
                 name = str(dtype).removeprefix("torch.")
                 print(
                     f"{name:<9} {form:<5} {scale:>5g} {float(swap.norm()) / rounding:>19.3f} "
-                    f"{shares[0]:>+11.3f} {shares[1]:>+9.3f} {shares[1] - shares[0]:>+11.3f}"
+                    f"{shares[0]:>+11.3f} {shares[1]:>+12.3f} {shares[1] - shares[0]:>+14.3f}"
                 )
-        print(f"{str(dtype).removeprefix('torch.'):<9} the largest |xla - eager|: {largest:.3f}")
+        print(f"{str(dtype).removeprefix('torch.'):<9} the largest |device - eager|: {largest:.3f}")
 
 
 def main() -> None:
-    import torch_xla
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     instead = parser.add_mutually_exclusive_group()
     instead.add_argument("--dot-sizes", action="store_true", help="the float16 dot's error by shape instead")
     instead.add_argument("--gelu-forms", action="store_true", help="GELU's error along its other form instead")
-    device = torch_xla.device()
+    parser.add_argument("--device", choices=("xla", "cuda"), default="xla", help="whose kernels (default: torch-xla)")
     args = parser.parse_args()
+    if args.device == "cuda":
+        device = torch.device("cuda")
+    else:
+        import torch_xla
+
+        device = torch_xla.device()
     if args.dot_sizes or args.gelu_forms:
         (dot_sizes if args.dot_sizes else gelu_forms)(device)
         return
     x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)) * 2
     w = torch.randn(4096, 512, generator=torch.Generator().manual_seed(1)) / 64
-    print(f"{'dtype':<9} {'op':<12} {'eager ratio':>11} {'xla ratio':>10} {'eager lean':>11} {'xla lean':>9}")
+    print(f"{'dtype':<9} {'op':<12} {'eager ratio':>11} {'device ratio':>12} {'eager lean':>11} {'device lean':>11}")
     for dtype in (torch.bfloat16, torch.float16):
         xd, wd = x.to(dtype), w.to(dtype)
         for name, op in OPS.items():
@@ -130,10 +137,10 @@ def main() -> None:
             for result in (op(xd, wd), op(xd.to(device), wd.to(device)).cpu()):
                 error = result.double() - exact
                 read.append((float(error.norm()) / noise, float((error * direction).sum()) / noise))
-            (eager_ratio, eager_lean), (xla_ratio, xla_lean) = read
+            (eager_ratio, eager_lean), (ratio, lean) = read
             print(
-                f"{str(dtype).removeprefix('torch.'):<9} {name:<12} {eager_ratio:>11.3f} {xla_ratio:>10.3f} "
-                f"{eager_lean:>+11.3f} {xla_lean:>+9.3f}"
+                f"{str(dtype).removeprefix('torch.'):<9} {name:<12} {eager_ratio:>11.3f} {ratio:>12.3f} "
+                f"{eager_lean:>+11.3f} {lean:>+11.3f}"
             )
 
 

@@ -30,6 +30,10 @@ python3 -c "import torch, transformers, accelerate; print(torch.__version__, tra
 step "how far CUDA's float32 attention kernels lean toward zero, beside the perturbed runs' lean (10 s)"
 within 60 python3 bench/bench_tensor_core_attention.py
 
+step "how far CUDA's GELU kernels lean along GELU's other form (verdict.KERNEL_LEAN allows bf16 4.9, f16 0.3), and its ops' rounding"
+within 60 python3 bench/bench_xla_kernels.py --gelu-forms --device cuda
+within 60 python3 bench/bench_xla_kernels.py --device cuda
+
 step "bench_extraction on CUDA: each call's perturbed runs as one batch, then one at a time"
 within 120 python3 bench/bench_extraction.py --device cuda --layers 8 --seq-len 2048
 within 120 python3 bench/bench_extraction.py --device cuda --layers 8 --seq-len 2048 --one-at-a-time

@@ -8,10 +8,10 @@ fraction of a vocabulary-wide tensor. What the target is held to:
 * **top-1 agreement**: the share of positions whose greedy token is the golden's. A flip where
   the golden's own top-2 margin is within rounding (at most the most a legitimately perturbed
   run's greedy margin shrank at any position, or a few units of the dtype's rounding of the
-  top logit) is a near tie: reported, not failed. Any other flip fails. The perturbed runs also take their
-  own choice among exactly equal top-k candidates inside the layers (a sparse indexer's keys
-  scored 0, which another backend's top-k picks otherwise), so the flips that follow such a
-  choice are within what they reach.
+  top logit) is a near tie: reported, not failed. Any other flip fails. The perturbed runs
+  also take their own choice among exactly equal top-k candidates inside the layers (a
+  sparse indexer's keys scored 0, which another backend's top-k picks otherwise), so the
+  flips that follow such a choice are within what they reach.
 * **KL divergence** of the next-token distributions, KL(golden || target), on the golden's
   top-k tokens plus one bucket for the rest of the vocabulary (a lower bound of the full KL:
   merging outcomes never increases it). Its median over positions is held against the
