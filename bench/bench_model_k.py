@@ -166,13 +166,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtypes", default="bfloat16,float32,float16")
     parser.add_argument("--ks", default="4,6,8,12")
-    parser.add_argument("--models", default=",".join(bv.DECODERS))
+    parser.add_argument(
+        "--models",
+        default=",".join(bv.DECODERS),
+        help="the decoders (default: bench_verdicts.py's); any other of fixtures/tiny_models.py's by name (held out)",
+    )
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument(
         "--embedded-seeds", type=int, default=0, help="only the embedded model's final-norm bug over N envelope seeds"
     )
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
+    from tiny_models import ARCHITECTURES
+
+    unknown = sorted(set(args.models.split(",")) - set(ARCHITECTURES))
+    if unknown:
+        parser.error(f"--models: no decoder {', '.join(unknown)}; choose among {', '.join(sorted(ARCHITECTURES))}")
     if args.embedded_seeds:
         embedded_seeds(ks, args.embedded_seeds)
         return

@@ -148,11 +148,12 @@ def widths(kind: str, hidden: int) -> dict:
 def models(
     work: Path, layers: int, only: tuple[str, ...] = MODEL_GROUPS, hidden: int = 64
 ) -> list[tuple[str, Path, dict]]:
-    from tiny_models import make
+    from tiny_models import ARCHITECTURES, make
 
+    held_out = tuple(kind for kind in only if kind in ARCHITECTURES and kind not in DECODERS)  # asked for by name
     out = [
         (kind, make(kind, work / kind, num_layers=layers, **widths(kind, hidden)), {})
-        for kind in DECODERS
+        for kind in (*DECODERS, *held_out)
         if kind in only
     ]
     if "bert" in only:
@@ -671,6 +672,9 @@ def main() -> None:
         parser.error(f"--hidden-size {args.hidden_size}: 64, or a multiple of 128")
     label = target_label(args.port_target)
     started = time.time()
+    unknown = sorted(set(args.models.split(",")) - {"", *MODEL_GROUPS})
+    if unknown:
+        parser.error(f"--models: no model {', '.join(unknown)} here; choose among {', '.join(MODEL_GROUPS)}")
     groups = tuple(g for g in MODEL_GROUPS if not args.models or g in args.models.split(","))
     if args.one_process or args.tallies_out or len(groups) == 1:
         tallies = run_cases(args, groups)

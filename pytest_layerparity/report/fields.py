@@ -69,6 +69,8 @@ FIELDS: tuple[Field, ...] = (
     Field("logit_scale_high"),
     Field("first_divergence", csv=True),
     Field("near_tie_flips", csv=True),
+    Field("near_tie_margin"),
+    Field("margin_drift"),
     Field("greedy_flips_outside_ties", csv=True),
     Field("generated", csv=True),
     Field("generated_matched", csv=True),

@@ -43,6 +43,8 @@ def test_model_parity(layerparity_session, layerparity_record):
         ("logit_scale_high", high),
         ("first_divergence", s.first_divergence),
         ("near_tie_flips", len(outcome.near_ties)),
+        ("near_tie_margin", outcome.tie_margin),
+        ("margin_drift", s.margin_drift),
         ("greedy_flips_outside_ties", len(outcome.hard_flips)),
         ("envelope_samples", outcome.samples),
         ("generated", outcome.generated),

@@ -61,6 +61,7 @@ def test_xla_runs_the_layer_decode_and_whole_model_tests_and_they_pass(decode_pr
     props = _properties(decode_project.path / "out.xml", "test_model_parity")
     assert props["verdict"] == "pass" and props["positions"] == "34"  # 32 prompt tokens and 2 decode steps
     assert float(props["top1_agreement"]) >= 0.9 and props["greedy_flips_outside_ties"] == "0"
+    assert 0 <= float(props["margin_drift"]) < 1 and float(props["near_tie_margin"]) >= 0
     assert 0 < float(props["kl_divergence"]) <= float(props["kl_divergence_limit"])
     low, high = float(props["logit_scale_low"]), float(props["logit_scale_high"])
     assert low < float(props["logit_scale"]) < high and low < 1 < high

@@ -76,7 +76,10 @@ def test_extract_writes_one_file_per_layer_and_the_manifest(fresh):
     # the envelopes: 12 perturbed runs of each layer's call, 7 of the whole model
     goldens = GoldenStore(store)
     assert goldens.load("layer_1").metadata["envelope"]["samples"] == 12
-    assert len(goldens.load("model_logits").metadata["envelope"]["kl_median"]) == 7
+    model_envelope = goldens.load("model_logits").metadata["envelope"]
+    assert len(model_envelope["kl_median"]) == 7
+    drift = model_envelope["margin_drift"]  # each run's largest shrink of a greedy margin: rounding-sized
+    assert len(drift) == 7 and all(0 <= d < 1 for d in drift) and max(drift) > 0
     # a decode step: the new token's hidden state, the layer's past keys and values, what it appended
     step = load_file(store / "layer_00001.decode_001.safetensors")
     assert step["args.0"].shape == (2, 1, 64) and step["output"].shape == (2, 1, 64)
