@@ -18,7 +18,10 @@ Cases, split in two:
   top-k weights not renormalised);
 * evaluation 2 (added after the first round had shown false alarms and the perturbation
   model was changed; never seen before the final run): Qwen2 (dense, biased q/k/v), OLMoE
-  (softmax router) and all-MiniLM-L6-v2 with another prompt.
+  (softmax router) and all-MiniLM-L6-v2 with another prompt;
+* evaluations 3 to 5, each held out until its round's first run: GPT-NeoX, Phi, Starcoder2
+  (LayerNorm, GELU); Gemma-2 (sliding window, soft-capping); GPT-OSS (sliding window,
+  attention sinks), Qwen3 (q/k norms), Mistral (sliding window).
 
 Correct ports (each must pass): every layer on torch-xla (isolated), every layer computed one
 precision wider and cast back (on the CPU: a port that keeps more precision than the
@@ -83,6 +86,9 @@ THIRD_ROUND_MODELS = ("gpt_neox", "phi", "starcoder2")
 # Held out until the eleventh session: a sliding-window, soft-capping architecture, with the
 # bug kinds a user's trial found passing (issue 30's list), run once with the verdict as it is.
 FOURTH_ROUND_MODELS = ("gemma2",)
+# Held out until the twenty-ninth session: GPT-OSS (sliding window, attention sinks, a softmax
+# router), Qwen3 (q/k norms), Mistral (sliding window); their first run is the one reported.
+FIFTH_ROUND_MODELS = ("gpt_oss", "qwen3", "mistral")
 DECODE_STEPS = 2
 
 
@@ -119,7 +125,7 @@ def trained_minilm() -> Path | None:
 
 
 #: The models by the name --models takes (the trained MiniLM runs with two prompts).
-MODEL_GROUPS = (*DECODERS, "bert", "minilm")
+MODEL_GROUPS = (*DECODERS, *FIFTH_ROUND_MODELS, "bert", "minilm")
 
 
 def widths(kind: str, hidden: int) -> dict:
@@ -150,10 +156,10 @@ def models(
 ) -> list[tuple[str, Path, dict]]:
     from tiny_models import ARCHITECTURES, make
 
-    held_out = tuple(kind for kind in only if kind in ARCHITECTURES and kind not in DECODERS)  # asked for by name
+    others = tuple(kind for kind in only if kind in ARCHITECTURES and kind not in DECODERS)  # held out, by name
     out = [
         (kind, make(kind, work / kind, num_layers=layers, **widths(kind, hidden)), {})
-        for kind in (*DECODERS, *held_out)
+        for kind in (*DECODERS, *others)
         if kind in only
     ]
     if "bert" in only:
@@ -801,6 +807,8 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             if name in THIRD_ROUND_MODELS
             else "evaluation 4"
             if name in FOURTH_ROUND_MODELS
+            else "evaluation 5"
+            if name in FIFTH_ROUND_MODELS
             else "evaluation"
         )
         count = len(session(model, work / "probe", extra).model.layer_list[1])
