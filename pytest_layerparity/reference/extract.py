@@ -581,7 +581,7 @@ def model_envelope_samples(samples: int) -> int:
     at 32 tokens (286 and 291 at 128), bugs after the last layer 85 and 87 of 90 (88 and 89).
     A whole-model run costs as much as all the layers' runs of a prompt together (at 7, about
     a third of extraction's time): the layer bugs that 12 catch beyond 7 are the layer tests'
-    to catch; the 1% final-norm scale in bfloat16 is the kind 7 passes more often."""
+    to catch; a 1% final-norm scale in a 16-bit dtype is what 7 passes more often."""
     return max(2, samples // 2 + 1) if samples > 1 else samples
 
 
