@@ -224,14 +224,13 @@ def main() -> None:
     print(f"\nwhole-model test against the first K perturbed runs, {args.seq_len} tokens ({elapsed:.0f} s)")
     print(f"{'K':>16} {'false alarms':>14} {'bugs caught':>14}")
     models = len(args.models.split(",")) * len(args.dtypes.split(","))
-    for k, variant in both:
-        label = f"{k}{f' ({variant})' if variant else ''}"
-        row = f"{len(alarms[k, variant]):>6} of {models:<5} {caught[k, variant]:>6} of {bugs_run:<5}"
-        print(f"{label:>16} {row}  {'; '.join(alarms[k, variant])}")
+    labels = {(k, variant): f"{k}{f' ({variant})' if variant else ''}" for k, variant in both}
+    for key in both:
+        row = f"{len(alarms[key]):>6} of {models:<5} {caught[key]:>6} of {bugs_run:<5}"
+        print(f"{labels[key]:>16} {row}  {'; '.join(alarms[key])}")
     print(f"\nbugs after the last layer ({', '.join(AFTER_LAST_LAYER)}), caught of {after_run}")
-    for k, variant in both:
-        label = f"{k}{f' ({variant})' if variant else ''}"
-        print(f"{label:>16} {after[k, variant]:>6}  passed: {'; '.join(passed_after[k, variant]) or '-'}")
+    for key in both:
+        print(f"{labels[key]:>16} {after[key]:>6}  passed: {'; '.join(passed_after[key]) or '-'}")
 
 
 if __name__ == "__main__":

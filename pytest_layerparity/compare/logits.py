@@ -139,8 +139,9 @@ def logits_stats(golden: Mapping[str, torch.Tensor], logits: torch.Tensor) -> Lo
         del target, log_q
     kl, greedy, overlap = torch.cat(kl_parts), torch.cat(greedy_parts), torch.cat(overlap_parts)
     flipped = (greedy != ids[:, 0]).nonzero().flatten().tolist()
-    margins = (top[:, 0] - top[:, 1]).tolist() if k > 1 else [math.inf] * ids.shape[0]
-    drift = (top[:, 0] - top[:, 1]).double() - torch.cat(gap_parts) if k > 1 else None
+    gap = (top[:, 0] - top[:, 1]).double() if k > 1 else None  # the golden's greedy margin
+    margins = gap.tolist() if gap is not None else [math.inf] * ids.shape[0]
+    drift = gap - torch.cat(gap_parts) if gap is not None else None
     kl = kl.clamp_min(0)
     g, spread = _centred(top.double())
     t, _ = _centred(torch.cat(at_topk))
