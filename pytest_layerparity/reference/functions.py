@@ -62,10 +62,13 @@ def keyed_halves(
     stop = n if stop is None else stop
     rows = x.shape[0] if x.dim() else 1
     runs = samples if x.dim() and samples > 1 and rows % samples == 0 else 1
-    run = torch.arange(start, stop, device=x.device).floor_divide_(max(1, n // runs))
     key = (seed * 1_000_003 + zlib.crc32(name.encode())) & _MASK31
     h = x.reshape(-1)[start:stop].view(torch.int16).to(torch.int64).bitwise_and_(0xFFFF)
-    h.add_(run.mul_(0x10001).add_(key).bitwise_and_(_MASK31))
+    if runs == 1:  # every element's run is 0: the key alone (five passes fewer)
+        h.add_(key)
+    else:
+        run = torch.arange(start, stop, device=x.device).floor_divide_(max(1, n // runs))
+        h.add_(run.mul_(0x10001).add_(key).bitwise_and_(_MASK31))
     for multiplier in _MIX:  # a 31-bit integer mix: xor-shift, then multiply (no overflow in int64)
         h.bitwise_xor_(h >> 15).mul_(multiplier).bitwise_and_(_MASK31)
     return (h >> 8).bitwise_and_(0x7FFF).to(torch.int16)

@@ -891,6 +891,22 @@ def test_a_pointwise_ops_16_bit_error_is_a_function_of_its_one_tensors_values_in
     assert outputs_per_value(x, product) > 1
 
 
+def test_keyed_draws_of_one_run_follow_the_value():
+    """A run alone draws the same at every element holding one value, whole or in blocks, and
+    the first of two stacked runs draws as it does alone (its run index is 0); the second
+    draws otherwise."""
+    from pytest_layerparity.reference.functions import keyed_halves
+
+    x = torch.randn(4, 250, generator=torch.Generator().manual_seed(11)).bfloat16()
+    x[1] = x[0]
+    alone = keyed_halves(x, "silu", 5)
+    assert torch.equal(alone[:250], alone[250:500])
+    assert torch.equal(torch.cat([keyed_halves(x, "silu", 5, 1, a, a + 300) for a in range(0, 1000, 300)]), alone)
+    stacked = keyed_halves(torch.cat([x, x]), "silu", 5, samples=2)
+    assert torch.equal(stacked[:1000], alone)
+    assert (stacked[1000:] != alone).float().mean() > 0.9
+
+
 def test_keyed_draws_are_the_same_drawn_in_blocks(monkeypatch):
     """A pointwise op's draws keyed by value are the same whether its result is rounded whole
     or in blocks (the CPU's blocks keep the temporaries small), for stacked runs too."""
