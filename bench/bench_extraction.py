@@ -16,7 +16,9 @@ extracts no whole-model golden (``layerparity_logits_topk = 0``), and so no whol
 envelope: per-layer verdicts alone. ``--one-at-a-time`` runs each call's perturbed runs one
 after the other, as the CPU does for a long call (reference/batching.py), to time what running
 them together as one batch saves on an accelerator. ``--model-runs N`` makes the whole model's
-envelope of N perturbed runs instead of the plugin's rule (half a layer's and one).
+envelope of N perturbed runs instead of the plugin's rule (half a layer's and one). The
+extraction with the floor is also shown in parts: the floor's passes, the layers' envelopes,
+the whole model's envelope and the rest, each against the same forwards.
 """
 
 from __future__ import annotations
@@ -47,6 +49,33 @@ WIDTH = {
 
 
 settings = make_settings
+
+#: The parts of the extraction with the floor timed apart: (label, module, owner's name or None,
+#: function). Each is timed where it is called, so a part inside another is not counted twice.
+PHASES = (
+    ("the precision floor's passes", "pytest_layerparity.reference.floor", "FloorEvaluator", "evaluate"),
+    ("the layers' envelopes (K runs a call)", "pytest_layerparity.reference.envelope", "PerturbedRunner", "envelope"),
+    ("the whole model's envelope", "pytest_layerparity.reference.extract", None, "whole_model_envelope"),
+)
+
+
+def time_phases() -> dict[str, float]:
+    """Patches the ``PHASES``' functions to add their seconds to the dict returned."""
+    seconds = dict.fromkeys((label for label, *_ in PHASES), 0.0)
+    for label, module_name, owner_name, name in PHASES:
+        module = importlib.import_module(module_name)
+        owner = getattr(module, owner_name) if owner_name else module
+        original = getattr(owner, name)
+
+        def timed(*args, _original=original, _label=label, **kwargs):
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                seconds[_label] += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+    return seconds
 
 
 def _synchronize(device: str) -> None:
@@ -177,6 +206,7 @@ def main() -> None:
     importlib.import_module("torch._dynamo")
     imports = time.perf_counter() - started
     bare, _ = extraction(model, work / "no-floor", args.seq_len, False, args.device, args.logits_topk)
+    phases = time_phases()  # the extraction with the floor's alone
     full, load = extraction(model, work / "floor", args.seq_len, True, args.device, args.logits_topk)
     print(
         f"model: llama, {args.layers} layers, hidden {WIDTH['hidden_size']}, {size:.2f} GB bf16; seq {args.seq_len}; "
@@ -206,6 +236,9 @@ def main() -> None:
         f"{'  the same against one plain bf16 forward':<58} {'':>8} "
         f"{full / bf16_first:>6.2f}x of the first, {full / bf16:.2f}x of the best"
     )
+    plain = bf16_first + fp32_first
+    for label, seconds in [*phases.items(), ("the rest (capture, writes)", full - sum(phases.values()))]:
+        print(f"{f'  {label}':<58} {seconds:>8.2f} {seconds / plain:>6.2f}x of the first bf16 + float32 forwards")
     print(f"{'(model loading, left out of the ratios)':<58} {load:>8.2f}")
     print(f"{'(one-time import of torch._dynamo, left out of the ratios)':<58} {imports:>8.2f}")
 
