@@ -133,7 +133,7 @@ class SpilledKV:
     held through the decode steps (it grows with depth: 67 MB at seq 2048 for 16 layers of
     8 key/value heads of 64 in bfloat16). The entries spilled after layer ``i`` are those its
     call appended to (entry ``i``, or each of a layer's attention blocks' own); a cache entry
-    without keys and values tensors is left where it is."""
+    without keys and values tensors (linear attention's states) is left where it is."""
 
     def __init__(self, parent: Path) -> None:
         self._files = SpilledCalls(parent)
@@ -204,7 +204,8 @@ class SpilledKV:
 
 def _seen(cache: Any, layer: int) -> int:
     """How many tokens entry ``layer`` of ``cache`` has been given (0 for one that is no
-    store of keys and values: capture refuses those)."""
+    store of keys and values: linear attention's states stay in memory, a few per layer;
+    capture refuses the other kinds)."""
     try:
         return seen_tokens(cache, layer)
     except UnstorableCache:

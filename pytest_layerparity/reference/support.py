@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int) -> None:
     """Refuse decode steps where a selected layer's KV-cache entry, as transformers makes it for
-    this config, holds state beyond keys and values (a decode-step golden stores those alone).
+    this config, holds state a decode-step golden cannot store (it stores keys and values, and
+    linear attention's states: ``callspec.check_storable``).
     A config transformers' cache cannot read is left to the recording, which checks each entry."""
     if not decode_steps:
         return

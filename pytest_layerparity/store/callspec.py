@@ -16,7 +16,9 @@ A spec node is one of::
                                holds the last ``window - 1``), and is replayed as such an entry.
                                A layer whose call fills more than one entry (two attention
                                blocks, each with its own cache index) lists the others under
-                               ``"more"``: ``[{"layer": 1, "keys": ..., "values": ...}]``
+                               ``"more"``: ``[{"layer": 1, "keys": ..., "values": ...}]``.
+                               A linear-attention entry also records its states under
+                               ``"linear"`` (:func:`linear_node`), replayed as copies.
     {"dropped": "SomeObject"}  an object that cannot be stored; replayed as None
 
 A call that updated a KV cache also records, under ``spec["cache_update"]``, the keys and
@@ -106,6 +108,15 @@ def cached_kv(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor] | Non
 #: The cache layers whose whole state is keys and values of the tokens they hold (as
 #: transformers names them): what a golden stores and replays.
 STORABLE_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
+#: The cache layers of linear attention (a state-space or gated delta-rule mixer: a convolution
+#: state and a recurrent state per state index, updated in place), two of them beside the keys
+#: and values of an attention block: stored as their states before the call
+#: (:func:`linear_node`) and replayed as an entry of the same kind holding copies of them.
+LINEAR_CACHE_LAYERS = (
+    "LinearAttentionLayer",
+    "LinearAttentionAndFullAttentionLayer",
+    "LinearAttentionAndSlidingWindowAttentionLayer",
+)
 
 
 class UnstorableCache(ValueError):
@@ -113,10 +124,11 @@ class UnstorableCache(ValueError):
 
 
 def check_storable(entry: Any, layer: int) -> None:
-    """Raise :class:`UnstorableCache` for a cache entry that holds state beyond keys and values
-    (a recurrent or convolution state, an indexer's keys, keys shared from another layer)."""
+    """Raise :class:`UnstorableCache` for a cache entry that holds state a golden cannot store
+    (an indexer's keys, keys shared from another layer, a static or quantized entry): what is
+    neither keys and values nor linear attention's states (``LINEAR_CACHE_LAYERS``)."""
     kind = type(entry).__name__
-    if kind not in STORABLE_CACHE_LAYERS:
+    if kind not in STORABLE_CACHE_LAYERS + LINEAR_CACHE_LAYERS:
         raise UnstorableCache(
             f"layer {layer}'s KV-cache entry is a {kind}: it holds state beyond keys and values, which a "
             "decode-step golden cannot store; extract with --decode-steps 0 (the prompt tests and the whole "
@@ -225,14 +237,44 @@ def _entry_node(
     """The spec node of entry ``layer`` of ``cache``: its past keys and values, stored as
     ``{name}.keys``/``values``, and how it holds its tokens; as ``before`` says (the entry
     as a call found it) where given, else as the entry is now."""
+    linear = None
     if before is None:
         before = _Entry(cached_kv(cache, layer), cache_layer_state(cache, layer))
+        linear = linear_node(cache.layers[layer], name, tensors) if layer < len(cache.layers) else None
     node: dict[str, Any] = {"layer": layer}
     if before.past is not None:
         node["keys"], node["values"] = f"{name}.keys", f"{name}.values"
         tensors[node["keys"]] = before.past[0].detach().to("cpu", copy=True)
         tensors[node["values"]] = before.past[1].detach().to("cpu", copy=True)
     node.update(before.state)
+    if linear is not None:
+        node["linear"] = linear
+    return node
+
+
+def linear_node(entry: Any, name: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """A linear-attention cache entry (``LINEAR_CACHE_LAYERS``) as a spec node: its kind, its
+    number of state indices, and each convolution state (with its kernel size) and recurrent
+    state it holds, stored as ``{name}.conv.I``/``{name}.recurrent.I`` (CPU copies: the layer
+    updates them in place), and the indices that have a previous state; None for another
+    entry."""
+    kind = type(entry).__name__
+    if kind not in LINEAR_CACHE_LAYERS:
+        return None
+    node: dict[str, Any] = {"kind": kind, "states": int(entry.number_of_states), "conv": [], "recurrent": []}
+    for part, states, ready in (
+        ("conv", entry.conv_states, entry.is_conv_states_initialized),
+        ("recurrent", entry.recurrent_states, entry.is_recurrent_states_initialized),
+    ):
+        for index, state in states.items():
+            if ready.get(index) and isinstance(state, torch.Tensor):
+                stored = f"{name}.{part}.{index}"
+                tensors[stored] = state.detach().to("cpu", copy=True)
+                item: dict[str, Any] = {"t": stored, "index": int(index)}
+                if part == "conv":
+                    item["kernel"] = int(entry.conv_kernel_size[index])
+                node[part].append(item)
+    node["previous"] = [int(i) for i, had in entry.has_previous_state.items() if had]
     return node
 
 
@@ -381,7 +423,7 @@ def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], dev
         own = past_cache({k: v for k, v in node.items() if k != "within"}, tensors, device)
         return EncoderDecoderCache(own, DynamicCache())
     cache = DynamicCache()
-    entries = {int(n["layer"]): n for n in entry_nodes(node) if "keys" in n or n.get("sliding_window")}
+    entries = {int(n["layer"]): n for n in entry_nodes(node) if "keys" in n or n.get("sliding_window") or "linear" in n}
     if not entries:
         return cache
     cache.layers.extend(DynamicLayer() for _ in range(max(entries) + 1))
@@ -395,7 +437,9 @@ def _past_entry(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], de
     from transformers.cache_utils import DynamicLayer
 
     window = node.get("sliding_window")
-    if window:
+    if node.get("linear"):
+        entry = _linear_entry(node["linear"], window, tensors, device)
+    elif window:
         from transformers.cache_utils import DynamicSlidingWindowLayer
 
         entry = DynamicSlidingWindowLayer(sliding_window=int(window))
@@ -410,6 +454,38 @@ def _past_entry(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], de
             entry.keys, entry.values = keys, values  # on a lazy device the past is then data, as in a real decode step
         if window:
             entry.cumulative_length = int(node.get("seen", keys.shape[-2]))
+    return entry
+
+
+def _linear_entry(
+    node: Mapping[str, Any], window: Any, tensors: Mapping[str, torch.Tensor], device: Device | None
+) -> Any:
+    """A linear-attention cache entry of the stored kind holding copies of its stored states
+    (on ``device`` when given): each replay updates its own in place."""
+    import transformers
+    from transformers import cache_utils
+
+    kind = str(node.get("kind"))
+    made = getattr(cache_utils, kind, None) if kind in LINEAR_CACHE_LAYERS else None
+    if made is None:
+        raise ValueError(
+            f"the stored call's cache entry is a {kind}, which transformers {transformers.__version__} lacks"
+        )
+    count = int(node.get("states", 1))
+    entry = made(sliding_window=int(window), number_of_states=count) if window else made(number_of_states=count)
+    for part, states, ready in (
+        ("conv", entry.conv_states, entry.is_conv_states_initialized),
+        ("recurrent", entry.recurrent_states, entry.is_recurrent_states_initialized),
+    ):
+        for item in node.get(part) or ():
+            index, stored = int(item["index"]), tensors[item["t"]]
+            states[index] = stored.to(device if device is not None else stored.device, copy=True)
+            ready[index] = True
+            entry.dtype, entry.device = states[index].dtype, states[index].device
+            if part == "conv":
+                entry.conv_kernel_size[index] = int(item["kernel"])
+    for index in node.get("previous") or ():
+        entry.has_previous_state[int(index)] = True
     return entry
 
 

@@ -286,10 +286,82 @@ def test_the_cache_name_is_read_through_wrappers_and_falls_back_where_none_is_na
     assert cache_argument(PassesKwargsOn()) is None
 
 
+class _LinearMixer(torch.nn.Module):
+    """A linear-attention mixer as transformers' are written: a causal convolution over the
+    cache's convolution state and the new tokens, then a recurrent state updated from it (both
+    in place in the cache entry)."""
+
+    def __init__(self, index: int, kernel: int = 3) -> None:
+        super().__init__()
+        self.index, self.kernel = index, kernel
+
+    def forward(self, hidden_states, cache=None):
+        window = cache.update_conv_state(hidden_states.transpose(1, 2), self.index, conv_kernel_size=self.kernel)
+        previous = cache.layers[self.index].recurrent_states[0]  # None before the first step
+        before = previous if previous is not None else 0
+        state = 0.5 * before + window[..., -self.kernel :].sum(-1)
+        cache.update_recurrent_state(state, self.index)
+        return hidden_states * 2 + state.unsqueeze(1)
+
+
+def _linear_cache(kind: str, layer: int):
+    from transformers import cache_utils
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    cache = DynamicCache()
+    made = getattr(cache_utils, kind)
+    cache.layers.extend([DynamicLayer() for _ in range(layer)] + [made(number_of_states=1)])
+    return cache
+
+
+@pytest.mark.parametrize("kind", ["LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer"])
+def test_a_linear_attention_entry_is_stored_as_its_states_and_replayed_with_copies(kind):
+    cache = _linear_cache(kind, 1)
+    mixer = _LinearMixer(1)
+    mixer(torch.randn(1, 5, 4), cache=cache)  # the prompt: the entry now holds both states
+    conv, recurrent = cache.layers[1].conv_states[0].clone(), cache.layers[1].recurrent_states[0].clone()
+    x = torch.randn(1, 1, 4)
+    records = {}
+    with capture_calls({1: mixer}, records.__setitem__):
+        expected = mixer(x, cache=cache)
+    record = records[1]
+    node = record.spec["kwargs"]["cache"]["cache"]
+    linear = node["linear"]
+    assert linear["kind"] == kind and linear["states"] == 1 and linear["previous"] == [0]
+    assert linear["conv"][0]["kernel"] == 3
+    assert torch.equal(record.tensors[linear["conv"][0]["t"]], conv)  # as the call found it, not as it left it
+    assert torch.equal(record.tensors[linear["recurrent"][0]["t"]], recurrent)
+    assert "cache_update" not in record.spec  # no keys or values appended
+    spec = json.loads(json.dumps(record.spec))
+    for _ in range(2):  # each replay updates its own copies: the stored states stay as stored
+        args, kwargs = decode_call(spec, record.tensors)
+        entry = kwargs["cache"].layers[1]
+        assert type(entry).__name__ == kind
+        assert torch.equal(mixer(*args, **kwargs), expected)
+    assert torch.equal(record.tensors[linear["recurrent"][0]["t"]], recurrent)
+    record.tensors[linear["recurrent"][0]["t"]] = torch.zeros_like(recurrent)  # the state is what the step reads
+    args, kwargs = decode_call(spec, record.tensors)
+    assert not torch.equal(mixer(*args, **kwargs), expected)
+
+
+def test_stacked_runs_of_a_linear_attention_step_take_the_states_of_each_sample():
+    from pytest_layerparity.reference.batching import stacked_call
+
+    cache = _linear_cache("LinearAttentionLayer", 0)
+    mixer = _LinearMixer(0)
+    mixer(torch.randn(2, 5, 4), cache=cache)
+    records = {}
+    with capture_calls({0: mixer}, records.__setitem__):
+        expected = mixer(torch.randn(2, 1, 4), cache=cache)
+    record = records[0]
+    args, kwargs = decode_call(record.spec, stacked_call(record.spec, record.tensors, 3))
+    assert torch.equal(mixer(*args, **kwargs), expected.repeat(3, 1, 1))
+
+
 def test_state_beyond_keys_and_values_is_refused_naming_the_entry():
     from transformers.cache_utils import DynamicCache
 
-    class RecurrentLayer:  # a linear-attention or state-space entry: no keys and values to store
+    class RecurrentLayer:  # an entry of a kind a golden cannot store (an indexer's keys, a static entry)
         conv_states = torch.zeros(1)
 
     cache = DynamicCache()

@@ -14,17 +14,19 @@ def _model(model_type: str, **fields):
     return SimpleNamespace(hf_config=AutoConfig.for_model(model_type, **fields))
 
 
-def test_decode_steps_of_a_linear_attention_layer_are_refused_up_front_naming_the_fix():
-    model = _model("qwen3_next", num_hidden_layers=4)  # three linear-attention layers, then a full one
+def test_linear_attention_layers_are_taken_and_an_indexed_entry_is_refused_up_front_naming_the_fix():
+    """Qwen3-Next's linear-attention entries hold states a golden stores; DeepSeek-V3.2's
+    indexed entries hold an indexer's keys, which it does not."""
+    check_decode_cache(_model("qwen3_next", num_hidden_layers=4), [0, 1, 2, 3], decode_steps=2)
+    model = _model("deepseek_v32", num_hidden_layers=2)
     with pytest.raises(ModelError) as excinfo:
-        check_decode_cache(model, [1, 3], decode_steps=2)
+        check_decode_cache(model, [1], decode_steps=2)
     assert str(excinfo.value) == (
-        "--decode-steps 2: layer 1's KV-cache entry is a LinearAttentionLayer: it holds state beyond keys and "
+        "--decode-steps 2: layer 1's KV-cache entry is a DynamicIndexedLayer: it holds state beyond keys and "
         "values, which a decode-step golden cannot store; extract with --decode-steps 0 (the prompt tests and the "
         "whole model's prompt still run)"
     )
-    check_decode_cache(model, [3], decode_steps=2)  # the full-attention layer alone
-    check_decode_cache(model, [0, 1, 2, 3], decode_steps=0)  # no decode steps asked for
+    check_decode_cache(model, [0, 1], decode_steps=0)  # no decode steps asked for
 
 
 @pytest.mark.parametrize(

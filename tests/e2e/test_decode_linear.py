@@ -1,0 +1,64 @@
+"""Decode steps of linear-attention layers: a tiny Qwen3-Next (gated delta-rule layers 0 and 2,
+full attention between them) made here, extracted with its decode steps, whose goldens hold
+each linear layer's convolution and recurrent states as the step found them."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from support import ROOT
+
+STATE_IGNORED = """
+class StateIgnored(__import__("torch").nn.Module):
+    # a port that drops the cache it is given: each step starts its convolution and its
+    # recurrence from nothing, as a port that lost the states between steps would
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states, *args, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
+        return self.layer(hidden_states, *args, **kwargs)
+
+def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+    return StateIgnored(reference_layer).to(device) if layer_idx == 2 else None
+"""
+
+
+@pytest.fixture(scope="module")
+def linear_model(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "fixtures"))
+    try:
+        from any_model import make
+    finally:
+        sys.path.remove(str(ROOT / "fixtures"))
+    return make("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "model")
+
+
+@pytest.fixture
+def linear_project(pytester: pytest.Pytester, linear_model) -> pytest.Pytester:
+    pytester.makeini(f"[pytest]\nlayerparity_model = {linear_model}\nlayerparity_golden_dir = goldens\n")
+    pytester.runpytest("--gpu-golden", "--extract").assert_outcomes(passed=3)
+    return pytester
+
+
+def test_linear_attention_layers_are_extracted_with_their_states_and_their_decode_steps_pass(linear_project):
+    from pytest_layerparity.store.callspec import call_cache_node
+    from pytest_layerparity.store.golden import GoldenStore
+
+    entry = GoldenStore(linear_project.path / "goldens").load("layer_2.decode_0")
+    linear = call_cache_node(entry.metadata["call"])["linear"]
+    assert linear["kind"].startswith("LinearAttention") and linear["previous"] == [0]
+    assert {part: len(linear[part]) for part in ("conv", "recurrent")} == {"conv": 1, "recurrent": 1}
+    result = linear_project.runpytest("--xla")
+    result.assert_outcomes(passed=7)  # 3 prompts, 3 layers' decode steps (2 each), the whole model
+    result.stdout.fnmatch_lines(["test_layer_decode_parity[[]layer_2[]] * pass *"])
+
+
+def test_a_port_that_loses_the_states_between_steps_fails_that_layers_decode_test(linear_project):
+    linear_project.makeconftest(STATE_IGNORED)
+    result = linear_project.runpytest("--target", "cpu")
+    result.assert_outcomes(passed=5, failed=2)  # the prompts and the other layers' decode tests pass
+    result.stdout.fnmatch_lines(["*_ test_layer_decode_parity?layer_2? _*", "*_ test_model_parity _*"])
+    result.stdout.fnmatch_lines(["test_layer_decode_parity[[]layer_0[]] * pass *"])
