@@ -347,6 +347,8 @@ def record_cache_entries(snapshot: CacheSnapshot | None, layer: int, record: Cal
     if snapshot is None:
         return [layer]
     touched = snapshot.appended_to()
+    if not touched:
+        _check_state_kept_in_entries(snapshot.cache, layer)
     if not touched or touched == [layer]:
         return [layer]
     node, name = _top_cache_node(record.spec)
@@ -373,6 +375,24 @@ def record_cache_entries(snapshot: CacheSnapshot | None, layer: int, record: Cal
     if within:
         node["within"] = within
     return touched
+
+
+def _check_state_kept_in_entries(cache: Any, layer: int) -> None:
+    """Raise :class:`UnstorableCache` where layer ``layer`` appended nothing to a cache of a
+    model's own class (a subclass of ``DynamicCache``) whose entry for it holds no linear
+    attention's states: the layer keeps its state elsewhere in that object (MiniMax's
+    lightning-attention layers, in ``MiniMaxCache.linear_cache``), which a replay as a
+    ``DynamicCache`` would not give it."""
+    from transformers.cache_utils import DynamicCache
+
+    entry = cache.layers[layer] if layer < len(cache.layers) else None
+    if type(cache) is DynamicCache or type(entry).__name__ in LINEAR_CACHE_LAYERS:
+        return
+    raise UnstorableCache(
+        f"layer {layer} was given a {type(cache).__name__} and appended nothing to its entry: it keeps its state "
+        "elsewhere in that cache, which a decode-step golden cannot store; extract with --decode-steps 0 (the prompt "
+        "tests and the whole model's prompt still run)"
+    )
 
 
 def _top_cache_node(spec: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:

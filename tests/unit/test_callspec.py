@@ -358,6 +358,34 @@ def test_stacked_runs_of_a_linear_attention_step_take_the_states_of_each_sample(
     assert torch.equal(mixer(*args, **kwargs), expected.repeat(3, 1, 1))
 
 
+def test_state_kept_elsewhere_in_a_models_own_cache_class_is_refused_naming_it():
+    """MiniMax's lightning-attention layers keep their state in a list of the model's own
+    cache class and append nothing to their entry: replayed as a DynamicCache the state would
+    be gone, so the call is refused; the same class's attention layers append as usual."""
+    from transformers.cache_utils import DynamicCache
+
+    from pytest_layerparity.store.callspec import UnstorableCache
+
+    class SideCache(DynamicCache):
+        def __init__(self):
+            super().__init__()
+            self.side = {}
+
+    class SideLayer(torch.nn.Module):
+        def forward(self, hidden_states, cache=None):
+            cache.side[0] = cache.side.get(0, 0) + hidden_states.sum(1)
+            return hidden_states + cache.side[0].unsqueeze(1)
+
+    cache, side, attention = SideCache(), SideLayer(), _NewNameAttention(1)
+    records = {}
+    with pytest.raises(UnstorableCache, match=r"layer 0 was given a SideCache and appended nothing .*--decode-steps 0"):
+        with capture_calls({0: side}, records.__setitem__):
+            side(torch.randn(1, 1, 4), cache=cache)
+    with capture_calls({1: attention}, records.__setitem__):
+        attention(torch.randn(1, 1, 4), cache=cache)
+    assert records[1].tensors["cache.new_keys"].shape == (1, 1, 1, 4)
+
+
 def test_state_beyond_keys_and_values_is_refused_naming_the_entry():
     from transformers.cache_utils import DynamicCache
 
