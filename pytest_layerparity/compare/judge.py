@@ -225,6 +225,7 @@ def judge_appended_kv(
     settings: Settings,
     dtype: str,
     envelope: EnvelopeLimits | None = None,
+    states: bool = False,
 ) -> list[Check]:
     """The checks of the keys and values a decode step appended to the layer's KV cache,
     against the golden's (``cache.new_keys``/``new_values``): cosine similarity and, where the
@@ -233,7 +234,10 @@ def judge_appended_kv(
     (``envelope``, the output's) allows more, and to the limit of the appended keys' (values')
     own noise ratios in the perturbed runs where the envelope holds them: one token's keys are
     few numbers (fewer still with few KV heads), whose noise ratio spreads more widely than the
-    output's. No checks when the golden recorded no cache update."""
+    output's. With ``states``, the golden's update is a linear-attention layer's convolution
+    and recurrent states as the step left them (``new_conv_states_*``,
+    ``new_recurrent_states_*``): many numbers, held to the dtype's fixed limit or their own runs'
+    limit, not widened to the output's. No checks when the golden recorded no cache update."""
     from .verdict import noise_limits
 
     if "cache.new_keys" not in golden_tensors:
@@ -241,26 +245,27 @@ def judge_appended_kv(
     if appended is None:
         return [Check("kv_cache_appended", 0, "==", 1, False)]
     fixed, _, min_cosine = noise_limits(settings, dtype)
-    if envelope is not None:
+    if envelope is not None and not states:
         fixed = max(fixed, envelope.max_noise_ratio)
     checks = []
-    for part, target in zip(("keys", "values"), appended, strict=True):
+    labels = ("conv_states", "recurrent_states") if states else ("keys", "values")
+    for part, label, target in zip(("keys", "values"), labels, appended, strict=True):
         # the appended keys' (values') own envelope where the runs kept theirs: a few numbers
         # (one token's, of few KV heads) whose ratio spreads more than the output's
         max_ratio = max(fixed, envelope.max_appended_noise_ratio.get(part, 0.0)) if envelope is not None else fixed
         golden = golden_tensors[f"cache.new_{part}"]
         if tuple(target.shape) != tuple(golden.shape):
-            checks.append(Check(f"new_{part}_positions", target.shape[-2], "==", golden.shape[-2], False))
+            checks.append(Check(f"new_{label}_positions", target.shape[-2], "==", golden.shape[-2], False))
             continue
         floor = golden_tensors.get(f"floor.cache.new_{part}")
         m = compare_tensors(golden, target, floor=floor)
         cosine = m.cosine_similarity
         checks.append(
-            Check(f"new_{part}_cosine", cosine, ">=", min_cosine, not math.isnan(cosine) and cosine >= min_cosine)
+            Check(f"new_{label}_cosine", cosine, ">=", min_cosine, not math.isnan(cosine) and cosine >= min_cosine)
         )
         if floor is not None and m.noise_ratio is not None:
             ratio = m.noise_ratio
             checks.append(
-                Check(f"new_{part}_noise_ratio", ratio, "<=", max_ratio, not math.isnan(ratio) and ratio <= max_ratio)
+                Check(f"new_{label}_noise_ratio", ratio, "<=", max_ratio, not math.isnan(ratio) and ratio <= max_ratio)
             )
     return checks

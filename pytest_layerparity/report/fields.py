@@ -56,6 +56,13 @@ FIELDS: tuple[Field, ...] = (
     Field("new_keys_positions"),
     Field("new_values_positions"),
     Field("kv_cache_appended"),
+    # a linear-attention layer's decode steps: the states it left in its cache entry
+    Field("new_conv_states_cosine"),
+    Field("new_conv_states_noise_ratio"),
+    Field("new_recurrent_states_cosine"),
+    Field("new_recurrent_states_noise_ratio"),
+    Field("new_conv_states_positions"),
+    Field("new_recurrent_states_positions"),
     # the whole model's next-token distributions
     Field("positions", csv=True),
     Field("top1_agreement", csv=True),

@@ -24,7 +24,8 @@ A spec node is one of::
 A call that updated a KV cache also records, under ``spec["cache_update"]``, the keys and
 values the layer appended (``{"layer": 3, "keys": "cache.new_keys", "values": ...}``; for a
 call that filled several entries, ``"layers": [0, 1]`` and each entry's appended keys (values)
-joined: :func:`joined_kv`).
+joined: :func:`joined_kv`); a linear-attention layer, its convolution and its recurrent states
+as it left them in their place (``"states": true``, :func:`updated_states`).
 
 The cache argument's name is the callee's: transformers 5.24 renamed the layers' and models'
 ``past_key_values`` to ``cache``. A call is stored under the name the reference used and
@@ -538,6 +539,8 @@ def record_cache_update(args: Any, kwargs: Any, layers: int | Sequence[int], rec
     update: dict[str, Any] = {"layer": indices[0], "keys": "cache.new_keys", "values": "cache.new_values"}
     if len(indices) > 1:
         update["layers"] = indices
+    if cached_kv(find_kv_cache([args, kwargs]), indices[0]) is None:
+        update["states"] = True  # a linear-attention entry's states as the call left them (updated_states)
     record.spec["cache_update"] = update
 
 
@@ -603,12 +606,13 @@ def _appended(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Layer ``layer``'s entries in the KV cache among ``args``/``kwargs`` that the call added
     beyond the past its ``spec`` stored: the last of the entry's keys and values, as many as it
-    was given tokens (a sliding-window entry drops its oldest as it appends). None without a
-    cache, or while the entry is empty."""
+    was given tokens (a sliding-window entry drops its oldest as it appends); for a linear-
+    attention entry without keys, its states as the call left them (:func:`updated_states`).
+    None without a cache, or while the entry is empty."""
     cache = find_kv_cache([args, kwargs])
     now = cached_kv(cache, layer) if cache is not None else None
     if now is None:
-        return None
+        return updated_states(cache, layer) if cache is not None else None
     now = (now[0].to("cpu"), now[1].to("cpu"))  # sliced here: on a lazy device a slice would be a graph to compile
     node = call_cache_node(spec)
     past = next((n for n in entry_nodes(node) if int(n["layer"]) == layer), None) if node is not None else None
@@ -618,6 +622,26 @@ def _appended(
     added = min(seen_tokens(cache, layer) - before, now[0].shape[-2])
     start = now[0].shape[-2] - max(added, 0)
     return now[0][..., start:, :], now[1][..., start:, :]
+
+
+def updated_states(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A linear-attention entry's convolution states and recurrent states as a call left them
+    (on the CPU; each part's states flattened per batch row and joined, [batch, n]): what the
+    step wrote to its cache, judged as an attention layer's appended keys and values are. None
+    for another entry, or one that lacks either part (a convolution-only layer)."""
+    entry = cache.layers[layer] if layer < len(cache.layers) else None
+    if type(entry).__name__ not in LINEAR_CACHE_LAYERS:
+        return None
+    parts = []
+    for states, ready in (
+        (entry.conv_states, entry.is_conv_states_initialized),
+        (entry.recurrent_states, entry.is_recurrent_states_initialized),
+    ):
+        held = [state for index, state in sorted(states.items()) if ready.get(index) and state is not None]
+        if not held:
+            return None
+        parts.append(torch.cat([state.detach().to("cpu").reshape(state.shape[0], -1) for state in held], dim=-1))
+    return parts[0], parts[1]
 
 
 def tensor_names(node: Any) -> Iterator[str]:

@@ -198,8 +198,11 @@ class TargetSide:
             entry = self.load_golden(decode_key(index, step))
             run = self.run(module, entry)
             outcome = self.judge(index, entry, run)
+            states = bool((entry.metadata["call"].get("cache_update") or {}).get("states"))
             outcome.checks.extend(
-                judge_appended_kv(entry.tensors, run.appended_kv, self.settings, self.dtype_name, outcome.envelope)
+                judge_appended_kv(
+                    entry.tensors, run.appended_kv, self.settings, self.dtype_name, outcome.envelope, states
+                )
             )
             outcomes.append(outcome)
         return outcomes

@@ -1,10 +1,12 @@
 """Decode steps of linear-attention layers: a tiny Qwen3-Next (gated delta-rule layers 0 and 2,
 full attention between them) made here, extracted with its decode steps, whose goldens hold
-each linear layer's convolution and recurrent states as the step found them."""
+each linear layer's convolution and recurrent states as the step found them and as it left
+them."""
 
 from __future__ import annotations
 
 import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 from support import ROOT
@@ -51,9 +53,17 @@ def test_linear_attention_layers_are_extracted_with_their_states_and_their_decod
     linear = call_cache_node(entry.metadata["call"])["linear"]
     assert linear["kind"].startswith("LinearAttention") and linear["previous"] == [0]
     assert {part: len(linear[part]) for part in ("conv", "recurrent")} == {"conv": 1, "recurrent": 1}
-    result = linear_project.runpytest("--xla")
+    result = linear_project.runpytest("--xla", "--junitxml=out.xml")
     result.assert_outcomes(passed=7)  # 3 prompts, 3 layers' decode steps (2 each), the whole model
     result.stdout.fnmatch_lines(["test_layer_decode_parity[[]layer_2[]] * pass *"])
+    cases = ET.parse(linear_project.path / "out.xml").getroot().iter("testcase")
+    props = next(
+        {p.get("name"): p.get("value") for p in c.iter("property")}
+        for c in cases
+        if "layer_2" in c.get("name") and "decode" in c.get("name")
+    )
+    assert float(props["new_recurrent_states_cosine"]) > 0.9999  # the states the step left, judged
+    assert float(props["new_recurrent_states_noise_ratio"]) > 0 and "new_keys_cosine" not in props
 
 
 def test_a_port_that_loses_the_states_between_steps_fails_that_layers_decode_test(linear_project):

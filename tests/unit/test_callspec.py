@@ -128,6 +128,7 @@ def test_a_kv_cache_is_stored_as_the_layers_past_and_replayed_as_a_fresh_cache()
         "cache": {"layer": 2, "keys": "kwargs.past_key_values.keys", "values": "kwargs.past_key_values.values"}
     }
     assert torch.equal(record.tensors["kwargs.past_key_values.keys"], past)  # the past, before the call appended
+    assert "states" not in record.spec["cache_update"]
     assert record.tensors["cache.new_keys"].shape == (1, 1, 1, 4)
     assert torch.equal(record.tensors["cache.new_keys"], x.unsqueeze(1) * 2)
     spec = json.loads(json.dumps(record.spec))
@@ -331,13 +332,21 @@ def test_a_linear_attention_entry_is_stored_as_its_states_and_replayed_with_copi
     assert linear["conv"][0]["kernel"] == 3
     assert torch.equal(record.tensors[linear["conv"][0]["t"]], conv)  # as the call found it, not as it left it
     assert torch.equal(record.tensors[linear["recurrent"][0]["t"]], recurrent)
-    assert "cache_update" not in record.spec  # no keys or values appended
+    # what the step wrote to the entry stands for appended keys and values: its states after it
+    assert record.spec["cache_update"]["states"] is True
+    after = cache.layers[1]
+    assert torch.equal(record.tensors["cache.new_keys"], after.conv_states[0].reshape(1, -1))
+    assert torch.equal(record.tensors["cache.new_values"], after.recurrent_states[0].reshape(1, -1))
+    assert not torch.equal(after.recurrent_states[0], recurrent)
     spec = json.loads(json.dumps(record.spec))
     for _ in range(2):  # each replay updates its own copies: the stored states stay as stored
         args, kwargs = decode_call(spec, record.tensors)
         entry = kwargs["cache"].layers[1]
         assert type(entry).__name__ == kind
         assert torch.equal(mixer(*args, **kwargs), expected)
+        new_conv, new_recurrent = appended_kv(args, kwargs, spec, record.tensors)
+        assert torch.equal(new_conv, record.tensors["cache.new_keys"])
+        assert torch.equal(new_recurrent, record.tensors["cache.new_values"])
     assert torch.equal(record.tensors[linear["recurrent"][0]["t"]], recurrent)
     record.tensors[linear["recurrent"][0]["t"]] = torch.zeros_like(recurrent)  # the state is what the step reads
     args, kwargs = decode_call(spec, record.tensors)

@@ -432,6 +432,29 @@ def test_appended_kv_noise_ratio_limit_widens_to_the_steps_envelope_never_narrow
     assert ratio_check(narrow).limit == 1.5  # never narrower than the table's
 
 
+def test_a_linear_layers_updated_states_are_held_to_their_own_runs_not_the_outputs_limit():
+    """A linear-attention step's convolution and recurrent states are many numbers: their
+    noise ratio is held to the dtype's table or their runs' own limit, never widened to the
+    output's (a one-token output's limit is far wider), and the checks name the states."""
+    from pytest_layerparity.compare.envelope import EnvelopeLimits
+
+    golden = _kv_golden()
+    settings = make_settings()
+    noisy = golden["cache.new_values"].float() * 1.006
+    wide_output = EnvelopeLimits(12.0, 12.0, -5.0, 5.0, {}, 12, 5.0, max_appended_noise_ratio={"values": 2.0})
+    checks = judge_appended_kv(golden, (golden["cache.new_keys"], noisy), settings, "bfloat16", wide_output, True)
+    assert [c.name for c in checks] == [
+        "new_conv_states_cosine",
+        "new_conv_states_noise_ratio",
+        "new_recurrent_states_cosine",
+        "new_recurrent_states_noise_ratio",
+    ]
+    ratio = checks[-1]
+    assert ratio.limit == 2.0 and ratio.value > 2.0 and not ratio.ok
+    as_keys = judge_appended_kv(golden, (golden["cache.new_keys"], noisy), settings, "bfloat16", wide_output)
+    assert as_keys[-1].limit == 12.0 and as_keys[-1].ok  # appended keys and values: widened to the output's
+
+
 def test_a_decode_steps_envelope_keeps_the_appended_keys_and_values_ratios():
     from pytest_layerparity.compare.envelope import Envelope
 
