@@ -6,17 +6,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..selection import layer_spec
-from ..store.callspec import UnstorableCache, cache_argument, check_storable
+from ..store.callspec import EMPTY_CACHE_LAYER, UnstorableCache, cache_argument, check_storable
 from .model import ModelError
 
 if TYPE_CHECKING:
     from .source import ModelSource
 
+#: Layer kinds (a config's ``layer_types``) without attention, which transformers gives an empty
+#: cache entry: their decode step is their one-token call, with no cache to replay.
+WITHOUT_ATTENTION = frozenset({"moe", "mlp"})
+
 
 def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int) -> None:
     """Refuse decode steps where a selected layer's KV-cache entry, as transformers makes it for
     this config, holds state a decode-step golden cannot store (it stores keys and values, and
-    linear attention's states: ``callspec.check_storable``).
+    linear attention's states: ``callspec.check_storable``), or is empty because the layer
+    reads another layer's (KV sharing: an empty entry is taken only for a layer without
+    attention, ``WITHOUT_ATTENTION``).
     A config transformers' cache cannot read is left to the recording, which checks each entry."""
     if not decode_steps:
         return
@@ -33,12 +39,24 @@ def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int)
         entries = DynamicCache(config=model.hf_config).layers
     except (AttributeError, KeyError, TypeError, ValueError):
         return
+    try:
+        kinds = list(getattr(model.hf_config.get_text_config(decoder=True), "layer_types", None) or [])
+    except (AttributeError, TypeError, ValueError):
+        kinds = []  # an empty entry is then refused: it may be a shared one
     for index in layers:
         if index < len(entries):
             try:
                 check_storable(entries[index], index)
             except UnstorableCache as exc:
                 raise ModelError(f"--decode-steps {decode_steps}: {exc}") from None
+            if type(entries[index]).__name__ == EMPTY_CACHE_LAYER and (
+                index >= len(kinds) or kinds[index] not in WITHOUT_ATTENTION
+            ):
+                raise ModelError(
+                    f"--decode-steps {decode_steps}: layer {index} reads the keys and values another layer stores "
+                    "(its own KV-cache entry is empty), which a decode-step golden of this layer cannot hold; extract "
+                    "with --decode-steps 0 (the prompt tests and the whole model's prompt still run)"
+                )
 
 
 def modeling_module(model: ModelSource) -> Any:

@@ -118,6 +118,11 @@ LINEAR_CACHE_LAYERS = (
     "LinearAttentionAndFullAttentionLayer",
     "LinearAttentionAndSlidingWindowAttentionLayer",
 )
+#: The entry transformers gives a layer that holds no cache: a layer without attention (an MLP
+#: or mixture-of-experts layer of a hybrid), stored as nothing and replayed as an empty cache;
+#: or a layer that reads another layer's keys and values (KV sharing), which the up-front check
+#: refuses from the config (``reference.support.check_decode_cache``).
+EMPTY_CACHE_LAYER = "DummyLayer"
 
 
 class UnstorableCache(ValueError):
@@ -126,10 +131,11 @@ class UnstorableCache(ValueError):
 
 def check_storable(entry: Any, layer: int) -> None:
     """Raise :class:`UnstorableCache` for a cache entry that holds state a golden cannot store
-    (an indexer's keys, keys shared from another layer, a static or quantized entry): what is
-    neither keys and values nor linear attention's states (``LINEAR_CACHE_LAYERS``)."""
+    (an indexer's keys, a compressed, static or quantized entry): what is neither keys and
+    values, nor linear attention's states (``LINEAR_CACHE_LAYERS``), nor no cache at all
+    (``EMPTY_CACHE_LAYER``)."""
     kind = type(entry).__name__
-    if kind not in STORABLE_CACHE_LAYERS + LINEAR_CACHE_LAYERS:
+    if kind not in (*STORABLE_CACHE_LAYERS, *LINEAR_CACHE_LAYERS, EMPTY_CACHE_LAYER):
         raise UnstorableCache(
             f"layer {layer}'s KV-cache entry is a {kind}: it holds state beyond keys and values, which a "
             "decode-step golden cannot store; extract with --decode-steps 0 (the prompt tests and the whole "

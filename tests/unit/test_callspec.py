@@ -367,6 +367,31 @@ def test_stacked_runs_of_a_linear_attention_step_take_the_states_of_each_sample(
     assert torch.equal(mixer(*args, **kwargs), expected.repeat(3, 1, 1))
 
 
+def test_a_layer_without_attention_is_stored_with_its_empty_entry_and_replayed_with_none():
+    """A hybrid's MLP layer gets transformers' empty entry (DummyLayer, 5.24 on): nothing to
+    store, no update, and its replay gets an empty cache."""
+    from transformers import cache_utils
+    from transformers.cache_utils import DynamicCache
+
+    if not hasattr(cache_utils, "DummyLayer"):
+        pytest.skip("this transformers has no empty cache entry")
+    cache = DynamicCache()
+    cache.layers.append(cache_utils.DummyLayer())
+    mlp = _MLPLayer()
+    records = {}
+    with capture_calls({0: mlp}, records.__setitem__):
+        expected = mlp(torch.randn(1, 1, 4), cache=cache)
+    record = records[0]
+    assert record.spec["kwargs"]["cache"] == {"cache": {"layer": 0}} and "cache_update" not in record.spec
+    args, kwargs = decode_call(json.loads(json.dumps(record.spec)), record.tensors)
+    assert len(kwargs["cache"].layers) == 0 and torch.equal(mlp(*args, **kwargs), expected)
+
+
+class _MLPLayer(torch.nn.Module):
+    def forward(self, hidden_states, cache=None):
+        return hidden_states * 3
+
+
 def test_state_kept_elsewhere_in_a_models_own_cache_class_is_refused_naming_it():
     """MiniMax's lightning-attention layers keep their state in a list of the model's own
     cache class and append nothing to their entry: replayed as a DynamicCache the state would
