@@ -269,10 +269,7 @@ def linear_node(entry: Any, name: str, tensors: dict[str, torch.Tensor]) -> dict
     if kind not in LINEAR_CACHE_LAYERS:
         return None
     node: dict[str, Any] = {"kind": kind, "states": int(entry.number_of_states), "conv": [], "recurrent": []}
-    for part, states, ready in (
-        ("conv", entry.conv_states, entry.is_conv_states_initialized),
-        ("recurrent", entry.recurrent_states, entry.is_recurrent_states_initialized),
-    ):
+    for part, states, ready in _linear_parts(entry):
         for index, state in states.items():
             if ready.get(index) and isinstance(state, torch.Tensor):
                 stored = f"{name}.{part}.{index}"
@@ -283,6 +280,15 @@ def linear_node(entry: Any, name: str, tensors: dict[str, torch.Tensor]) -> dict
                 node[part].append(item)
     node["previous"] = [int(i) for i, had in entry.has_previous_state.items() if had]
     return node
+
+
+def _linear_parts(entry: Any) -> tuple[tuple[str, dict[int, Any], dict[int, bool]], ...]:
+    """A linear-attention entry's two parts: (name, its states by index, which of them are
+    initialized), convolution first."""
+    return (
+        ("conv", entry.conv_states, entry.is_conv_states_initialized),
+        ("recurrent", entry.recurrent_states, entry.is_recurrent_states_initialized),
+    )
 
 
 @dataclass
@@ -500,10 +506,7 @@ def _linear_entry(
         )
     count = int(node.get("states", 1))
     entry = made(sliding_window=int(window), number_of_states=count) if window else made(number_of_states=count)
-    for part, states, ready in (
-        ("conv", entry.conv_states, entry.is_conv_states_initialized),
-        ("recurrent", entry.recurrent_states, entry.is_recurrent_states_initialized),
-    ):
+    for part, states, ready in _linear_parts(entry):
         for item in node.get(part) or ():
             index, stored = int(item["index"]), tensors[item["t"]]
             states[index] = stored.to(device if device is not None else stored.device, copy=True)
@@ -639,10 +642,7 @@ def updated_states(cache: Any, layer: int) -> tuple[torch.Tensor, torch.Tensor] 
     if type(entry).__name__ not in LINEAR_CACHE_LAYERS:
         return None
     parts = []
-    for states, ready in (
-        (entry.conv_states, entry.is_conv_states_initialized),
-        (entry.recurrent_states, entry.is_recurrent_states_initialized),
-    ):
+    for _, states, ready in _linear_parts(entry):
         held = [state for index, state in sorted(states.items()) if ready.get(index) and state is not None]
         if not held:
             return None

@@ -34,3 +34,22 @@ def default_project(pytester, decode: bool = True):
     off = "layerparity_decode_steps = 0\nlayerparity_logits_topk = 0\n" if not decode else ""
     pytester.makeini(f"[pytest]\nlayerparity_model = {DEFAULT_MODEL}\nlayerparity_golden_dir = goldens\n{off}")
     return pytester
+
+
+def cache_dropped(layer: int) -> str:
+    """A conftest whose port of layer ``layer`` drops the KV cache it is given (the model's own
+    layer called without it): an attention layer attends to the new token alone and appends
+    nothing; a linear-attention layer starts its convolution and recurrence from nothing."""
+    return f"""
+class CacheDropped(__import__("torch").nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states, *args, **kwargs):
+        kwargs = {{k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}}
+        return self.layer(hidden_states, *args, **kwargs)
+
+def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+    return CacheDropped(reference_layer).to(device) if layer_idx == {layer} else None
+"""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
+from support import cache_dropped
+
 ROTARY_AT_ZERO_IN_DECODE = """
 import torch
 
@@ -25,21 +27,6 @@ def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_conf
     if layer_idx == 3:
         return RotaryAtZeroWhenDecoding(reference_layer).to(device)
     return None
-"""
-
-CACHE_IGNORED = """
-class PastIgnored(__import__("torch").nn.Module):
-    # a port that drops the KV cache it is given: attends to the new token alone, appends nothing
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, hidden_states, *args, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
-        return self.layer(hidden_states, *args, **kwargs)
-
-def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
-    return PastIgnored(reference_layer).to(device) if layer_idx == 1 else None
 """
 
 
@@ -88,7 +75,7 @@ def test_rotary_at_position_zero_when_decoding_fails_only_that_layers_decode_tes
 
 
 def test_a_port_that_ignores_the_kv_cache_fails_its_decode_test(decode_project):
-    decode_project.makeconftest(CACHE_IGNORED)
+    decode_project.makeconftest(cache_dropped(1))
     result = decode_project.runpytest("--target", "cpu", "--layers", "1")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(

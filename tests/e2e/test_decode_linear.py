@@ -9,23 +9,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-from support import ROOT
-
-STATE_IGNORED = """
-class StateIgnored(__import__("torch").nn.Module):
-    # a port that drops the cache it is given: each step starts its convolution and its
-    # recurrence from nothing, as a port that lost the states between steps would
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, hidden_states, *args, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
-        return self.layer(hidden_states, *args, **kwargs)
-
-def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
-    return StateIgnored(reference_layer).to(device) if layer_idx == 2 else None
-"""
+from support import ROOT, cache_dropped
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +51,7 @@ def test_linear_attention_layers_are_extracted_with_their_states_and_their_decod
 
 
 def test_a_port_that_loses_the_states_between_steps_fails_that_layers_decode_test(linear_project):
-    linear_project.makeconftest(STATE_IGNORED)
+    linear_project.makeconftest(cache_dropped(2))
     result = linear_project.runpytest("--target", "cpu")
     result.assert_outcomes(passed=5, failed=2)  # the prompts and the other layers' decode tests pass
     result.stdout.fnmatch_lines(["*_ test_layer_decode_parity?layer_2? _*", "*_ test_model_parity _*"])
