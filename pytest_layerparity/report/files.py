@@ -5,12 +5,17 @@ self-contained)."""
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .entry import ReportEntry
 from .fields import CSV_COLUMNS, PLOTTED
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 
 def write_report_json(folder: str | Path, entries: list[ReportEntry]) -> Path:
@@ -47,6 +52,8 @@ def isolated_layer(entry: ReportEntry) -> int | None:
 COMPLEMENTED = ("cosine_similarity", "pearson_correlation")
 #: Panels on a log axis.
 LOGARITHMIC = ("max_abs_diff", "mean_abs_diff", *COMPLEMENTED)
+#: Values that span more than this factor go on a log axis (on a linear one the largest flattens the rest).
+DECADES = 100.0
 #: The band each panel is held to: (lower field or None, upper field), when the entries carry them.
 BANDS = {
     "noise_ratio": (None, "noise_ratio_limit"),
@@ -90,13 +97,41 @@ def _chained_series(entries: list[ReportEntry], names: tuple[str, ...]) -> dict[
     return {k: sorted(v.items()) for k, v in series.items()}
 
 
+class YScale(NamedTuple):
+    """A panel's y axis: ``name`` as ``Axes.set_yscale`` takes it; ``linthresh``: symlog's
+    linear range around 0."""
+
+    name: str
+    linthresh: float | None = None
+
+
+def y_scale(values: Iterable[float], logarithmic: bool = False) -> YScale:
+    """The y axis that shows all of ``values`` (a panel's points and its band).
+
+    Positive values: ``log`` where the largest is over :data:`DECADES` times the smallest, or
+    the panel is ``logarithmic``. With zeros or negative values: ``symlog`` where the largest
+    magnitude is over :data:`DECADES` times the median nonzero one (an outlier), linear up to
+    that median (to the smallest nonzero one on a ``logarithmic`` panel). Else linear.
+    """
+    finite = [v for v in values if math.isfinite(v)]
+    sizes = sorted(abs(v) for v in finite if v != 0)
+    if not sizes:
+        return YScale("linear")
+    if all(v > 0 for v in finite):
+        return YScale("log") if logarithmic or sizes[-1] > DECADES * sizes[0] else YScale("linear")
+    if logarithmic:
+        return YScale("symlog", sizes[0])
+    median = sizes[len(sizes) // 2]
+    return YScale("symlog", median) if sizes[-1] > DECADES * median else YScale("linear")
+
+
 @dataclass(frozen=True)
 class Panel:
     """One panel of the plot across layers (what is drawn, as data)."""
 
     label: str
     points: list[tuple[int, float]]
-    log: bool
+    scale: YScale
     band: list[tuple[int, float, float]]  # (layer, low, high) of the noise envelope
     failing: list[tuple[int, float]]
     chained: list[tuple[int, float]] = field(default_factory=list)  # the same field along chained runs
@@ -120,15 +155,16 @@ def panels(entries: list[ReportEntry]) -> list[Panel]:
             points = [(x, max(1.0 - y, 1e-16)) for x, y in points]
             chain = [(x, max(1.0 - y, 1e-16)) for x, y in chain]
         low, high = BANDS.get(name, (None, None))
-        band = []
+        band, bounds = [], []
         if high and high in series:
             lows = dict(series[low]) if low and low in series else {}
             band = [(x, lows.get(x, 0.0), y) for x, y in series[high]]
+            bounds = [y for _, y in series[high]] + list(lows.values())  # a band without a low field starts at 0
         out.append(
             Panel(
                 label=f"1 - {name}" if name in COMPLEMENTED else name,
                 points=points,
-                log=name in LOGARITHMIC,
+                scale=y_scale([y for _, y in (*points, *chain)] + bounds, logarithmic=name in LOGARITHMIC),
                 band=band,
                 failing=[(x, y) for x, y in points if x in failed],
                 chained=chain,
@@ -138,8 +174,7 @@ def panels(entries: list[ReportEntry]) -> list[Panel]:
 
 
 def plot_png(entries: list[ReportEntry]) -> bytes | None:
-    """A PNG of :func:`panels` (failing layers marked, the envelope as a band, chained drift
-    beside the isolated values, 1 - cosine on a log axis), or None without matplotlib or data."""
+    """A PNG of :func:`panels` (see :func:`figure`), or None without matplotlib or data."""
     drawn = panels(entries)
     if not drawn:
         return None
@@ -152,6 +187,20 @@ def plot_png(entries: list[ReportEntry]) -> bytes | None:
         return None
     import io
 
+    fig = figure(drawn)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def figure(drawn: list[Panel]) -> Figure:
+    """The panels drawn one above the other (failing layers marked, the envelope as a band,
+    chained drift beside the isolated values, each on its :class:`YScale`, a tick per whole
+    layer); close it with ``plt.close``."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(len(drawn), 1, figsize=(8, 2.2 * len(drawn)), sharex=True, squeeze=False)
     for ax, panel in zip(axes[:, 0], drawn, strict=False):
         if panel.points:
@@ -163,17 +212,22 @@ def plot_png(entries: list[ReportEntry]) -> bytes | None:
             ax.fill_between(xs, lows, highs, color="#8ae234", alpha=0.3, step="mid", label="noise envelope")
         if panel.failing:
             ax.scatter(*zip(*panel.failing, strict=False), color="#cc0000", zorder=3, label="fails")
-        if panel.log:
+        if panel.scale.name == "symlog":
+            ax.set_yscale("symlog", linthresh=panel.scale.linthresh)
+        elif panel.scale.name == "log":
             ax.set_yscale("log")
         ax.set_ylabel(panel.label, fontsize=8)
         ax.legend(loc="best", fontsize=7)
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # layers are whole numbers
     axes[-1, 0].set_xlabel("decoder layer")
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90)
-    plt.close(fig)
-    return buffer.getvalue()
+    return fig
+
+
+def plot_alt(drawn: list[Panel]) -> str:
+    """The plot's alt text: its panels and the y axis of each."""
+    return "metrics across layers; y axes: " + ", ".join(f"{p.label} ({p.scale.name})" for p in drawn)
 
 
 def write_report_html(
@@ -209,28 +263,37 @@ def write_report_html(
         else f"<p class='good'>All {len(entries)} tests pass.</p>"
     )
     png = plot_png(entries)
-    plot = (
-        f"<img alt='metrics across layers' src='data:image/png;base64,{base64.b64encode(png).decode()}'>" if png else ""
-    )
+    plot = ""
+    if png:
+        alt = html.escape(plot_alt(panels(entries)))
+        plot = f"<img alt='{alt}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
     head = "".join(f"<th>{html.escape(c)}</th>" for c in ("test", "layers", "verdict", *CSV_COLUMNS[3:]))
     lines = "".join(f"<li>{html.escape(line)}</li>" for line in header or [])
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>
-body {{ font-family: sans-serif; margin: 1.5em; color: #222; }}
-table {{ border-collapse: collapse; font-size: 12px; }}
-th, td {{ border: 1px solid #ccc; padding: 3px 6px; text-align: right; }}
+body {{ font-family: sans-serif; margin: 1.5em; color: #222; overflow-wrap: break-word; }}
+/* the table scrolls in its box, the test ids staying at its left; the page never scrolls sideways */
+.table-box {{ overflow-x: auto; max-width: 100%; container-type: inline-size; }}
+table {{ border-collapse: separate; border-spacing: 0; font-size: 12px; border: solid #ccc;
+  border-width: 1px 0 0 1px; }}
+th, td {{ border: solid #ccc; border-width: 0 1px 1px 0; padding: 3px 6px; text-align: right; white-space: nowrap;
+  background: #fff; }}
 th {{ background: #eee; }} td:first-child {{ text-align: left; }}
+tr:not(.detail) > :first-child {{ position: sticky; left: 0; z-index: 1; }}
 tr.pass td:nth-child(3) {{ color: #2e7d32; font-weight: bold; }}
 tr.fail td:nth-child(3) {{ color: #c62828; font-weight: bold; }}
 tr.skip td:nth-child(3) {{ color: #6d6d6d; font-weight: bold; }}
-tr.detail pre {{ text-align: left; margin: 0; font-size: 11px; white-space: pre-wrap; }}
+tr.detail td {{ white-space: normal; }}
+tr.detail pre {{ text-align: left; margin: 0; font-size: 11px; white-space: pre-wrap; overflow-wrap: anywhere;
+  position: sticky; left: 6px; max-width: calc(100vw - 4em); max-width: calc(100cqw - 14px); }}
+img {{ max-width: 100%; height: auto; }}
 .bad {{ color: #c62828; font-weight: bold; }} .good {{ color: #2e7d32; font-weight: bold; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
 <ul>{lines}</ul>
 {summary}
-<table><tr>{head}</tr>{"".join(rows)}</table>
+<div class='table-box'><table><tr>{head}</tr>{"".join(rows)}</table></div>
 <h2>Metrics across layers</h2>
 {plot}
 </body></html>

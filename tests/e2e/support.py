@@ -26,13 +26,13 @@ def copy_goldens(dest: Path, decode: bool = True) -> Path:
     return dest
 
 
-def default_project(pytester, decode: bool = True):
+def default_project(pytester, decode: bool = True, goldens: str = "goldens"):
     """A pytester folder whose ini points the plugin at the embedded default model and a copy
-    of its committed goldens (``decode=False``: the prompt goldens only, with the decode steps
-    and the whole-model golden off)."""
-    copy_goldens(pytester.path / "goldens", decode=decode)
+    of its committed goldens at ``goldens`` (``decode=False``: the prompt goldens only, with the
+    decode steps and the whole-model golden off)."""
+    copy_goldens(pytester.path / goldens, decode=decode)
     off = "layerparity_decode_steps = 0\nlayerparity_logits_topk = 0\n" if not decode else ""
-    pytester.makeini(f"[pytest]\nlayerparity_model = {DEFAULT_MODEL}\nlayerparity_golden_dir = goldens\n{off}")
+    pytester.makeini(f"[pytest]\nlayerparity_model = {DEFAULT_MODEL}\nlayerparity_golden_dir = {goldens}\n{off}")
     return pytester
 
 

@@ -15,7 +15,7 @@ from pytest_layerparity.compare.metrics import METRIC_NAMES
 from pytest_layerparity.options import make_settings
 from pytest_layerparity.report.entry import ReportEntry
 from pytest_layerparity.report.fields import CSV_COLUMNS, FIELD_NAMES, FIELDS, PLOTTED, SUMMARY_COLUMNS
-from pytest_layerparity.report.files import isolated_layer, write_reports
+from pytest_layerparity.report.files import YScale, isolated_layer, write_reports, y_scale
 from pytest_layerparity.report.properties import properties, reported_metrics
 from pytest_layerparity.report.text import failure_text, first_failing, summary_lines
 from pytest_layerparity.store.commands import Commands, extract_command, rerun_command
@@ -212,6 +212,11 @@ def test_report_files(tmp_path):
     assert rows[2][:3] == ["layerparity::test_layer_parity[layer_1]", "1", "fail"]
     page = (tmp_path / "report.html").read_text()
     assert page.count("<tr class='pass'>") == 1 and page.count("<tr class='fail'>") == 3
+    assert "<div class='table-box'><table><tr><th>test</th>" in page  # the table scrolls in its own box
+    assert (
+        "<img alt='metrics across layers; y axes: max_abs_diff (log), 1 - cosine_similarity (log), noise_ratio (log)' "
+        in page
+    )
     assert "First failing: test_layer_parity[layer_1] (layers 1)" in page
     assert "layerparity: target xla, dtype float32" in page
 
@@ -293,9 +298,10 @@ def test_plot_panels_show_the_envelope_failures_and_one_minus_cosine_on_a_log_ax
     drawn = {p.label: p for p in panels(rows)}
     assert set(drawn) == {"max_abs_diff", "1 - cosine_similarity", "noise_ratio", "contribution_bias"}
     cosine = drawn["1 - cosine_similarity"]
-    assert cosine.log and cosine.points == [(0, 1e-16), (1, pytest.approx(0.1))]
+    assert cosine.scale == YScale("log") and cosine.points == [(0, 1e-16), (1, pytest.approx(0.1))]
     assert drawn["noise_ratio"].band == [(0, 0.0, 1.6), (1, 0.0, 1.7)]  # the chain's entry (0-2) is not a layer
-    assert drawn["contribution_bias"].band == [(0, -9.0, 8.0)] and not drawn["contribution_bias"].log
+    assert drawn["contribution_bias"].band == [(0, -9.0, 8.0)] and drawn["contribution_bias"].scale == YScale("linear")
+    assert drawn["noise_ratio"].scale == YScale("log")  # 300 against 1.01: the envelope would lie flat on a linear axis
     assert drawn["noise_ratio"].failing == [(1, 300.0)]
     png = plot_png(rows)
     assert png is not None and png.startswith(b"\x89PNG")
@@ -328,3 +334,59 @@ def test_plot_panels_draw_chained_drift_beside_isolated_and_leave_decode_steps_o
     assert [p.label for p in only_chain] == ["1 - cosine_similarity", "noise_ratio"] and not only_chain[0].points
     png = plot_png([*rows, chain])
     assert png is not None and png.startswith(b"\x89PNG")
+
+
+@pytest.mark.parametrize(
+    ("values", "logarithmic", "expected"),
+    [
+        ([], False, YScale("linear")),
+        ([0.0, 0.0], True, YScale("linear")),
+        ([1.0, 1.1, 0.9], False, YScale("linear")),
+        ([1.0, 1.1, 0.9, 3.6e5], False, YScale("log")),  # one outlier would flatten the rest
+        ([1.0, 100.0], False, YScale("linear")),  # two decades exactly
+        ([1.0, 100.5], False, YScale("log")),
+        ([1e-6, 1e-3, 2e-3], False, YScale("log")),
+        ([0.5, 0.9], True, YScale("log")),  # a log panel (max_abs_diff, 1 - cosine) stays log
+        ([1.0, float("nan"), float("inf"), 1.2], False, YScale("linear")),  # non-finite values are not drawn
+        ([0.0, 1.0, 1.1, 3.6e5], False, YScale("symlog", 1.1)),  # a zero: linear up to the median
+        ([-1.0, 2.0, -3.0, 16.5, -17.9], False, YScale("linear")),  # signed, no outlier
+        ([-1.06, -1.5, 4.58e6, -3.28, 16.5, -17.9], False, YScale("symlog", 16.5)),
+        ([0.0, 0.17, 0.0], True, YScale("symlog", 0.17)),  # max_abs_diff of bit-identical layers is 0
+        ([0.0, 1e-6, 0.5], True, YScale("symlog", 1e-6)),
+    ],
+)
+def test_y_scale(values, logarithmic, expected):
+    assert y_scale(values, logarithmic) == expected
+
+
+def plotted_layer(n: int, noise: float, verdict: str = "pass") -> ReportEntry:
+    metrics = {"max_abs_diff": 2959.0 if verdict == "fail" else 0.0, "noise_ratio": noise, "noise_ratio_limit": 1.3}
+    return ReportEntry(f"layerparity::test_layer_parity[layer_{n}]", str(n), verdict, metrics)
+
+
+def test_an_outlier_layer_puts_its_panels_on_log_axes():
+    from pytest_layerparity.report.files import panels
+
+    drawn = panels([plotted_layer(1, 1.0), plotted_layer(2, 1.0), plotted_layer(3, 1.17e5, "fail")])
+    assert [(p.label, p.scale) for p in drawn] == [
+        ("max_abs_diff", YScale("symlog", 2959.0)),  # 0 where the layer is bit-identical
+        ("noise_ratio", YScale("log")),  # the envelope (up to 1.3) and the passing layers' 1.0 stay apart
+    ]
+
+
+@pytest.mark.parametrize("layers", [[1, 2, 3, 4], [3], [0, 1], list(range(62))])
+def test_the_plot_ticks_whole_layers_and_draws_each_panel_on_its_scale(layers):
+    import matplotlib.pyplot as plt
+
+    from pytest_layerparity.report.files import figure, panels
+
+    drawn = panels([plotted_layer(n, 1.17e5 if n == 3 else 1.0, "fail" if n == 3 else "pass") for n in layers])
+    fig = figure(drawn)
+    try:
+        for ax, panel in zip(fig.axes, drawn, strict=True):
+            low, high = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if low <= t <= high]
+            assert ticks and all(t == int(t) for t in ticks), ticks  # no layer 0.5
+            assert ax.get_yscale() == panel.scale.name
+    finally:
+        plt.close(fig)
