@@ -4,7 +4,8 @@ the small pure functions that parse each value and raise with the fix.
 The command line holds what a run chooses (mode, target, model, layers, input, verdict);
 limits and pass-throughs that a project sets once are ini keys only (``layerparity_<name>``,
 for one run ``-o layerparity_<name>=VALUE``). Everything that reads an option reads it here
-(:func:`read_settings`), the plugin and the distributed runs alike.
+(:func:`read_settings`), the plugin and the distributed runs alike; which runs use each
+option, and the refusal of one a run does not use, is :mod:`.option_uses`.
 
 Long because it is the table of every option and ini key (its help text, parser and
 default, one entry each) and their parsers: one job, read entry by entry.
@@ -16,7 +17,7 @@ import argparse
 import math
 import re
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, make_dataclass, replace
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -997,10 +998,12 @@ def check_ini_not_lost(config: pytest.Config) -> None:
 
 def current_settings(config: pytest.Config) -> Settings:
     """The session's settings: every option read (command line over ini over default), paths
-    made absolute, contradictions refused."""
+    made absolute, contradictions and options this run does not use refused."""
+    from .option_uses import given_options
+
     check_ini_not_lost(config)
     settings = resolve_paths(read_settings(config), config)
-    check_combinations(settings)
+    check_combinations(settings, given_options(config))
     return settings
 
 
@@ -1019,8 +1022,13 @@ def _parse_ini(opt: Option, raw: Any, from_cli: bool = False) -> Any:
         raise pytest.UsageError(f"{where}: {exc}") from None
 
 
-def check_combinations(settings: Settings) -> None:
-    """Raise UsageError for options that contradict each other, saying what to type instead."""
+def check_combinations(settings: Settings, given: Mapping[str, str] | None = None) -> None:
+    """Raise UsageError for options that contradict each other, and for options ``given`` for
+    this run (``dest`` -> how they were written: ``--tp-degree 2``) that it does not use,
+    saying what to type instead. ``given`` None: every option whose value is not its default
+    (settings made without pytest)."""
+    from .option_uses import check_used, given_by_value
+
     chosen = [
         flag
         for flag, on in (
@@ -1039,21 +1047,9 @@ def check_combinations(settings: Settings) -> None:
             f"--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode (--target cpu) or compiled for "
             f"NeuronCores (--target neuron), not on --target {settings.target_name}"
         )
-    if settings.ep_degree > 1:
-        check_ep_degree(settings)
-    if settings.logical_nc_config is not None and not settings.compiled:
-        raise pytest.UsageError(
-            "layerparity_logical_nc_config sets the programs NxDI compiles: use it with --port nxdi --target neuron"
-        )
-    if settings.nxdi_app and settings.port != "nxdi":
-        raise pytest.UsageError("layerparity_nxdi_app names the NxDI application class of --port nxdi: add --port nxdi")
     if settings.envelope_samples == 1:
         raise pytest.UsageError(
             "--envelope-samples 1 cannot show a spread: give 2 or more perturbed runs (e.g. 12), or 0 for none"
-        )
-    if settings.force_regen and settings.mode != "extract":
-        raise pytest.UsageError(
-            "--force-regen replaces a golden store by a new extraction: use it with --gpu-golden --extract"
         )
     if settings.extract and not settings.gpu_golden:
         raise pytest.UsageError("--extract writes goldens from the reference run: use --gpu-golden --extract")
@@ -1062,30 +1058,14 @@ def check_combinations(settings: Settings) -> None:
             f"--gpu-golden runs the reference and --{settings.target_name} the port; run them as two sessions: "
             f"pytest --gpu-golden --extract, then pytest --{settings.target_name}"
         )
-    for flag, on in (
-        ("--layer-ranges", settings.layer_ranges),
-        ("--chain", settings.chain),
-        ("--bisect", settings.bisect),
-    ):
-        if on and settings.mode != "parity":
-            raise pytest.UsageError(f"{flag} runs layers on a target: add --xla, --neuron or --target NAME")
+    check_used(settings, given_by_value(settings) if given is None else given)
+    if settings.compiled and settings.ep_degree > 1:
+        check_ep_degree(settings)
 
 
 def check_ep_degree(settings: Settings) -> None:
-    """Expert parallelism is NxDI's, compiled: refused where it cannot run (never run as plain
-    tensor parallelism under the option's name)."""
+    """Expert parallelism of NxDI's compiled programs divides their tensor-parallel ranks."""
     ep, tp = settings.ep_degree, settings.tp_degree
-    if settings.port != "nxdi":
-        raise pytest.UsageError(
-            f"layerparity_ep_degree = {ep} shards the experts of NxDI's MoE layers: use it with --port nxdi"
-        )
-    if not settings.compiled:
-        raise pytest.UsageError(
-            f"layerparity_ep_degree = {ep}: NxD's CPU mode has no expert parallelism (neuronx-distributed makes its "
-            "MoE expert-parallel process groups the XLA way only: 'ProcessGroup' object has no attribute '_mesh'; with "
-            "moe_ep_degree > 1 NxDI would run plain tensor parallelism instead); on the CPU the experts are sharded "
-            "by --tp-degree alone: drop layerparity_ep_degree, or test it compiled with --port nxdi --target neuron"
-        )
     if tp % ep:
         raise pytest.UsageError(
             f"layerparity_ep_degree = {ep} must divide --tp-degree {tp}: NxDI shards the experts over moe_ep_degree x "

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import hookspecs
+from .option_uses import unused_ini_lines
 from .options import (
     add_options,
     conftest_builds_layer,
     current_settings,
     read_settings,
     refuse_moved_flags,
-    resolve_paths,
 )
 from .state import NODEID, REGEN_KEY, SESSION_KEY
 
@@ -68,7 +68,8 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     from .reference.plan_text import plan_lines
     from .session import LayerParitySession
 
-    settings = resolve_paths(read_settings(config), config)
+    settings = current_settings(config)
+    keep_xla_out()
     try:
         session = LayerParitySession(settings, Path(config.rootpath))
         lines = plan_lines(
@@ -100,11 +101,8 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(DistributedRuns(settings), PLUGIN_NAME)
     if settings.mode is None:
         return
-    if settings.mode in ("extract", "verify") and "torch_xla" not in sys.modules:
-        # The reference side needs no XLA; keep accelerate and transformers from importing
-        # torch-xla (a few hundred MB of memory) just because it is installed.
-        os.environ.setdefault("USE_TORCH_XLA", "0")
     if settings.mode in ("extract", "verify"):
+        keep_xla_out()
         from .reference.memory import bound_reference_memory
 
         bound_reference_memory()
@@ -113,6 +111,7 @@ def pytest_configure(config: pytest.Config) -> None:
         nxdi_builder = config.hook.pytest_layerparity_nxdi_build_module(settings=settings)
     _check_installed(settings, sdk_builds=nxdi_builder is None)
     session = _start_session(config, settings, nxdi_builder)
+    session.notes = unused_ini_lines(settings, config)
     config.stash[SESSION_KEY] = session
     if settings.mode == "parity" and session.port is not None:
         from .ports.nxdi import PortError
@@ -125,6 +124,14 @@ def pytest_configure(config: pytest.Config) -> None:
         from .report.reporter import LayerParityReporter
 
         config.pluginmanager.register(LayerParityReporter(settings, session.header_lines()), REPORTER_NAME)
+
+
+def keep_xla_out() -> None:
+    """The reference side (and --plan) needs no XLA: keep accelerate and transformers from
+    importing torch-xla (a few hundred MB of memory, and its "Defaulting to PJRT_DEVICE=CPU"
+    warning) just because it is installed."""
+    if "torch_xla" not in sys.modules:
+        os.environ.setdefault("USE_TORCH_XLA", "0")
 
 
 def _check_installed(settings: Settings, sdk_builds: bool = True) -> None:
@@ -180,8 +187,8 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
             check_attention_mode(session.model, settings.seq_len)
         if settings.mode in ("extract", "verify"):
             check_recurrent_depth(session.model, session.selected_layers)
+        if settings.mode == "extract":  # (a verification re-runs the prompt alone)
             check_decode_cache(session.model, session.selected_layers, settings.decode_steps)
-        if settings.mode == "extract":
             check_prompt(settings, session.model.model_dir)
             if not hasattr(config, "workerinput"):  # the controller decides for its workers
                 if settings.force_regen:

@@ -84,6 +84,8 @@ class LayerParitySession:
         self.progress: Progress = SILENT  # the plugin shows bars on a terminal
         #: Why the layers' experts run as they do on a lazy device, where the session chose.
         self.experts_choice: str | None = None
+        #: Lines the header ends with (the plugin's: the ini keys this run does not use).
+        self.notes: list[str] = []
 
     # -- wiring ---------------------------------------------------------------------------
 
@@ -295,7 +297,7 @@ class LayerParitySession:
             if self.experts_choice:
                 lines.append(f"layerparity: experts: {self.experts_choice}")
         lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
-        return lines
+        return lines + self.notes
 
     # -- the fixture API ------------------------------------------------------------------
 

@@ -188,14 +188,8 @@ class DistributedRuns:
                 "the other ranks run the same tests quietly"
             )
         cache = self.settings.compile_cache
-        if cache:
-            kind = (
-                "NEURON_COMPILE_CACHE_URL"
-                if self.neuron
-                else "torch-xla persistent cache"
-                if self.xla
-                else "unused: only --xla and --neuron compile graphs"
-            )
+        if cache and self.settings.mode == "parity" and (self.neuron or self.xla):  # (the session says where unused)
+            kind = "NEURON_COMPILE_CACHE_URL" if self.neuron else "torch-xla persistent cache"
             lines.append(f"layerparity: compile cache {cache} ({kind})")
         return lines or None
 

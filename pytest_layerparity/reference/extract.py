@@ -38,7 +38,7 @@ from .audit import dtype_audit, mixed_dtype_failure
 from .devices import resolve_golden_device
 from .envelope import ENVELOPE_RULE, PerturbedRunner
 from .floor import FloorEvaluator
-from .inputs import input_description, make_input_ids
+from .inputs import input_description, make_input_ids, stored_input_shape
 from .memory import give_back_memory
 from .model import ModelError, build_skeleton, find_layer_list, layer_count_from_config
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
@@ -139,8 +139,12 @@ class ReferenceSide:
 
     @cached_property
     def device_map(self) -> str:
-        """'stream', or an accelerate device map for the whole model."""
-        return choose_device_map(self.settings, self.model, self.dtype_name, self.golden_device)
+        """'stream', or an accelerate device map for the whole model (sized for the stored
+        input where this run re-runs it)."""
+        settings = self.settings
+        if settings.mode == "verify":
+            settings = stored_input_shape(settings, self.store.read_manifest())
+        return choose_device_map(settings, self.model, self.dtype_name, self.golden_device)
 
     @cached_property
     def perturbed(self) -> PerturbedRunner:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,18 @@ def input_description(settings: Settings) -> dict[str, Any]:
         "seq_len": settings.seq_len,
         "decode_steps": settings.decode_steps,
     }
+
+
+def stored_input_shape(settings: Settings, manifest: Mapping[str, Any] | None) -> Settings:
+    """``settings`` with the batch and length of a store's input (its manifest's ``inputs``),
+    where the store records them: the input a verification re-runs."""
+    inputs = (manifest or {}).get("inputs") or {}
+    batch, seq = inputs.get("batch_size"), inputs.get("seq_len")
+    return replace(
+        settings,
+        batch_size=int(batch) if batch else settings.batch_size,
+        seq_len=int(seq) if seq else settings.seq_len,
+    )
 
 
 def make_input_ids(settings: Settings, model_dir: Path, vocab_size: int) -> torch.Tensor:

@@ -25,8 +25,17 @@ import pytest
         (["--target", "cpu", "--layers", "3-1"], "*range 3-1 is reversed; write 1-3*"),
         (["--target", "cpu", "--layers", "x"], "*cannot read 'x'; use forms like 17, 0-30, 0-5,10,20-25 or all*"),
         (["--target", "cpu", "--layer-ranges", "0-6"], "*--layer-ranges '0-6': layer 6 is out of range*"),
-        (["--layer-ranges", "0-1"], "*--layer-ranges runs layers on a target: add --xla, --neuron or --target NAME*"),
-        (["--bisect"], "*--bisect runs layers on a target: add --xla, --neuron or --target NAME*"),
+        (
+            ["--layer-ranges", "0-1"],
+            "*--layer-ranges 0-1 runs ranges of layers end to end on a target (--xla, --neuron or --target NAME); this "
+            "run is no layerparity run (no --gpu-golden, --xla, --neuron, --target or --plan): add the one it is for, "
+            "or drop --layer-ranges*",
+        ),
+        (
+            ["--gpu-golden", "--bisect"],
+            "*--bisect runs chains of layers on a target (--xla, --neuron or --target NAME); this run (--gpu-golden, "
+            "without --extract) does not use it: drop --bisect*",
+        ),
         (
             ["--target", "cpu", "-o", "layerparity_max_memory=lots"],
             "*-o layerparity_max_memory=lots: 'lots' is not a memory budget (lots); accepted forms: 40GB (every "
@@ -98,7 +107,8 @@ import pytest
         ),
         (
             ["--target", "cpu", "-o", "layerparity_logical_nc_config=2"],
-            "*layerparity_logical_nc_config sets the programs NxDI compiles: use it with --port nxdi --target neuron*",
+            "*-o layerparity_logical_nc_config=2 sets the programs NxDI compiles under --port nxdi --target neuron; "
+            "this run (--target cpu) does not use it: drop -o layerparity_logical_nc_config=2*",
         ),
         (
             ["--port", "nxdi", "--target", "neuron", "--tp-degree", "4", "-n", "2"],
@@ -111,7 +121,8 @@ import pytest
         ),
         (
             ["--target", "cpu", "-o", "layerparity_nxdi_app=a.b:C"],
-            "*layerparity_nxdi_app names the NxDI application class of --port nxdi*",
+            "*-o layerparity_nxdi_app=a.b:C names the NxDI application class of --port nxdi; this run (--target cpu) "
+            "does not use it: drop -o layerparity_nxdi_app=a.b:C*",
         ),
         (
             ["--target", "cpu", "-o", "layerparity_layer_module=model.nothing"],
@@ -124,6 +135,115 @@ def test_bad_options_are_usage_errors(project, args, message):
     result = project.runpytest(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+TP_DEGREE = (
+    "ERROR: --tp-degree 2 shards NxDI's port (--port nxdi --target cpu|neuron) or a layer run eagerly on NeuronCores "
+    "over torchrun ranks (--neuron --port hf); this run ({run}) does not use it: drop --tp-degree"
+)
+FOR_A_TARGET = "(--xla, --neuron or --target NAME)"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--xla", "--tp-degree", "2"], TP_DEGREE.format(run="--xla")),
+        (["--target", "cpu", "--tp-degree", "2"], TP_DEGREE.format(run="--target cpu")),
+        (["--gpu-golden", "--extract", "--tp-degree", "2"], TP_DEGREE.format(run="--gpu-golden --extract")),
+        (
+            ["--target", "cpu", "--seq-len", "64"],
+            "ERROR: --seq-len 64 sets the golden input's length at extraction (--gpu-golden --extract) and in --plan "
+            "(a run against stored goldens takes theirs); this run (--target cpu) does not use it: drop --seq-len",
+        ),
+        (
+            ["--xla", "--prompt", "hello world"],
+            "ERROR: --prompt 'hello world' is the golden input at extraction (--gpu-golden --extract; a run against "
+            "stored goldens takes theirs); this run (--xla) does not use it: drop --prompt",
+        ),
+        (
+            ["--gpu-golden", "--decode-steps", "0"],
+            "ERROR: --decode-steps 0 sets the decode steps recorded at extraction (--gpu-golden --extract) and in "
+            "--plan (a run against stored goldens takes theirs); this run (--gpu-golden, without --extract) does not "
+            "use it: drop --decode-steps",
+        ),
+        (
+            ["--target", "cpu", "--golden-device", "cpu"],
+            "ERROR: --golden-device cpu is the device of the reference model (--gpu-golden, --plan); this run "
+            "(--target cpu) does not use it: drop --golden-device",
+        ),
+        (
+            ["--target", "cpu", "--no-precision-floor"],
+            "ERROR: --no-precision-floor skips the precision floor at extraction (--gpu-golden --extract; --plan); "
+            "this run (--target cpu) does not use it: drop --no-precision-floor",
+        ),
+        (
+            ["--target", "cpu", "--compile-cache", "cc"],
+            "ERROR: --compile-cache cc keeps the graphs that --xla and --neuron compile; this run (--target cpu) does "
+            "not use it: drop --compile-cache",
+        ),
+        (
+            ["--xla", "-o", "layerparity_max_memory=40GB"],
+            "ERROR: -o layerparity_max_memory=40GB sets the memory budget of --gpu-golden's reference model placed "
+            "whole by accelerate (not --device-map stream); this run (--xla) does not use it: drop -o "
+            "layerparity_max_memory=40GB",
+        ),
+        (
+            ["--gpu-golden", "--extract", "--near-ties", "strict"],
+            "ERROR: --near-ties strict sets the verdict of the runs that judge outputs against stored goldens (--xla, "
+            "--neuron or --target NAME; --gpu-golden); this run (--gpu-golden --extract) does not use it: drop "
+            "--near-ties",
+        ),
+        (
+            ["--gpu-golden", "--extract", "--save-outputs", "out"],
+            f"ERROR: --save-outputs out keeps the target's outputs of a parity run {FOR_A_TARGET}; this run "
+            "(--gpu-golden --extract) does not use it: drop --save-outputs",
+        ),
+        (
+            ["--target", "cpu", "-o", "layerparity_op_atol=0.1"],
+            "ERROR: -o layerparity_op_atol=0.1 is the tolerance of --op-compare's ops in a parity run of the model's "
+            "own layers (--port hf), re-run op by op; this run (--target cpu) does not use it: drop -o "
+            "layerparity_op_atol=0.1",
+        ),
+        (
+            ["--plan", "--layers", "3"],
+            f"ERROR: --layers 3 selects the layers of a --gpu-golden or parity run {FOR_A_TARGET}; this run (--plan) "
+            "does not use it: drop --layers",
+        ),
+        (
+            ["--tp-degree", "2"],
+            "ERROR: --tp-degree 2 shards NxDI's port (--port nxdi --target cpu|neuron) or a layer run eagerly on "
+            "NeuronCores over torchrun ranks (--neuron --port hf); this run is no layerparity run (no --gpu-golden, "
+            "--xla, --neuron, --target or --plan): add the one it is for, or drop --tp-degree",
+        ),
+    ],
+)
+def test_an_option_this_run_does_not_use_is_refused(project, args, message):
+    result = project.runpytest(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_every_option_this_run_does_not_use_is_named_at_once(project):
+    result = project.runpytest("--xla", "--tp-degree", "2", "--batch-size", "2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    second = TP_DEGREE.format(run="--xla").removeprefix("ERROR: ")  # (pytest prefixes the first line only)
+    result.stderr.fnmatch_lines(["ERROR: --batch-size 2 sets the golden input's sequences *", second])
+
+
+def test_an_ini_key_this_run_does_not_use_is_named_in_the_header(project):
+    """A project's ini sets layerparity_tp_degree for its Neuron runs: its --target cpu runs
+    are not refused for it; their header says it is not used."""
+    ini = project.path / "tox.ini"
+    ini.write_text(ini.read_text() + "\nlayerparity_tp_degree = 8\n")
+    result = project.runpytest("--target", "cpu", "--layers", "0")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "layerparity: ini layerparity_tp_degree = 8 not used by this run (--target cpu): it shards NxDI's port "
+            "(--port nxdi --target cpu|neuron) or a layer run eagerly on NeuronCores over torchrun ranks (--neuron "
+            "--port hf)",
+        ]
+    )
 
 
 def test_model_folder_without_config_json(project):

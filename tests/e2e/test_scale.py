@@ -121,6 +121,18 @@ def test_plan_reads_headers_only(pytester):
     )
 
 
+def test_plan_leaves_torch_xla_out(pytester, monkeypatch):
+    """--plan is the reference side's: torch-xla, installed for --xla, is not imported by
+    accelerate for it (no "Defaulting to PJRT_DEVICE=CPU" warning, and none of its memory in
+    the plan's measured imports)."""
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.delenv("USE_TORCH_XLA", raising=False)  # (an earlier in-process run may have set it)
+    result = pytester.runpytest_subprocess("--plan", f"--model={DEFAULT_MODEL}", "-p", "no:cacheprovider")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["layerparity plan: * (minimax_m2, 6 layers), dtype bfloat16, batch 1, seq 32"])
+    assert "PJRT_DEVICE" not in result.stdout.str() + result.stderr.str()
+
+
 def test_dtype_audit_refuses_a_float32_layer_under_a_bf16_request():
     layer = torch.nn.Sequential(torch.nn.Linear(64, 64).to(torch.bfloat16), torch.nn.Linear(64, 256))
     audit = dtype_audit(layer, torch.bfloat16)

@@ -313,7 +313,13 @@ def test_expert_parallelism_reaches_the_neuron_config_and_is_refused_on_the_cpu(
     ep2 = ("-o", "layerparity_ep_degree=2")
     cpu = run(pytester, "mixtral", "float32", *ep2, flags=("--port", "nxdi", "--target", "cpu"))
     assert cpu.ret == pytest.ExitCode.USAGE_ERROR
-    cpu.stderr.fnmatch_lines(["*layerparity_ep_degree = 2: NxD's CPU mode has no expert parallelism*'_mesh'*"])
+    cpu.stderr.fnmatch_lines(
+        [
+            "*-o layerparity_ep_degree=2 shards the experts of NxDI's MoE programs compiled under --port nxdi --target "
+            "neuron (NxD's CPU mode has no expert parallelism*'_mesh'*; this run (--target cpu --port nxdi) does not "
+            "use it: drop -o layerparity_ep_degree=2"
+        ]
+    )
     odd = run(pytester, "mixtral", "float32", "--tp-degree", "4", "-o", "layerparity_ep_degree=3")
     assert odd.ret == pytest.ExitCode.USAGE_ERROR
     odd.stderr.fnmatch_lines(["*layerparity_ep_degree = 3 must divide --tp-degree 4*"])

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_layerparity.option_uses import USES, given_options, unused_ini_lines
 from pytest_layerparity.options import (
     OPTIONS,
     Settings,
@@ -23,10 +24,12 @@ from pytest_layerparity.options import (
     parse_max_memory,
     percentage,
     positive_int,
+    read_settings,
     resolve_cache_location,
     size_bytes,
     tolerance,
 )
+from pytest_layerparity.reference.inputs import stored_input_shape
 
 
 @pytest.mark.parametrize(
@@ -196,18 +199,38 @@ def test_mode_and_target(values, target, mode):
             "--gpu-golden runs the reference and --xla the port; run them as two sessions: "
             "pytest --gpu-golden --extract, then pytest --xla",
         ),
-        ({"chain": True}, "--chain runs layers on a target: add --xla, --neuron or --target NAME"),
+        (
+            {"chain": True},
+            "--chain runs chains of layers on a target (--xla, --neuron or --target NAME); this run is no layerparity "
+            "run (no --gpu-golden, --xla, --neuron, --target or --plan): add the one it is for, or drop --chain",
+        ),
         (
             {"bisect": True, "gpu_golden": True},
-            "--bisect runs layers on a target: add --xla, --neuron or --target NAME",
+            "--bisect runs chains of layers on a target (--xla, --neuron or --target NAME); this run (--gpu-golden, "
+            "without --extract) does not use it: drop --bisect",
         ),
         (
-            {"layer_ranges": "0-1"},
-            "--layer-ranges runs layers on a target: add --xla, --neuron or --target NAME",
+            {"layer_ranges": "0-1", "gpu_golden": True, "extract": True},
+            "--layer-ranges 0-1 runs ranges of layers end to end on a target (--xla, --neuron or --target NAME); this "
+            "run (--gpu-golden --extract) does not use it: drop --layer-ranges",
         ),
         (
-            {"xla": True, "ep_degree": 2},
-            "layerparity_ep_degree = 2 shards the experts of NxDI's MoE layers: use it with --port nxdi",
+            {"xla": True, "tp_degree": 2},
+            "--tp-degree 2 shards NxDI's port (--port nxdi --target cpu|neuron) or a layer run eagerly on NeuronCores "
+            "over torchrun ranks (--neuron --port hf); this run (--xla) does not use it: drop --tp-degree",
+        ),
+        (
+            {"port": "nxdi", "target": "cpu", "ep_degree": 2},
+            "-o layerparity_ep_degree=2 shards the experts of NxDI's MoE programs compiled under --port nxdi --target "
+            "neuron (NxD's CPU mode has no expert parallelism: neuronx-distributed makes its MoE expert-parallel "
+            "process groups the XLA way only, 'ProcessGroup' object has no attribute '_mesh', and NxDI would run plain "
+            "tensor parallelism instead; there --tp-degree alone shards the experts); this run (--target cpu --port "
+            "nxdi) does not use it: drop -o layerparity_ep_degree=2",
+        ),
+        (
+            {"neuron": True, "tp_degree": 4, "ep_degree": 3},
+            "layerparity_ep_degree = 3 must divide --tp-degree 4: NxDI shards the experts over moe_ep_degree x "
+            "moe_tp_degree = tp_degree ranks",
         ),
     ],
 )
@@ -217,9 +240,133 @@ def test_contradictions_are_usage_errors(values, message):
     assert str(info.value) == message
 
 
-@pytest.mark.parametrize("values", [{}, {"xla": True, "chain": True, "bisect": True}, {"gpu_golden": True}])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"xla": True, "chain": True, "bisect": True},
+        {"gpu_golden": True},
+        {"neuron": True, "tp_degree": 4, "ep_degree": 2, "logical_nc_config": 2},
+        {"port": "nxdi", "target": "cpu", "tp_degree": 2},
+        {"neuron": True, "port": "hf", "tp_degree": 2},
+    ],
+)
 def test_consistent_settings_pass(values):
     check_combinations(make_settings(**values))
+
+
+def test_every_option_is_decided_for_every_run():
+    """A new option in OPTIONS needs its entry in USES: which runs use it, and what it does."""
+    assert set(USES) == {opt.dest for opt in OPTIONS}
+    for dest, use in USES.items():
+        assert use.does and not use.does[0].isupper() and not use.does.endswith("."), dest
+
+
+XLA, CPU, NXDI_CPU = {"xla": True}, {"target": "cpu"}, {"port": "nxdi", "target": "cpu"}
+NEURON_HF, COMPILED = {"neuron": True, "port": "hf"}, {"neuron": True}
+EXTRACT, VERIFY, PLAN = {"gpu_golden": True, "extract": True}, {"gpu_golden": True}, {"plan": True}
+
+
+@pytest.mark.parametrize(
+    ("dest", "run", "used"),
+    [
+        ("tp_degree", XLA, False),
+        ("tp_degree", CPU, False),
+        ("tp_degree", {"target": "cuda"}, False),
+        ("tp_degree", EXTRACT, False),
+        ("tp_degree", NXDI_CPU, True),
+        ("tp_degree", NEURON_HF, True),
+        ("tp_degree", COMPILED, True),
+        ("ep_degree", NXDI_CPU, False),
+        ("ep_degree", COMPILED, True),
+        ("compile_cache", CPU, False),
+        ("compile_cache", NXDI_CPU, False),
+        ("compile_cache", XLA, True),
+        ("compile_cache", COMPILED, True),
+        ("seq_len", XLA, False),
+        ("seq_len", VERIFY, False),  # a verification re-runs the stored input
+        ("seq_len", EXTRACT, True),
+        ("seq_len", PLAN, True),
+        ("decode_steps", VERIFY, False),
+        ("prompt", PLAN, False),
+        ("envelope_samples", XLA, False),
+        ("envelope_samples", {**XLA, "chain": True}, True),
+        ("envelope_samples", VERIFY, False),
+        ("envelope_samples", PLAN, True),
+        ("max_abs_diff", EXTRACT, False),
+        ("max_abs_diff", VERIFY, True),
+        ("near_ties", CPU, True),
+        ("golden_device", CPU, False),
+        ("golden_device", PLAN, True),
+        ("device_map", PLAN, False),
+        ("max_memory", VERIFY, True),
+        ("max_memory", {**VERIFY, "device_map": "stream"}, False),
+        ("attn_implementation", XLA, False),
+        ("attn_implementation", EXTRACT, True),
+        ("experts_implementation", EXTRACT, False),
+        ("op_atol", {**XLA, "op_compare": True}, True),
+        ("op_atol", XLA, False),
+        ("op_atol", {**NXDI_CPU, "op_compare": True}, False),  # an NxDI port is compared by sub-block
+        ("port", EXTRACT, False),
+        ("golden_dir", PLAN, True),  # the goldens' dtype
+        ("golden_dir", {**PLAN, "dtype": "float32"}, False),
+        ("layers", PLAN, False),
+        ("parity_report", EXTRACT, True),
+        ("model", {}, False),
+        ("cores_per_worker", XLA, False),
+        ("cores_per_worker", NEURON_HF, True),
+    ],
+)
+def test_which_runs_use_an_option(dest, run, used):
+    assert USES[dest].used(make_settings(**run)) is used
+
+
+def test_an_option_given_for_a_run_that_does_not_use_it_names_what_would(pytester):
+    config = pytester.parseconfig("--xla", "--tp-degree", "2", "-o", "layerparity_seq_len=64", "--near-ties", "strict")
+    given = given_options(config)
+    assert given == {
+        "xla": "--xla",
+        "tp_degree": "--tp-degree 2",
+        "seq_len": "-o layerparity_seq_len=64",
+        "near_ties": "--near-ties strict",
+    }
+    with pytest.raises(pytest.UsageError) as info:
+        check_combinations(make_settings(xla=True, tp_degree=2, seq_len=64, near_ties="strict"), given)
+    assert str(info.value).splitlines() == [
+        "-o layerparity_seq_len=64 sets the golden input's length at extraction (--gpu-golden --extract) and in "
+        "--plan (a run against stored goldens takes theirs); this run (--xla) does not use it: drop -o "
+        "layerparity_seq_len=64",
+        "--tp-degree 2 shards NxDI's port (--port nxdi --target cpu|neuron) or a layer run eagerly on NeuronCores over "
+        "torchrun ranks (--neuron --port hf); this run (--xla) does not use it: drop --tp-degree",
+    ]
+
+
+def test_an_ini_value_is_a_standing_setting_named_not_refused(pytester):
+    pytester.makeini("[pytest]\nlayerparity_tp_degree = 8\nlayerparity_near_ties = strict\n")
+    config = pytester.parseconfig("--xla")
+    settings = read_settings(config)
+    assert given_options(config) == {"xla": "--xla"}
+    check_combinations(settings, given_options(config))
+    assert unused_ini_lines(settings, config) == [
+        "layerparity: ini layerparity_tp_degree = 8 not used by this run (--xla): it shards NxDI's port (--port nxdi "
+        "--target cpu|neuron) or a layer run eagerly on NeuronCores over torchrun ranks (--neuron --port hf)"
+    ]
+    config = pytester.parseconfig("--xla", "-o", "layerparity_tp_degree=4")  # for this run: refused
+    assert given_options(config)["tp_degree"] == "-o layerparity_tp_degree=4"
+    assert unused_ini_lines(read_settings(config), config) == []
+
+
+@pytest.mark.parametrize(
+    ("manifest", "shape"),
+    [
+        (None, (1, 32)),
+        ({"inputs": {"batch_size": 2, "seq_len": 8}}, (2, 8)),
+        ({"inputs": {"source": "prompt", "batch_size": 1, "seq_len": None}}, (1, 32)),
+    ],
+)
+def test_a_verification_is_placed_for_the_stored_input(manifest, shape):
+    settings = stored_input_shape(make_settings(gpu_golden=True), manifest)
+    assert (settings.batch_size, settings.seq_len) == shape
 
 
 @pytest.mark.parametrize(
