@@ -32,7 +32,15 @@ from ..store.callspec import (
     returned_cache,
 )
 from ..store.differences import describe_differences
-from ..store.golden import MODEL_IO_KEY, MODEL_LOGITS_KEY, UNCALLED_KEY, GoldenEntry, GoldenError, GoldenStore
+from ..store.golden import (
+    MODEL_IO_KEY,
+    MODEL_LOGITS_KEY,
+    UNCALLED_KEY,
+    GoldenEntry,
+    GoldenError,
+    GoldenStore,
+    all_finite_by_sum,
+)
 from ..store.identity import EXTRACTION_KEYS
 from .audit import dtype_audit, mixed_dtype_failure
 from .devices import resolve_golden_device
@@ -41,6 +49,7 @@ from .floor import FloorEvaluator
 from .inputs import input_description, make_input_ids, stored_input_shape
 from .memory import give_back_memory
 from .model import ModelError, build_skeleton, find_layer_list, layer_count_from_config
+from .overflow import Measured, Overflow, OverflowWatch, ReferenceOverflow, StopForward, output_overflow, overflow_text
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
 from .prompt_cache import filled, filling, prompt_cache, with_or_without
 from .source import ModelSource
@@ -101,7 +110,7 @@ class ReferenceRun:
 
 class ReferenceSide:
     """The reference model of one session: its placement, its one forward pass (cached), and
-    the goldens written from it. ``extract_command(layers)`` is the fix errors suggest."""
+    the goldens written from it. ``extract_command(layers, dtype=None)`` is the fix errors suggest."""
 
     def __init__(
         self,
@@ -110,7 +119,7 @@ class ReferenceSide:
         store: GoldenStore,
         dtype_name: str,
         floor: FloorEvaluator,
-        extract_command: Callable[[str | None], str],
+        extract_command: Callable[..., str],
         progress: Progress = SILENT,
     ) -> None:
         self.settings = settings
@@ -126,6 +135,7 @@ class ReferenceSide:
         self._keep_in_fp32: list[str] | None = None  # modules the model keeps in float32 on purpose
         self._header_written = False
         self._model_io_checked = False
+        self._overflow: str | None = None  # the error of a reference that overflows in this dtype
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -166,6 +176,8 @@ class ReferenceSide:
         from, on this placement."""
         if self._run is not None:
             return self._run
+        if self._overflow is not None:
+            raise ReferenceOverflow(self._overflow)
         import torch
 
         streaming = self.device_map == "stream"
@@ -194,6 +206,8 @@ class ReferenceSide:
         handle = embeddings.register_forward_hook(record_embeddings)
         routing: dict[int, dict[str, torch.Tensor]] = {i: {} for i in layers}
         steps = self.settings.decode_steps
+        watch = OverflowWatch() if stored is None else None  # (a verification re-runs finite goldens)
+        found: Overflow | None = None
         bar = self.progress.bar(len(layer_list) * (1 + (steps + 1 if steps else 0)), "layerparity: reference forward")
         ticks = [layer.register_forward_hook(lambda *_: bar.update(1)) for layer in layer_list]
         try:
@@ -226,6 +240,7 @@ class ReferenceSide:
                     with (
                         self._capturing(layer_list, layers, run.calls.__setitem__, routing),
                         called_layers(layer_list, called),
+                        watch.watching(layer_list) if watch is not None else contextlib.nullcontext(),
                         self._own_failure(model),
                         filling(layer_list, given, name),  # after the capture's hooks: out of its sight
                     ):
@@ -239,6 +254,8 @@ class ReferenceSide:
                 # streaming puts them on disk (seq x vocab: more than a layer's activations)
                 logits = (output.logits if has_logits else output.last_hidden_state).detach().to("cpu")
                 del output
+                if watch is not None:
+                    found = watch.first() or output_overflow(logits, None, _output_name(has_logits), all_finite_by_sum)
                 full = has_logits and filled(cache, len(layer_list), ids.shape[-1])
                 prompt = (cache, logits[:, -1]) if full else None
                 if streaming:
@@ -247,21 +264,30 @@ class ReferenceSide:
                 else:
                     run.model_io["logits"] = logits
                 del logits
-                if steps and stored is None:
+                if steps and watch is not None and found is None:
                     kv = SpilledKV(self.store.root) if streaming else None  # flat in depth
                     if kv is not None:
                         stack.callback(kv.close)
-                    self._decode(model, layer_list, layers, ids.to(device), run, kv, prompt)
+                    self._decode(model, layer_list, layers, ids.to(device), run, kv, prompt, watch)
+                    found = watch.first() or _steps_overflow(run.decode_logits)
         finally:
             handle.remove()
             for tick in ticks:
                 tick.remove()
+        if found is not None:
+            decode_ids = run.model_io.get("decode_ids")
+            del model, cache, prompt
+            run.calls.clear()  # (their spilled files go)
+            run.decode_calls.clear()
+            run.drop_io()
+            give_back_memory()  # before the other dtypes' models load
+            self._overflow = self._overflow_text(found, ids.cpu(), decode_ids)
+            raise ReferenceOverflow(self._overflow)
         for i, tensors in routing.items():
             run.calls.add(i, tensors)
         run.model_io["input_ids"] = ids.cpu()
-        whole = not streaming and self.settings.logits_topk and has_logits and stored is None
-        if whole and all(bool(t.isfinite().all()) for t in (run.model_io["logits"], *run.decode_logits)):
-            run.model_golden = self._model_golden(model, run, device)  # (NaN logits: the layers' goldens say where)
+        if not streaming and self.settings.logits_topk and has_logits and stored is None:
+            run.model_golden = self._model_golden(model, run, device)
         self._run = run
         del model
         give_back_memory()  # the streamed units' and the forward's freed memory, before the layers load
@@ -315,13 +341,15 @@ class ReferenceSide:
         run: ReferenceRun,
         kv: SpilledKV | None = None,
         prompt: tuple[Any, torch.Tensor] | None = None,
+        watch: OverflowWatch | None = None,
     ) -> None:
         """The decode steps after the prompt: the prompt once more with the KV cache (unless
         ``prompt`` gives the cache the prompt's forward filled and its last logits), then
         ``--decode-steps`` greedy tokens, one forward each, recording every selected layer's
         call (its past keys and values included) per step. With ``kv``, the cache is held a
         layer at a time (the rest on disk). Each step feeds the model what its generate would
-        (the new token, or the whole sequence to a model that slices the cached part off)."""
+        (the new token, or the whole sequence to a model that slices the cached part off).
+        ``watch`` notes each step's layer outputs."""
         import torch
 
         from ..target.model import step_input_ids
@@ -364,8 +392,14 @@ class ReferenceSide:
             def sink(i: int, record: CallRecord, step: int = step) -> None:
                 run.decode_calls[(i, step)] = record
 
+            if watch is not None:
+                watch.step = step
             try:
-                with self._capturing(layer_list, layers, sink, routing), spilling():  # spilled after the capture saw it
+                with (
+                    self._capturing(layer_list, layers, sink, routing),
+                    watch.watching(layer_list) if watch is not None else contextlib.nullcontext(),
+                    spilling(),  # spilled after the capture and the watch saw it
+                ):
                     output = model(input_ids=fed, **{name: cache}, use_cache=True)
             except UnstorableCache as exc:  # an entry the config did not announce
                 raise ModelError(f"--decode-steps {self.settings.decode_steps}: {exc}") from None
@@ -399,6 +433,63 @@ class ReferenceSide:
                 envelope = whole_model_envelope(hf_step(model), golden, device, samples, bar.update)
             metadata["envelope"] = envelope.as_metadata()
         return golden, metadata
+
+    def _overflow_text(self, found: Overflow, ids: torch.Tensor, decode_ids: torch.Tensor | None) -> str:
+        """The error of a reference that overflows in this dtype at ``found``, with the other
+        supported dtypes' forwards to the same place measured (each loads the model again:
+        the failure's cost alone). A decode step's place is reached teacher-forced: the prompt
+        and the tokens decoded up to that step, in one forward."""
+        import torch
+
+        from ..options import DTYPES
+
+        if found.step is not None and decode_ids is not None:
+            ids = torch.cat([ids, decode_ids[:, : found.step + 1]], dim=-1)
+        others = [name for name in DTYPES if name != self.dtype_name]
+        measured: dict[str, Measured] = {}
+        with self.progress.bar(len(others), f"layerparity: overflows in {self.dtype_name}; measuring", "dtype") as bar:
+            for name in others:
+                measured[name] = self._measure(name, ids, found.layer)
+                bar.update(1)
+        layers = None if self.settings.layers == "all" else self.settings.layers
+        return overflow_text(self.dtype_name, found, measured, lambda name: self.extract_command(layers, name))
+
+    def _measure(self, dtype_name: str, ids: torch.Tensor, stop: int | None) -> Measured:
+        """The reference's forward in ``dtype_name`` on ``ids``, placed as an extraction in it
+        would be, through layer ``stop`` (None: the whole forward and its logits)."""
+        import torch
+
+        other = ReferenceSide(self.settings, self.model, self.store, dtype_name, self.floor, self.extract_command)
+        streaming = other.device_map == "stream"
+        model = other._load(streaming)
+        layer_path, _ = find_layer_list(model, layer_count_from_config(self.model.config_json), self.model.layer_module)
+        layer_list = model.get_submodule(layer_path)
+        watch = OverflowWatch()
+        output = None
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            if streaming:
+                from .streaming import streamed
+
+                empty = functools.partial(mapped_empty, self.store.root)
+                device = other.golden_device
+                stack.enter_context(
+                    streamed(model, self.model.checkpoint, layer_path, other.torch_dtype, device, empty=empty)
+                )
+            else:
+                device = input_device(model)
+            stack.enter_context(watch.watching(layer_list, stop))
+            with contextlib.suppress(StopForward):
+                output = model(input_ids=ids.to(device), use_cache=False)
+        first, largest = watch.first(), watch.largest(stop) if stop is not None else 0.0
+        if output is not None and first is None:
+            has_logits = getattr(output, "logits", None) is not None
+            logits = (output.logits if has_logits else output.last_hidden_state).detach()
+            first = output_overflow(logits, None, _output_name(has_logits), all_finite_by_sum)
+            largest = float(logits.abs().amax()) if first is None else first.largest
+        del model, output
+        give_back_memory()
+        return Measured(first, largest)
 
     def _load(self, streaming: bool) -> PreTrainedModel:
         if streaming:
@@ -575,6 +666,19 @@ class ReferenceSide:
             hidden_in=entry.tensors.get(hidden_input_name(spec)),
             envelope=entry.envelope_for(False),  # torch's kernels, where a reference runs, sum in float32
         )
+
+
+def _steps_overflow(logits: list[torch.Tensor]) -> Overflow | None:
+    """The first decode step whose logits hold inf/NaN, or None."""
+    for step, tensor in enumerate(logits):
+        found = output_overflow(tensor, step, "the logits", all_finite_by_sum)
+        if found is not None:
+            return found
+    return None
+
+
+def _output_name(has_logits: bool) -> str:
+    return "the logits" if has_logits else "the model's output (its last hidden state)"
 
 
 def model_envelope_samples(samples: int) -> int:

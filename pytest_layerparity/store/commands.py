@@ -15,14 +15,19 @@ def target_flags(target: str | None) -> list[str]:
     return list(TARGET_FLAGS.get(name, ("--target", name)))
 
 
-def extract_command(golden_dir: Path | str, model_dir: Path | str | None = None, layers: str | None = None) -> str:
-    """The command that (re)writes goldens into ``golden_dir`` (for ``layers``, else all)."""
+def extract_command(
+    golden_dir: Path | str, model_dir: Path | str | None = None, layers: str | None = None, dtype: str | None = None
+) -> str:
+    """The command that (re)writes goldens into ``golden_dir`` (for ``layers``, else all; in
+    ``dtype``, else the run's own)."""
     parts = ["pytest", "--gpu-golden", "--extract"]
     if model_dir is not None:
         parts.append(f"--model={model_dir}")
     parts.append(f"--golden-dir={golden_dir}")
     if layers:
         parts += ["--layers", layers]
+    if dtype:
+        parts += ["--dtype", dtype]
     return shlex.join(parts)
 
 
@@ -61,8 +66,8 @@ class Commands:
     target: str | None = None
     port: tuple[str, ...] = ()
 
-    def extract(self, layers: str | None = None) -> str:
-        return extract_command(self.golden_dir, self.model_dir, layers)
+    def extract(self, layers: str | None = None, dtype: str | None = None) -> str:
+        return extract_command(self.golden_dir, self.model_dir, layers, dtype)
 
     def rerun(self, layers: str, keyword: str) -> str:
         assert self.model_dir is not None

@@ -528,7 +528,9 @@ def _check_model_logits(key: str, tensors: Mapping[str, torch.Tensor], metadata:
 FINITE_CHUNK = 1 << 18
 
 
-def _all_finite_by_sum(tensor: torch.Tensor, chunk: int = FINITE_CHUNK) -> bool:
+def all_finite_by_sum(tensor: torch.Tensor, chunk: int = FINITE_CHUNK) -> bool:
+    """Whether every value of a 16- or 32-bit ``tensor`` is finite: chunked float64 sums, no
+    mask of the tensor's size."""
     import torch
 
     flat = tensor.reshape(-1)
@@ -549,7 +551,7 @@ def check_finite(key: str, tensors: Mapping[str, torch.Tensor]) -> None:
         # is (16- and 32-bit values cannot overflow it); in chunks, since the sum converts its
         # input to float64 first (logits of 2k tokens x 32k vocabulary: 0.5 GB at once; a
         # chunk of 2^22 elements held 32 MB beside a layer of a few, measured).
-        if tensor.dtype != torch.float64 and _all_finite_by_sum(tensor):
+        if tensor.dtype != torch.float64 and all_finite_by_sum(tensor):
             continue
         nan = torch.isnan(tensor)
         if bool(nan.any()):

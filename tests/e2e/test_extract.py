@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import DEFAULT_MODEL
+from support import DEFAULT_MODEL, ROOT
 
 from pytest_layerparity.reference.envelope import ENVELOPE_RULE
+
+sys.path.insert(0, str(ROOT / "fixtures"))  # tiny_models
 
 
 @pytest.fixture
@@ -208,3 +212,117 @@ def test_an_encoder_has_its_prompt_goldens_and_says_why_no_decode_steps(pytester
         ]
     )
     assert not list((pytester.path / "store").glob("*.decode_*"))
+
+
+# -- a reference that overflows in the dtype ------------------------------------------------------
+
+OVERFLOW = (
+    "the reference model itself overflows in float16: first at layer 1, whose output holds * inf/NaN values "
+    "(largest finite magnitude *; float16 holds at most 65504). This is the HuggingFace model's own forward on the "
+    "golden input, not a port; no golden was written. Measured through layer 1: bfloat16 does not overflow (largest "
+    "magnitude *), float32 does not overflow (largest magnitude *). Extract in bfloat16: pytest --gpu-golden --extract "
+    "--model={model} --golden-dir={store} --dtype bfloat16"
+)
+
+
+@pytest.fixture
+def overflowing(pytester):
+    """A tiny llama whose layer 1 has its MLP's input norm and output projection scaled up 64-fold:
+    that layer's output passes float16's 65504 (about 7e5; bfloat16 and float32 hold it)."""
+    from tiny_models import make, scale_weights
+
+    model = make("llama", pytester.path / "llama", num_layers=3)
+    return scale_weights(model, 64, "model.layers.1.post_attention_layernorm.", "model.layers.1.mlp.down_proj.")
+
+
+def test_a_reference_that_overflows_is_named_once_with_the_dtypes_that_do_not(pytester, overflowing):
+    store = pytester.path / "store"
+    command = ["--gpu-golden", "--extract", f"--model={overflowing}", f"--golden-dir={store}"]
+    result = pytester.runpytest(*command, "--dtype", "float16")
+    result.assert_outcomes(failed=1)  # the first test says it; the run stops there
+    result.stdout.fnmatch_lines(
+        [
+            OVERFLOW.format(model=overflowing, store=store),
+            "FAILED layerparity::test_extract_golden[[]layer_0[]] - Failed: the reference mode*",
+            "!* layerparity: the reference overflows in float16; nothing written !*",
+        ]
+    )
+    text = result.stdout.str() + result.stderr.str()
+    assert text.count("whose output holds") == 1 and "Traceback" not in text
+    assert [p.name for p in store.iterdir()] == []  # no golden, no manifest, no spilled call left
+    fixed = pytester.runpytest(*command, "--dtype", "bfloat16")
+    fixed.assert_outcomes(passed=3)
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert manifest["dtype"] == "bfloat16" and {"layer_1", "model_logits"} <= set(manifest["files"])
+
+
+def test_xdist_workers_name_the_overflow_and_stop(pytester, overflowing):
+    """Each worker runs the reference of its own layers: each that does says it once."""
+    store = pytester.path / "store"
+    result = pytester.runpytest_subprocess(
+        "--gpu-golden", "--extract", f"--model={overflowing}", f"--golden-dir={store}", "--dtype", "float16", "-n", "2"
+    )
+    assert result.parseoutcomes()["failed"] <= 2 and "passed" not in result.parseoutcomes()
+    result.stdout.fnmatch_lines(
+        [OVERFLOW.format(model=overflowing, store=store), "!* layerparity: the reference overflows in float16; *"]
+    )
+    assert [p.name for p in store.iterdir()] == []
+
+
+@pytest.mark.parametrize(
+    ("module", "where", "through"),
+    [
+        ("model.layers.1", "layer 1, decode step 0", "layer 1, on the prompt and its 1 decoded token(s)"),
+        ("lm_head", "the logits", "the whole forward"),
+    ],
+)
+def test_an_overflow_in_a_decode_step_or_the_logits_is_named_there(tmp_path, monkeypatch, module, where, through):
+    """float16 made to overflow in one place: a layer's decode steps (one token fed; the other
+    dtypes are measured teacher-forced, the prompt and the decoded token in one forward), or the
+    LM head on the prompt. The error is kept: a second layer's extraction does not run it again."""
+    from tiny_models import make
+
+    from pytest_layerparity.options import make_settings
+    from pytest_layerparity.reference import extract
+    from pytest_layerparity.reference.overflow import ReferenceOverflow
+    from pytest_layerparity.session import LayerParitySession
+
+    loads = []
+
+    def overflowing_load(model, settings, dtype, device_map):
+        loaded, placement = load_whole_model(model, settings, dtype, device_map)
+        loads.append(dtype)
+
+        def inf(mod, args, output):
+            decoding = output.shape[1] == 1 or module == "lm_head"
+            return output.masked_fill(torch.ones_like(output, dtype=torch.bool), float("inf")) if decoding else None
+
+        if dtype == torch.float16:
+            loaded.get_submodule(module).register_forward_hook(inf)
+        return loaded, placement
+
+    load_whole_model = extract.load_whole_model
+    monkeypatch.setattr(extract, "load_whole_model", overflowing_load)
+    model, store = make("llama", tmp_path / "llama", num_layers=3), tmp_path / "store"
+    settings = make_settings(gpu_golden=True, extract=True, model=str(model), golden_dir=str(store), dtype="float16")
+    session = LayerParitySession(settings, ROOT)
+    with pytest.raises(ReferenceOverflow) as raised:
+        session.extract_layer(0)
+    count = 64 if module != "lm_head" else 32 * 1024  # the new token's hidden states; the prompt's logits
+    head, measured = str(raised.value).split(" Measured through ")
+    assert head == (
+        f"the reference model itself overflows in float16: first at {where}, whose output holds {count} inf/NaN "
+        "values (largest finite magnitude 0; float16 holds at most 65504). This is the HuggingFace model's own "
+        "forward on the golden input, not a port; no golden was written."
+    )
+    assert fnmatch.fnmatch(
+        measured,
+        f"{through}: bfloat16 does not overflow (largest magnitude *), float32 does not overflow (largest "
+        f"magnitude *). Extract in bfloat16: pytest --gpu-golden --extract --model={model} --golden-dir={store} "
+        "--dtype bfloat16",
+    )
+    with pytest.raises(ReferenceOverflow) as again:
+        session.extract_layer(1)
+    assert str(again.value) == str(raised.value)
+    assert loads == [torch.float16, torch.bfloat16, torch.float32]  # the reference ran once in each dtype
+    assert list(store.iterdir()) == []

@@ -31,7 +31,7 @@ from pytest_layerparity.reference.plan import (
 from pytest_layerparity.reference.spill import SpilledCalls
 from pytest_layerparity.reference.wider import WiderArithmetic, query_block
 from pytest_layerparity.store.callspec import CallRecord
-from pytest_layerparity.store.golden import _all_finite_by_sum, check_finite
+from pytest_layerparity.store.golden import all_finite_by_sum, check_finite
 
 
 class Block(torch.nn.Module):
@@ -141,9 +141,9 @@ def test_spilled_calls_round_trip_and_leave_nothing_behind(tmp_path):
 
 def test_the_finite_check_in_chunks_finds_what_one_sum_finds():
     t = torch.randn(1000, dtype=torch.bfloat16)
-    assert _all_finite_by_sum(t, chunk=7)
+    assert all_finite_by_sum(t, chunk=7)
     t[999] = float("nan")
-    assert not _all_finite_by_sum(t, chunk=7)
+    assert not all_finite_by_sum(t, chunk=7)
     with pytest.raises(ValueError, match="holds NaN"):
         check_finite("layer_0", {"hidden_states": t})
 

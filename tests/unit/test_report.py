@@ -257,6 +257,11 @@ def test_the_compare_command_says_why_there_is_nothing_to_compare(tmp_path, caps
         (("/g", "/m"), "pytest --gpu-golden --extract --model=/m --golden-dir=/g"),
         (("/g", "/m", "3"), "pytest --gpu-golden --extract --model=/m --golden-dir=/g --layers 3"),
         (("/my goldens", "/my model"), "pytest --gpu-golden --extract '--model=/my model' '--golden-dir=/my goldens'"),
+        (("/g", "/m", None, "bfloat16"), "pytest --gpu-golden --extract --model=/m --golden-dir=/g --dtype bfloat16"),
+        (
+            ("/g", "/m", "0-3", "float32"),
+            "pytest --gpu-golden --extract --model=/m --golden-dir=/g --layers 0-3 --dtype float32",
+        ),
     ],
 )
 def test_extract_command(args, expected):
