@@ -15,7 +15,10 @@ def pytest_layerparity_build_target_layer(layer_idx: int, reference_layer: Any, 
     from the checkpoint (on the CPU, in the golden's dtype); it is yours to move, wrap or
     convert. ``model_config`` is the HuggingFace config. The returned module is called with
     exactly the arguments the reference layer received during extraction, with tensors on
-    ``device``; its first output tensor is compared with the golden output.
+    ``device``, and returns what the reference layer returns (the whole-model test runs it in
+    the model's own loop); its first output tensor is compared with the golden output. A
+    module that cannot take the call, holds weights on another device, or returns another
+    kind of output fails the tests that use it, naming this hook, the layer and the fix.
 
     Return None to fall through to the default (the reference layer moved to ``device``).
     This is where a port such as ``NeuronMiniMaxM2DecoderLayer`` is plugged in.

@@ -17,7 +17,7 @@ import argparse
 import math
 import re
 import shlex
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, make_dataclass, replace
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -996,17 +996,6 @@ def check_ini_not_lost(config: pytest.Config) -> None:
                 )
 
 
-def current_settings(config: pytest.Config) -> Settings:
-    """The session's settings: every option read (command line over ini over default), paths
-    made absolute, contradictions and options this run does not use refused."""
-    from .option_uses import given_options
-
-    check_ini_not_lost(config)
-    settings = resolve_paths(read_settings(config), config)
-    check_combinations(settings, given_options(config))
-    return settings
-
-
 def _parse_ini(opt: Option, raw: Any, from_cli: bool = False) -> Any:
     """An ini value (or ``-o NAME=VALUE``) parsed as the flag's value would be; a malformed
     one is a usage error that says what to write."""
@@ -1020,54 +1009,3 @@ def _parse_ini(opt: Option, raw: Any, from_cli: bool = False) -> Any:
         return opt.type(text)
     except argparse.ArgumentTypeError as exc:
         raise pytest.UsageError(f"{where}: {exc}") from None
-
-
-def check_combinations(settings: Settings, given: Mapping[str, str] | None = None) -> None:
-    """Raise UsageError for options that contradict each other, and for options ``given`` for
-    this run (``dest`` -> how they were written: ``--tp-degree 2``) that it does not use,
-    saying what to type instead. ``given`` None: every option whose value is not its default
-    (settings made without pytest)."""
-    from .option_uses import check_used, given_by_value
-
-    chosen = [
-        flag
-        for flag, on in (
-            ("--xla", settings.xla),
-            ("--neuron", settings.neuron),
-            (f"--target {settings.target}", settings.target),
-        )
-        if on
-    ]
-    if len(chosen) > 1:
-        raise pytest.UsageError(
-            f"{' and '.join(chosen)} name different targets; choose one: --xla, --neuron or --target NAME"
-        )
-    if settings.port == "nxdi" and settings.target_name not in (None, "cpu", "neuron"):
-        raise pytest.UsageError(
-            f"--port nxdi runs NxDI's layers eagerly on the CPU in NxD's CPU mode (--target cpu) or compiled for "
-            f"NeuronCores (--target neuron), not on --target {settings.target_name}"
-        )
-    if settings.envelope_samples == 1:
-        raise pytest.UsageError(
-            "--envelope-samples 1 cannot show a spread: give 2 or more perturbed runs (e.g. 12), or 0 for none"
-        )
-    if settings.extract and not settings.gpu_golden:
-        raise pytest.UsageError("--extract writes goldens from the reference run: use --gpu-golden --extract")
-    if settings.gpu_golden and settings.target_name:
-        raise pytest.UsageError(
-            f"--gpu-golden runs the reference and --{settings.target_name} the port; run them as two sessions: "
-            f"pytest --gpu-golden --extract, then pytest --{settings.target_name}"
-        )
-    check_used(settings, given_by_value(settings) if given is None else given)
-    if settings.compiled and settings.ep_degree > 1:
-        check_ep_degree(settings)
-
-
-def check_ep_degree(settings: Settings) -> None:
-    """Expert parallelism of NxDI's compiled programs divides their tensor-parallel ranks."""
-    ep, tp = settings.ep_degree, settings.tp_degree
-    if tp % ep:
-        raise pytest.UsageError(
-            f"layerparity_ep_degree = {ep} must divide --tp-degree {tp}: NxDI shards the experts over moe_ep_degree x "
-            "moe_tp_degree = tp_degree ranks"
-        )

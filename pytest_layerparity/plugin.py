@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from . import hookspecs
-from .option_uses import unused_ini_lines
+from .option_uses import current_settings, unused_ini_lines
 from .options import (
     add_options,
     conftest_builds_layer,
-    current_settings,
     read_settings,
     refuse_moved_flags,
 )
@@ -162,7 +161,7 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
     )
     from .report.progress import for_pytest
     from .selection import SelectionError
-    from .session import LayerParitySession
+    from .session import LayerParitySession, check_store_exists
     from .store.golden import GoldenError
 
     def build_target_layer(**kwargs: Any) -> Any:
@@ -179,6 +178,11 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
         nxdi_builder,
     )
     session.progress = for_pytest(config)
+    if conftest_builds_layer(config):
+        from .target.contract import hook_location
+
+        impls = config.pluginmanager.hook.pytest_layerparity_build_target_layer.get_hookimpls()
+        session.hook_where = hook_location(impls[-1].function)  # the one called first (firstresult)
     try:
         session.selected_layers  # noqa: B018  parsed now: a bad spec is a usage error
         session.layer_ranges  # noqa: B018
@@ -198,9 +202,12 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
                     regeneration.start()
                     config.stash[REGEN_KEY] = regeneration
                 else:
-                    session.reference.check_store_takes_extraction()
+                    session.reference.check_store_takes_extraction(session.selected_layers[:1])
         else:
+            check_store_exists(session)
             session.check_store_matches_model()
+            if not hasattr(config, "workerinput"):  # one layer's weights now: goldens of other weights refused once
+                session.weights.check(session.selected_layers[:1], unreadable_ok=True)
     except (ModelError, SelectionError) as exc:
         raise pytest.UsageError(str(exc)) from None
     except GoldenError as exc:
@@ -276,16 +283,33 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    """A port that cannot be built as asked fails its test with the port's message (which
-    names the fix), not with a traceback through NxD."""
+    """A port that cannot be built as asked, or a build hook's layer that breaks the hook's
+    contract, fails its test with a message that names the fix, not with a traceback through
+    NxD or the layer; a breach met again at another layer is named in full once."""
     try:
         return (yield)
     except Exception as exc:
         nxdi = sys.modules.get("pytest_layerparity.ports.nxdi")
-        if nxdi is None or not isinstance(exc, nxdi.PortError):
+        contract = sys.modules.get("pytest_layerparity.target.contract")
+        if contract is not None and isinstance(exc, contract.ContractError):
+            message = _breach_text(item, exc)
+        elif nxdi is not None and isinstance(exc, nxdi.PortError):
+            message = str(exc)
+        else:
             raise
-        message = str(exc)
     pytest.fail(message, pytrace=False)  # outside the except block: no chained traceback
+
+
+def _breach_text(item: pytest.Item, breach: Any) -> str:
+    """The breach's message in the first test of this process that meets its kind, else a
+    line that points at that test."""
+    first = item.config.stash[SESSION_KEY].contract_breaches.setdefault(breach.kind, item.nodeid)
+    if first == item.nodeid:
+        return str(breach)
+    return (
+        f"layer {breach.index}: the layer the build hook returned breaks the hook's contract as it does in {first} "
+        f"({breach.kind}): that test's failure says how, and the fix"
+    )
 
 
 @pytest.hookimpl

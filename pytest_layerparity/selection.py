@@ -88,12 +88,26 @@ def _parse_parts(spec: str, num_layers: int, what: str) -> list[LayerRange]:
             )
         first = int(match.group(1))
         last = int(match.group(2)) if match.group(2) is not None else first
-        if last < first:
-            raise SelectionError(f"{what} {spec!r}: range {first}-{last} is reversed; write {last}-{first}")
-        if last >= num_layers:
-            raise SelectionError(f"{what} {spec!r}: layer {last} is out of range; {_valid_range_text(num_layers)}")
+        _check_part(spec, what, first, last, num_layers)
         ranges.append(LayerRange(first, last))
     return ranges
+
+
+def _check_part(spec: str, what: str, first: int, last: int, num_layers: int) -> None:
+    """Refuse a part ``first-last`` that is reversed or leaves the model, in one message whose
+    fix is in range (a reversed range's mirror may leave it too)."""
+    low, high = min(first, last), max(first, last)
+    if high < num_layers:
+        if last < first:
+            raise SelectionError(f"{what} {spec!r}: range {first}-{last} is reversed; write {last}-{first}")
+        return
+    valid = _valid_range_text(num_layers)
+    if last >= first:
+        raise SelectionError(f"{what} {spec!r}: layer {high} is out of range; {valid}")
+    fix = f"; write {low}-{num_layers - 1}" if low < num_layers - 1 else ""
+    raise SelectionError(
+        f"{what} {spec!r}: range {first}-{last} is reversed, and layer {high} is out of range; {valid}{fix}"
+    )
 
 
 def parse_layers(spec: str, num_layers: int) -> list[int]:

@@ -8,6 +8,7 @@ the fixture API that ``layerparity_session`` documents.
 
 from __future__ import annotations
 
+import functools
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,25 +28,60 @@ from .selection import (
     parse_layers,
     uncalled_text,
 )
-from .store.commands import Commands
-from .store.golden import GoldenEntry, GoldenStore
+from .store.commands import Commands, extraction_flags
+from .store.golden import MODEL_LOGITS_KEY, GoldenEntry, GoldenError, GoldenStore
 from .store.identity import check_store_matches
 
 if TYPE_CHECKING:
-    import torch
-
     from .backends.base import Backend
     from .compare.judge import LayerOutcome
     from .ports.nxdi import NxdiPort
+    from .reference.binding import WeightsBinding
     from .reference.extract import ReferenceSide
     from .reference.floor import FloorEvaluator
-    from .target.runner import BuildHook, TargetRun, TargetSide
+    from .target.runner import BuildHook, TargetSide
 
 
 def uncalled_layers(session: LayerParitySession) -> dict[int, str]:
     """Layer -> its class, of the layers the extraction's forward did not call on the golden
     input, as the store records them (an extraction finds them as it runs: none here)."""
     return {} if session.settings.mode == "extract" else session.store.uncalled_layers()
+
+
+def store_extraction_flags(settings: Settings, store: GoldenStore) -> tuple[str, ...]:
+    """The flags of the extraction a suggested command repeats: this run's own when it
+    extracts, else the store's (so the command writes goldens the store takes)."""
+    from .reference.inputs import input_description
+    from .reference.model import ModelError, read_config_json
+
+    s = settings
+    try:
+        default_dtype = checkpoint_dtype(read_config_json(store.model_dir or ""))
+    except ModelError:
+        default_dtype = None
+    if s.mode == "extract":
+        runs = 0 if s.no_precision_floor else s.envelope_samples
+        header = {"dtype": s.dtype or default_dtype, "inputs": input_description(s), "envelope": {"runs": runs}}
+    else:
+        header = store.peek_manifest() or {}
+    return extraction_flags(header, default_dtype)
+
+
+def check_store_exists(session: LayerParitySession) -> None:
+    """Refuse a run with no golden store at all, once (not once per layer), saying where
+    the default store is looked for and the command that extracts it."""
+    if session.store.read_manifest() is not None:
+        return
+    where = (
+        ""
+        if session.settings.golden_dir
+        else f" (the default: layerparity-goldens/{session.store.root.name} under pytest's rootdir {session.rootpath}; "
+        "give --golden-dir or set layerparity_golden_dir for another)"
+    )
+    raise GoldenError(
+        f"no golden store at {session.store.root} (no manifest.json){where}; extract it with: "
+        f"{session.commands.extract()}"
+    )
 
 
 class LayerParitySession:
@@ -86,6 +122,10 @@ class LayerParitySession:
         self.experts_choice: str | None = None
         #: Lines the header ends with (the plugin's: the ini keys this run does not use).
         self.notes: list[str] = []
+        #: Where the build hook is written (``path:line``), for its contract's breaches.
+        self.hook_where = "pytest_layerparity_build_target_layer"
+        #: The first test each kind of breach of the hook's contract was met in (named there in full).
+        self.contract_breaches: dict[str, str] = {}
 
     # -- wiring ---------------------------------------------------------------------------
 
@@ -140,7 +180,9 @@ class LayerParitySession:
             if self.settings.golden_dir
             else self.rootpath / "layerparity-goldens" / model_dir.name
         )
-        return GoldenStore(path, model_dir=model_dir)
+        store = GoldenStore(path, model_dir=model_dir)
+        store.extract_flags = store_extraction_flags(self.settings, store)
+        return store
 
     @cached_property
     def dtype_name(self) -> str:
@@ -161,7 +203,7 @@ class LayerParitySession:
         port = ("--port", s.port) if s.port != "hf" else ()
         if s.nxdi_app:
             port += ("-o", f"layerparity_nxdi_app={s.nxdi_app}")
-        return Commands(self.store.root, self.model.model_dir, s.target_name, port)
+        return Commands(self.store.root, self.model.model_dir, s.target_name, port, self.store.extract_flags)
 
     def check_store_matches_model(self) -> None:
         """Refuse a store made from another model, shape or dtype, saying what differs."""
@@ -171,8 +213,18 @@ class LayerParitySession:
             self.model.model_dir,
             self.model.identity(),
             self.settings.dtype,
-            self.commands.extract(),
+            self.commands.extract(force_regen=True, dtype=self.settings.dtype),
         )
+
+    @cached_property
+    def weights(self) -> WeightsBinding:
+        """The store's goldens against this model's weights (each layer checked once)."""
+        import torch
+
+        from .reference.binding import WeightsBinding
+
+        extract_again = functools.partial(self.commands.extract, force_regen=True)
+        return WeightsBinding(self.model, self.store, getattr(torch, self.dtype_name), extract_again)
 
     @property
     def backend(self) -> Backend:
@@ -239,6 +291,7 @@ class LayerParitySession:
             ),
             self.progress,
             port=self.port,
+            hook_where=self.hook_where,
         )
 
     @cached_property
@@ -296,6 +349,8 @@ class LayerParitySession:
                 lines.append("layerparity: port hf: the model's own HuggingFace layers")
             if self.experts_choice:
                 lines.append(f"layerparity: experts: {self.experts_choice}")
+        if s.mode != "extract":
+            lines.append(f"layerparity: weights: {self.weights.describe(self.selected_layers)}")
         lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
         return lines + self.notes
 
@@ -305,19 +360,10 @@ class LayerParitySession:
         """Layer ``index``'s prompt golden, or the golden stored under a key (``layer_3.decode_0``)."""
         key = layer_key(index) if isinstance(index, int) else index
         layer = golden_layer(key)
+        if self.settings.mode != "extract":  # a test of goldens made from other weights would judge another layer
+            self.weights.check(self.selected_layers if key == MODEL_LOGITS_KEY else [] if layer is None else [layer])
         hint = f"extract it with: {self.commands.extract(None if layer is None else str(layer))}"
         return self.store.load(key, missing_hint=hint)
-
-    def build_target(self, index: int) -> torch.nn.Module:
-        return self.target.build(index)
-
-    def run_layer(self, module: torch.nn.Module, entry: GoldenEntry, hidden: torch.Tensor | None = None) -> TargetRun:
-        return self.target.run(module, entry, hidden)
-
-    def compare_entry(
-        self, index: int, entry: GoldenEntry, run: TargetRun, hidden_in: torch.Tensor | None = None
-    ) -> LayerOutcome:
-        return self.target.judge(index, entry, run, hidden_in)
 
     def parity_layer(self, index: int) -> LayerOutcome:
         return self.target.parity_layer(index)

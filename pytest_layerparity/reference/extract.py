@@ -41,10 +41,11 @@ from ..store.golden import (
     GoldenStore,
     all_finite_by_sum,
 )
-from ..store.identity import EXTRACTION_KEYS
+from ..store.identity import EXTRACTION_KEYS, recorded_weights
 from .audit import dtype_audit, mixed_dtype_failure
 from .devices import resolve_golden_device
 from .envelope import ENVELOPE_RULE, PerturbedRunner
+from .fingerprint import WEIGHTS_FIELD
 from .floor import FloorEvaluator
 from .inputs import input_description, make_input_ids, stored_input_shape
 from .memory import give_back_memory
@@ -452,7 +453,7 @@ class ReferenceSide:
                 measured[name] = self._measure(name, ids, found.layer)
                 bar.update(1)
         layers = None if self.settings.layers == "all" else self.settings.layers
-        return overflow_text(self.dtype_name, found, measured, lambda name: self.extract_command(layers, name))
+        return overflow_text(self.dtype_name, found, measured, lambda name: self.extract_command(layers, dtype=name))
 
     def _measure(self, dtype_name: str, ids: torch.Tensor, stop: int | None) -> Measured:
         """The reference's forward in ``dtype_name`` on ``ids``, placed as an extraction in it
@@ -512,15 +513,19 @@ class ReferenceSide:
         if report.fatal:
             raise ModelError(f"{unit.path}: {report.message}")
 
+    @property
+    def layer_path(self) -> str:
+        """The decoder layers' list in the model (as the run found it, once it has run)."""
+        return self._run.layer_path if self._run is not None else self.model.layer_list[0]
+
     def header(self) -> dict[str, Any]:
         """The manifest header of this extraction."""
         import torch
         import transformers
 
         identity = self.model.identity()
-        layer_path = self._run.layer_path if self._run is not None else self.model.layer_list[0]
         identity.update(
-            {"path": str(self.model.model_dir), "name": self.model.model_dir.name, "layer_module": layer_path}
+            {"path": str(self.model.model_dir), "name": self.model.model_dir.name, "layer_module": self.layer_path}
         )
         return {
             "created_by": f"pytest-layerparity {__version__}",
@@ -537,13 +542,23 @@ class ReferenceSide:
             **({UNCALLED_KEY: {str(i): c for i, c in self._run.uncalled.items()}} if self._run is not None else {}),
         }
 
-    def check_store_takes_extraction(self) -> None:
+    def check_store_takes_extraction(self, layers: list[int] = ()) -> None:
         """Refuse (before any test) to extract into a store that holds goldens of another
-        extraction (model, inputs, dtype), naming the difference and the fix."""
+        extraction (model, inputs, dtype, or the weights of ``layers``), naming the difference
+        and the fix."""
         manifest = self.store.read_manifest()
         if not manifest or not manifest.get("files"):
             return
         differences = describe_differences(manifest, self.header(), EXTRACTION_KEYS)
+        for index in layers:
+            recorded = recorded_weights(manifest, layer_key(index), WEIGHTS_FIELD)
+            found = recorded and self.model.weights_fingerprint(index, self.torch_dtype, self.layer_path)
+            if recorded != found:
+                source = (manifest.get("model") or {}).get("path")
+                differences.append(
+                    f"layer {index}'s weights: store has sha256 {recorded[:12]} (from {source}), "
+                    f"this run has {(found or 'none')[:12]} (in {self.model.model_dir})"
+                )
         if differences:
             raise GoldenError(
                 f"{self.store.manifest_path}: this store holds goldens of another extraction "
@@ -628,8 +643,11 @@ class ReferenceSide:
             metadata["step"] = step
         if envelope is not None:
             metadata["envelope"] = envelope.as_metadata()
+        weights = None if step is not None else self.model.weights_fingerprint(index, self.torch_dtype, self.layer_path)
         try:
-            path = self.store.write(key, record.tensors, metadata)
+            path = self.store.write(
+                key, record.tensors, metadata, record_extra={WEIGHTS_FIELD: weights} if weights else None
+            )
         except ValueError as exc:
             what = f"layer {index}" if step is None else f"layer {index}, decode step {step}"
             raise GoldenError(f"{what}: the reference output is not usable as a golden: {exc}") from exc

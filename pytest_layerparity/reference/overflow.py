@@ -150,8 +150,10 @@ def overflow_text(
     """The extraction's error: the reference overflows in ``dtype`` at ``found``; ``measured``
     holds the other dtypes' forwards to the same place; ``command(dtype)`` extracts in one."""
     limit = torch.finfo(getattr(torch, dtype)).max
+    # finite values within a factor of 2**10 of the largest the dtype holds: the inf/NaN are an overflow
+    what = "overflows" if found.largest * 2**10 >= limit else "gives inf/NaN"
     text = (
-        f"the reference model itself overflows in {dtype}: first at {found.where()}, whose output holds "
+        f"the reference model itself {what} in {dtype}: first at {found.where()}, whose output holds "
         f"{found.nonfinite} inf/NaN values (largest finite magnitude {found.largest:.6g}; {dtype} holds at most "
         f"{limit:.6g}). This is the HuggingFace model's own forward on the golden input, not a port; no golden "
         f"was written. Measured through {found.through()}: "

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint import Checkpoint, load_layer
+from .fingerprint import layer_fingerprint
 from .model import (
     ModelError,
     build_skeleton,
@@ -145,6 +146,16 @@ class ModelSource:
         """Decoder layer ``index`` with its weights, on the CPU in ``dtype``, in eval mode."""
         skeleton = self.skeleton(dtype)
         return load_layer(skeleton, self.checkpoint, self.layer_list[0], index, dtype).eval()
+
+    def weights_fingerprint(self, index: int, dtype: torch.dtype, layer_path: str | None = None) -> str | None:
+        """The digest of layer ``index``'s checkpoint tensors in ``dtype`` (see
+        :mod:`.fingerprint`; ``layer_path``: the layer list's path, where a store recorded it);
+        None where there is nothing to digest: no safetensors checkpoint, no tensors of its own."""
+        try:
+            checkpoint = self.checkpoint
+        except ModelError:
+            return None
+        return layer_fingerprint(checkpoint, layer_path or self.layer_list[0], index, dtype)
 
     @property
     def top_k(self) -> int | None:

@@ -122,6 +122,9 @@ class GoldenStore:
     def __init__(self, root: str | os.PathLike[str], model_dir: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root)
         self.model_dir = model_dir
+        #: The store's extraction settings as flags, for the commands its errors suggest (set
+        #: by whoever knows them: :func:`.commands.extraction_flags`).
+        self.extract_flags: tuple[str, ...] = ()
         # (header, compare_keys) of this process's extraction, once begin() has run
         self._extraction: tuple[dict[str, Any], tuple[str, ...]] | None = None
 
@@ -136,7 +139,7 @@ class GoldenStore:
 
     def extract_command(self, key: str | None = None) -> str:
         index = golden_layer(key or "")
-        return extract_command(self.root, self.model_dir, None if index is None else str(index))
+        return extract_command(self.root, self.model_dir, None if index is None else str(index), self.extract_flags)
 
     def regen_hint(self, key: str | None = None) -> str:
         """How to replace one entry (extraction rewrites it and keeps the others)."""
@@ -147,6 +150,15 @@ class GoldenStore:
         return f"move {self.root} away (or delete it) and extract again: {self.extract_command()}"
 
     # -- manifest -------------------------------------------------------------------
+
+    def peek_manifest(self) -> dict[str, Any] | None:
+        """The manifest as it reads, or None where it is absent or unusable (no error: for
+        what the store's own errors suggest, which :meth:`read_manifest` raises)."""
+        try:
+            manifest = json.loads(self.manifest_path.read_bytes().decode("utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            return None
+        return manifest if isinstance(manifest, dict) else None
 
     def read_manifest(self) -> dict[str, Any] | None:
         """The manifest, or None when the store has none yet. Raises GoldenError when it
@@ -251,8 +263,10 @@ class GoldenStore:
         metadata: Mapping[str, Any],
         *,
         omit_nonfinite: bool = False,
+        record_extra: Mapping[str, Any] | None = None,
     ) -> Path:
-        """Write one entry atomically and record it in the manifest.
+        """Write one entry atomically and record it in the manifest (with ``record_extra``'s
+        fields beside its file, sha256 and size: a layer's weights' digest).
 
         Raises ValueError (before writing anything) when a tensor holds NaN, or Inf in
         hidden states; with ``omit_nonfinite`` such tensors are left out instead and listed
@@ -281,7 +295,7 @@ class GoldenStore:
         except OSError as exc:
             raise GoldenError(self._write_failure(key, path, exc)) from exc
         sha256, size = written["file"]
-        record = {"file": name, "sha256": sha256, "bytes": size}
+        record = {"file": name, "sha256": sha256, "bytes": size, **(record_extra or {})}
         renamed = False
         try:
             with self.locked():

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from weakref import WeakKeyDictionary
 
 from ..capture.routing import capture_routing
 from ..compare.floor import FLOOR_KEY, FLOOR_PREFIX, branch_directions
@@ -26,6 +27,7 @@ from ..store.callspec import (
 )
 from ..store.golden import MODEL_IO_KEY, GoldenEntry, GoldenStore
 from ..store.identity import EXTRACTION_KEYS
+from .contract import HOOK, HookedLayer, checked_model_layer
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +73,7 @@ class TargetSide:
         perturbed: PerturbedRunner | None = None,
         progress: Progress = SILENT,
         port: NxdiPort | None = None,
+        hook_where: str = HOOK,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -84,6 +87,8 @@ class TargetSide:
         self.perturbed = perturbed  # the perturbed reference runs that make a chain's noise envelope
         self.progress = progress
         self.port = port
+        self.hook_where = hook_where  # where the build hook is written, for its contract's breaches
+        self._hooked: WeakKeyDictionary[Any, HookedLayer] = WeakKeyDictionary()  # the layers the hook returned
 
     @property
     def ported(self) -> bool:
@@ -103,7 +108,12 @@ class TargetSide:
             module = self.build_hook(
                 layer_idx=index, reference_layer=reference, model_config=self.model.layer_config, device=device
             )
-        return reference.to(device) if module is None else module
+        if module is None:
+            return reference.to(device)
+        hooked = HookedLayer(index, type(reference), self.hook_where)
+        hooked.check_device(module, device)
+        self._hooked[module] = hooked
+        return module
 
     def own_layer(self, index: int, on_device: bool = True) -> torch.nn.Module:
         """The model's own layer ``index`` from the checkpoint in the goldens' dtype (on the
@@ -137,9 +147,14 @@ class TargetSide:
         tensors = entry.tensors if hidden is None else replace_hidden_input(spec, entry.tensors, hidden)
         cache_name = cache_argument(module, self.model.cache_argument)  # the callee's name for it
         args, kwargs = decode_call(spec, tensors, self.backend.device, cache_name)
+        hooked = self._hooked.get(module)
+        if hooked is not None:
+            hooked.check_call(module, args, kwargs)
         routing: dict[str, torch.Tensor] = {}
         with torch.no_grad(), capture_routing(module, self.model.top_k, routing), self.backend.running():
             output = module(*args, **kwargs)
+            if hooked is not None:
+                hooked.check_output(module, output, spec["output"])
             out = first_tensor(output)
             self.backend.sync()  # one graph: the output, the cache's keys and values, the routers' records
         return TargetRun(out, routing, appended_kv(args, kwargs, spec, tensors))
@@ -170,6 +185,12 @@ class TargetSide:
             envelope=envelope if envelope is not None else self.envelope_of(entry),
             tainted=sorted(tainted or ()),
         )
+
+    def _golden_output(self, index: int) -> dict[str, Any] | None:
+        """How layer ``index``'s golden output is made (its spec node; None without a golden)."""
+        if layer_key(index) not in ((self.manifest or {}).get("files") or {}):
+            return None
+        return self.load_golden(index).metadata["call"]["output"]
 
     def envelope_of(self, entry: GoldenEntry) -> Envelope | None:
         """The golden's envelope this target is held to: a float16 golden's runs that sum its
@@ -222,7 +243,9 @@ class TargetSide:
         if self.build_model_hook is not None and not control:
             step = self.build_model_hook(model_config=self.model.layer_config, device=device, settings=self.settings)
         if step is None:
-            build = None if control else self.build_hook
+            build = None
+            if self.build_hook is not None and not control:
+                build = checked_model_layer(self.build_hook, self.hook_where, self._golden_output)
             if self.port is not None and not control:
 
                 def build(layer_idx: int, **_: Any) -> torch.nn.Module:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,3 +54,21 @@ class CacheDropped(__import__("torch").nn.Module):
 def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
     return CacheDropped(reference_layer).to(device) if layer_idx == {layer} else None
 """
+
+
+def model_with_other_weights(dest: Path, layers: list[int], tensor: str = "self_attn.q_proj.weight") -> Path:
+    """A copy of the embedded default model at ``dest`` (same config) whose ``tensor`` of each
+    of ``layers`` differs: goldens of the default model are then of other weights there."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(DEFAULT_MODEL, dest)
+    weight_map = json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"]
+    for index in layers:
+        key = f"model.layers.{index}.{tensor}"
+        shard = dest / weight_map[key]
+        tensors = load_file(shard)
+        tensors[key] = tensors[key] * 1.01
+        save_file(tensors, shard, metadata={"format": "pt"})
+    return dest

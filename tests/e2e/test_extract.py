@@ -311,7 +311,7 @@ def test_an_overflow_in_a_decode_step_or_the_logits_is_named_there(tmp_path, mon
     count = 64 if module != "lm_head" else 32 * 1024  # the new token's hidden states; the prompt's logits
     head, measured = str(raised.value).split(" Measured through ")
     assert head == (
-        f"the reference model itself overflows in float16: first at {where}, whose output holds {count} inf/NaN "
+        f"the reference model itself gives inf/NaN in float16: first at {where}, whose output holds {count} inf/NaN "
         "values (largest finite magnitude 0; float16 holds at most 65504). This is the HuggingFace model's own "
         "forward on the golden input, not a port; no golden was written."
     )

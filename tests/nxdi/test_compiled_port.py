@@ -8,7 +8,6 @@ one), given through the ``pytest_layerparity_nxdi_build_module`` hook."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -121,22 +120,27 @@ def test_six_layers_and_two_decode_steps_build_two_programs_for_all_their_tests(
     assert all(x["ranks"] == 1 and x["start_rank"] == 0 for x in loads(pytester))
 
 
+PLANT_IN_LAYER_3 = """
+from pytest_layerparity.ports.nxdi import NxdiPort
+
+converted = NxdiPort.layer_state
+
+
+def planted(self, index, config, dtype):  # the port's conversion of layer 3's down projection, wrong
+    state = converted(self, index, config, dtype)
+    return {k: v * 1.5 if index == 3 and k.endswith("down_proj.weight") else v for k, v in state.items()}
+
+
+NxdiPort.layer_state = planted
+"""
+
+
 def test_a_bug_planted_in_one_layers_weights_fails_that_layer_alone(pytester):
     """Every layer runs with its own weights in the shared program: layer 3's down projection
-    scaled by 1.5 in a copy of the checkpoint fails layer 3's prompt and decode tests and the
-    whole model, and nothing else (had layer 3 run with another layer's weights, it would pass
-    and that layer's would fail)."""
-    from safetensors.torch import load_file, save_file
-
-    model = pytester.path / "planted"
-    shutil.copytree(checkpoint("llama6"), model)
-    name = "model.layers.3.mlp.down_proj.weight"
-    index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
-    shard = model / index[name]
-    tensors = load_file(shard)
-    tensors[name] = tensors[name] * 1.5
-    save_file(tensors, shard, metadata={"format": "pt"})
-    result = run(pytester, "llama6", "float32", "-rf", model=model)
+    scaled by 1.5 as the port converts it (the checkpoint, which the goldens are bound to, is
+    the same) fails layer 3's prompt and decode tests and the whole model, and nothing else
+    (had layer 3 run with another layer's weights, it would pass and that layer's would fail)."""
+    result = run(pytester, "llama6", "float32", "-rf", builder=STANDIN + PLANT_IN_LAYER_3)
     result.assert_outcomes(passed=10, failed=3)
     failed = sorted(line.split()[1] for line in result.stdout.lines if line.startswith("FAILED "))
     assert failed == [

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from pytest_layerparity.option_uses import USES, given_options, unused_ini_lines
+from pytest_layerparity.option_uses import USES, check_combinations, given_options, unused_ini_lines
 from pytest_layerparity.options import (
     OPTIONS,
     Settings,
     boolean,
-    check_combinations,
     correlation,
     device_map_choice,
     dtype_name,

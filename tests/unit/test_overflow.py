@@ -113,7 +113,7 @@ def command(dtype: str) -> str:
     return f"pytest --gpu-golden --extract --model=/m --golden-dir=/g --dtype {dtype}"
 
 
-HEAD = "the reference model itself overflows in {dtype}: first at {where}, whose output holds {what}"
+HEAD = "the reference model itself {verb} in {dtype}: first at {where}, whose output holds {what}"
 NOT_A_PORT = "This is the HuggingFace model's own forward on the golden input, not a port; no golden was written. "
 
 
@@ -124,7 +124,7 @@ NOT_A_PORT = "This is the HuggingFace model's own forward on the golden input, n
             "float16",
             Overflow(1, None, 1468, 65280.0),
             {"bfloat16": Measured(None, 741376.0), "float32": Measured(None, 744932.9)},
-            HEAD.format(dtype="float16", where="layer 1", what="1468 inf/NaN values")
+            HEAD.format(verb="overflows", dtype="float16", where="layer 1", what="1468 inf/NaN values")
             + " (largest finite magnitude 65280; float16 holds at most 65504). "
             + NOT_A_PORT
             + "Measured through layer 1: bfloat16 does not overflow (largest magnitude 741376), float32 does not "
@@ -134,7 +134,7 @@ NOT_A_PORT = "This is the HuggingFace model's own forward on the golden input, n
             "bfloat16",
             Overflow(None, 0, 3, 1.5e38),
             {"float16": Measured(Overflow(0, 0, 9, 60000.0), 0.0), "float32": Measured(None, 3.2e38)},
-            HEAD.format(dtype="bfloat16", where="the logits, decode step 0", what="3 inf/NaN values")
+            HEAD.format(verb="overflows", dtype="bfloat16", where="the logits, decode step 0", what="3 inf/NaN values")
             + " (largest finite magnitude 1.5e+38; bfloat16 holds at most 3.38953e+38). "
             + NOT_A_PORT
             + "Measured through the whole forward, on the prompt and its 1 decoded token(s): float16 overflows too "
@@ -148,7 +148,7 @@ NOT_A_PORT = "This is the HuggingFace model's own forward on the golden input, n
                 "bfloat16": Measured(Overflow(0, None, 64, 0.0), 0.0),
                 "float32": Measured(Overflow(0, None, 64, 0.0), 0.0),
             },
-            HEAD.format(dtype="float16", where="layer 0", what="64 inf/NaN values")
+            HEAD.format(verb="gives inf/NaN", dtype="float16", where="layer 0", what="64 inf/NaN values")
             + " (largest finite magnitude 0; float16 holds at most 65504). "
             + NOT_A_PORT
             + "Measured through layer 0: bfloat16 overflows too (at layer 0), float32 overflows too (at layer 0); the "

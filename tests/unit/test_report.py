@@ -18,7 +18,7 @@ from pytest_layerparity.report.fields import CSV_COLUMNS, FIELD_NAMES, FIELDS, P
 from pytest_layerparity.report.files import YScale, isolated_layer, write_reports, y_scale
 from pytest_layerparity.report.properties import properties, reported_metrics
 from pytest_layerparity.report.text import failure_text, first_failing, summary_lines
-from pytest_layerparity.store.commands import Commands, extract_command, rerun_command
+from pytest_layerparity.store.commands import Commands, extract_command, extraction_flags, rerun_command
 
 
 def outcome_of(scale: float, layer: int = 2):
@@ -251,21 +251,79 @@ def test_the_compare_command_says_why_there_is_nothing_to_compare(tmp_path, caps
 
 
 @pytest.mark.parametrize(
-    ("args", "expected"),
+    ("args", "kwargs", "expected"),
     [
-        (("/g",), "pytest --gpu-golden --extract --golden-dir=/g"),
-        (("/g", "/m"), "pytest --gpu-golden --extract --model=/m --golden-dir=/g"),
-        (("/g", "/m", "3"), "pytest --gpu-golden --extract --model=/m --golden-dir=/g --layers 3"),
-        (("/my goldens", "/my model"), "pytest --gpu-golden --extract '--model=/my model' '--golden-dir=/my goldens'"),
-        (("/g", "/m", None, "bfloat16"), "pytest --gpu-golden --extract --model=/m --golden-dir=/g --dtype bfloat16"),
+        (("/g",), {}, "pytest --gpu-golden --extract --golden-dir=/g"),
+        (("/g", "/m"), {}, "pytest --gpu-golden --extract --model=/m --golden-dir=/g"),
+        (("/g", "/m", "3"), {}, "pytest --gpu-golden --extract --model=/m --golden-dir=/g --layers 3"),
         (
-            ("/g", "/m", "0-3", "float32"),
-            "pytest --gpu-golden --extract --model=/m --golden-dir=/g --layers 0-3 --dtype float32",
+            ("/my goldens", "/my model"),
+            {},
+            "pytest --gpu-golden --extract '--model=/my model' '--golden-dir=/my goldens'",
+        ),
+        (
+            ("/g", "/m"),
+            {"dtype": "bfloat16"},
+            "pytest --gpu-golden --extract --model=/m --golden-dir=/g --dtype bfloat16",
+        ),
+        (
+            ("/g", "/m", "0-3"),
+            {"dtype": "float32", "flags": ("--dtype", "bfloat16", "--seq-len", "64")},
+            "pytest --gpu-golden --extract --model=/m --golden-dir=/g --dtype float32 --seq-len 64 --layers 0-3",
+        ),
+        (
+            ("/g", "/m"),
+            {"flags": ("--prompt", "Hello there"), "force_regen": True},
+            "pytest --gpu-golden --extract --model=/m --golden-dir=/g --prompt 'Hello there' --force-regen",
         ),
     ],
 )
-def test_extract_command(args, expected):
-    assert extract_command(*args) == expected
+def test_extract_command(args, kwargs, expected):
+    assert extract_command(*args, **kwargs) == expected
+
+
+RANDOM_INPUTS = {"source": "random", "prompt": None, "seed": 0, "batch_size": 1, "seq_len": 32, "decode_steps": 2}
+
+
+@pytest.mark.parametrize(
+    ("header", "default_dtype", "flags"),
+    [
+        ({"dtype": "bfloat16", "inputs": RANDOM_INPUTS, "envelope": {"runs": 12}}, "bfloat16", ()),
+        ({"dtype": "float32", "inputs": RANDOM_INPUTS, "envelope": {"runs": 12}}, "bfloat16", ("--dtype", "float32")),
+        ({"dtype": "int8", "inputs": RANDOM_INPUTS}, "bfloat16", ()),  # not a dtype a command can ask for
+        (
+            {"dtype": "bfloat16", "inputs": {**RANDOM_INPUTS, "seq_len": 600, "batch_size": 2, "seed": 7}},
+            "bfloat16",
+            ("--seq-len", "600", "--batch-size", "2", "-o", "layerparity_seed=7"),
+        ),
+        (
+            {"dtype": "bfloat16", "inputs": {**RANDOM_INPUTS, "decode_steps": 0}, "envelope": {"runs": 0}},
+            "bfloat16",
+            ("--decode-steps", "0", "--envelope-samples", "0"),
+        ),
+        (
+            {"inputs": {"source": "prompt", "prompt": "Hi", "seed": None, "seq_len": None, "decode_steps": 2}},
+            None,
+            ("--prompt", "Hi"),
+        ),
+        ({}, None, ()),
+    ],
+)
+def test_extraction_flags_repeat_what_differs_from_the_defaults(header, default_dtype, flags):
+    assert extraction_flags(header, default_dtype) == flags
+
+
+def test_extraction_flags_leave_out_exactly_the_options_defaults():
+    from pytest_layerparity.options import make_settings
+    from pytest_layerparity.reference.inputs import input_description
+
+    settings = make_settings()
+    header = {
+        "dtype": "float16",
+        "inputs": input_description(settings),
+        "envelope": {"runs": settings.envelope_samples},
+    }
+    assert extraction_flags(header, "float16") == ()
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,16 @@ def test_parse_layers(spec, expected):
         ("-1", "--layers '-1': cannot read '-1'"),
         ("", "--layers is empty"),
         ("0-99", "--layers '0-99': layer 99 is out of range"),
+        (
+            "70-2",
+            "--layers '70-2': range 70-2 is reversed, and layer 70 is out of range; this model has 62 layers: "
+            "valid layers are 0-61; write 2-61",
+        ),
+        (
+            "90-70",
+            "--layers '90-70': range 90-70 is reversed, and layer 90 is out of range; this model has 62 layers: "
+            "valid layers are 0-61",
+        ),
     ],
 )
 def test_parse_layers_errors(spec, message):
