@@ -104,7 +104,7 @@ def _check_part(spec: str, what: str, first: int, last: int, num_layers: int) ->
     valid = _valid_range_text(num_layers)
     if last >= first:
         raise SelectionError(f"{what} {spec!r}: layer {high} is out of range; {valid}")
-    fix = f"; write {low}-{num_layers - 1}" if low < num_layers - 1 else ""
+    fix = "" if low >= num_layers else f"; write {low}" if low == num_layers - 1 else f"; write {low}-{num_layers - 1}"
     raise SelectionError(
         f"{what} {spec!r}: range {first}-{last} is reversed, and layer {high} is out of range; {valid}{fix}"
     )

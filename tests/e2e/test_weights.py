@@ -11,6 +11,11 @@ import pytest
 from support import DEFAULT_MODEL, model_with_other_weights
 
 
+def source(manifest_path):
+    """The checkpoint the store's goldens were extracted from, as its manifest names it."""
+    return json.loads(manifest_path.read_text())["model"]["path"]
+
+
 def digests(manifest_path):
     files = json.loads(manifest_path.read_text())["files"]
     return {key: record.get("weights_sha256") for key, record in files.items() if re.fullmatch(r"layer_\d+", key)}
@@ -29,11 +34,12 @@ def test_goldens_of_other_weights_are_refused_once_before_any_test(project):
     other = model_with_other_weights(project.path / "other", layers=list(range(6)))
     result = project.runpytest("--target", "cpu", f"--model={other}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    recorded = digests(project.path / "goldens" / "manifest.json")["layer_0"]
+    manifest = project.path / "goldens" / "manifest.json"
+    recorded = digests(manifest)["layer_0"]
     result.stderr.fnmatch_lines(
         [
             f"ERROR: refusing the golden store: {project.path}/goldens/manifest.json: layer 0's weights in {other} "
-            f"(sha256 *) are not the weights its goldens were extracted from ({DEFAULT_MODEL}: sha256 "
+            f"(sha256 *) are not the weights its goldens were extracted from ({source(manifest)}: sha256 "
             f"{recorded[:12]}), so its tests would judge another model's layer; extract the goldens again from "
             f"these weights: pytest --gpu-golden --extract --model={other} --golden-dir={project.path}/goldens "
             "--decode-steps 0 --force-regen"
@@ -44,12 +50,13 @@ def test_goldens_of_other_weights_are_refused_once_before_any_test(project):
 
 def test_a_layer_of_other_weights_errors_alone_and_the_model_test_with_it(decode_project):
     other = model_with_other_weights(decode_project.path / "other", layers=[3])
+    extracted_from = source(decode_project.path / "goldens" / "manifest.json")
     result = decode_project.runpytest("--target", "cpu", f"--model={other}", "-rA")
     # layer 3's prompt test errors at set-up (its golden is refused), its decode test and the whole model fail
     result.assert_outcomes(passed=10, failed=2, errors=1)
     message = (
         f"*manifest.json: layer 3's weights in {other} (sha256 *) are not the weights its goldens were extracted "
-        f"from ({DEFAULT_MODEL}: sha256 *), so its tests would judge another model's layer; extract the goldens "
+        f"from ({extracted_from}: sha256 *), so its tests would judge another model's layer; extract the goldens "
         f"again from these weights: pytest --gpu-golden --extract --model={other} --golden-dir=* --force-regen"
     )
     result.stdout.fnmatch_lines([message])
@@ -63,10 +70,11 @@ def test_force_regen_binds_the_store_to_the_new_weights(project):
     extract = ("--gpu-golden", "--extract", f"--model={other}", "--decode-steps", "0", "--envelope-samples", "0")
     refused = project.runpytest(*extract)
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    extracted_from = source(project.path / "goldens" / "manifest.json")
     refused.stderr.fnmatch_lines(
         [
             "*this store holds goldens of another extraction (*layer 0's weights: store has sha256 * (from "
-            f"{DEFAULT_MODEL}), this run has * (in {other})); extract into another --golden-dir, or add "
+            f"{extracted_from}), this run has * (in {other})); extract into another --golden-dir, or add "
             "--force-regen to replace the store*"
         ]
     )

@@ -51,6 +51,11 @@ def test_parse_layers(spec, expected):
             "valid layers are 0-61; write 2-61",
         ),
         (
+            "70-61",
+            "--layers '70-61': range 70-61 is reversed, and layer 70 is out of range; this model has 62 layers: "
+            "valid layers are 0-61; write 61",
+        ),
+        (
             "90-70",
             "--layers '90-70': range 90-70 is reversed, and layer 90 is out of range; this model has 62 layers: "
             "valid layers are 0-61",
