@@ -134,7 +134,7 @@ def check_storable(entry: Any, layer: int) -> None:
     (an indexer's keys, a compressed, static or quantized entry): what is neither keys and
     values, nor linear attention's states (``LINEAR_CACHE_LAYERS``), nor no cache at all
     (``EMPTY_CACHE_LAYER``)."""
-    kind = type(entry).__name__
+    kind = getattr(type(entry), "replays", type(entry).__name__)  # a replay's entry: the kind it stands for
     if kind not in (*STORABLE_CACHE_LAYERS, *LINEAR_CACHE_LAYERS, EMPTY_CACHE_LAYER):
         raise UnstorableCache(
             f"layer {layer}'s KV-cache entry is a {kind}: it holds state beyond keys and values, which a "
@@ -473,9 +473,7 @@ def _past_entry(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], de
     if node.get("linear"):
         entry = _linear_entry(node["linear"], window, tensors, device)
     elif window:
-        from transformers.cache_utils import DynamicSlidingWindowLayer
-
-        entry = DynamicSlidingWindowLayer(sliding_window=int(window))
+        entry = _clamped_sliding_layer()(sliding_window=int(window))
     else:
         entry = DynamicLayer()
     if "keys" in node:
@@ -488,6 +486,35 @@ def _past_entry(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], de
         if window:
             entry.cumulative_length = int(node.get("seen", keys.shape[-2]))
     return entry
+
+
+_CLAMPED: list[type] = []
+
+
+def _clamped_sliding_layer() -> type:
+    """transformers' sliding-window entry, whose update keeps every token while it holds fewer
+    than the window: it slices its past from ``1 - window``, which eager torch clamps to the
+    tensor and a lazy device (torch-xla) refuses ("Value out of range") where the window is
+    longer than the past (Gemma 3's 512 under a 32-token prompt). The same entry otherwise."""
+    if not _CLAMPED:
+        from transformers.cache_utils import DynamicSlidingWindowLayer
+
+        class ClampedSlidingWindowLayer(DynamicSlidingWindowLayer):
+            replays = DynamicSlidingWindowLayer.__name__
+
+            def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                past = self.keys if getattr(self, "is_initialized", False) else None
+                held = (past.shape[-2] if past is not None else 0) + key_states.shape[-2]
+                window = self.sliding_window
+                if held < window - 1:
+                    self.sliding_window = held + 1  # the slice then keeps all `held` tokens, as eager torch's does
+                try:
+                    return super().update(key_states, value_states, *args, **kwargs)
+                finally:
+                    self.sliding_window = window
+
+        _CLAMPED.append(ClampedSlidingWindowLayer)
+    return _CLAMPED[0]
 
 
 def _linear_entry(

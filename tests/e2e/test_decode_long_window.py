@@ -1,0 +1,64 @@
+"""A sliding window longer than the stored past (Gemma 3 270M's 512 under a 32-token prompt):
+its decode steps replay on torch-xla, which refuses the slice transformers' entry takes from
+``1 - window`` where eager torch clamps it, and a port that loses its cache still fails."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from support import ROOT, cache_dropped
+
+
+@pytest.fixture(scope="module")
+def long_window_model(tmp_path_factory):
+    from transformers import Gemma3TextConfig
+
+    sys.path.insert(0, str(ROOT / "fixtures"))
+    try:
+        from make_default_model import save_realistic
+    finally:
+        sys.path.remove(str(ROOT / "fixtures"))
+    config = Gemma3TextConfig(
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=512,  # Gemma 3 270M's, over a 32-token prompt and 2 decode steps
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=2048,
+    )
+    return save_realistic(config, tmp_path_factory.mktemp("gemma3") / "model", seed=0)
+
+
+@pytest.fixture
+def long_window_project(pytester: pytest.Pytester, long_window_model) -> pytest.Pytester:
+    pytester.makeini(f"[pytest]\nlayerparity_model = {long_window_model}\nlayerparity_golden_dir = goldens\n")
+    pytester.runpytest("--gpu-golden", "--extract").assert_outcomes(passed=3)
+    return pytester
+
+
+def test_decode_steps_of_a_window_longer_than_the_past_pass_on_xla(long_window_project):
+    from pytest_layerparity.store.callspec import call_cache_node
+    from pytest_layerparity.store.golden import GoldenStore
+
+    entry = GoldenStore(long_window_project.path / "goldens").load("layer_0.decode_0")
+    node = call_cache_node(entry.metadata["call"])
+    assert node["sliding_window"] == 512 and entry.tensors[node["keys"]].shape[-2] == 32
+    result = long_window_project.runpytest("--xla")
+    result.assert_outcomes(passed=7)  # 3 prompts, 3 layers' decode steps, the whole model
+    assert "Value out of range" not in result.stdout.str()
+
+
+def test_a_sliding_layer_that_loses_its_cache_fails_its_decode_test_on_xla(long_window_project):
+    long_window_project.makeconftest(cache_dropped(1))
+    result = long_window_project.runpytest("--xla", "-rA")
+    outcomes = {
+        line.split()[1]: line.split()[0] for line in result.stdout.lines if line.startswith(("PASSED", "FAILED"))
+    }
+    assert outcomes.pop("layerparity::test_layer_decode_parity[layer_1]") == "FAILED"
+    outcomes.pop("layerparity::test_model_parity")  # two decode positions of 34: the logits may or may not show it
+    assert set(outcomes.values()) == {"PASSED"} and len(outcomes) == 5
