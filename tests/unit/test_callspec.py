@@ -177,7 +177,28 @@ def _sliding_cache(layer: int, window: int, seen: int):
     return cache
 
 
+def test_a_replayed_window_longer_than_its_past_keeps_every_token_as_eager_torch_does():
+    """The replay's entry keeps all it holds while that is under the window, without the slice
+    from ``1 - window`` that a lazy device refuses; past the window it slides as transformers'."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    spec = {"args": [], "kwargs": {"cache": {"cache": {"layer": 0, "keys": "k", "values": "v", "sliding_window": 8}}}}
+    tensors = {"k": torch.randn(1, 1, 3, 4), "v": torch.randn(1, 1, 3, 4)}
+    _, kwargs = decode_call(spec, tensors)
+    entry = kwargs["cache"].layers[0]
+    reference = DynamicSlidingWindowLayer(sliding_window=8)
+    reference.update(tensors["k"], tensors["v"])
+    for step in range(7):
+        new = torch.full((1, 1, 1, 4), float(step))
+        got, want = entry.update(new, new), reference.update(new, new)
+        assert torch.equal(got[0], want[0]) and torch.equal(entry.keys, reference.keys)
+        assert entry.sliding_window == 8 and entry.cumulative_length == reference.cumulative_length
+    assert entry.keys.shape[-2] == 7  # slid: the window's last 7 of 10
+
+
 def test_a_sliding_window_entry_is_recorded_and_replayed_sliding():
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
     cache = _sliding_cache(1, window=4, seen=6)
     layer = _NewNameAttention(1)
     x = torch.randn(1, 1, 4)
@@ -193,7 +214,7 @@ def test_a_sliding_window_entry_is_recorded_and_replayed_sliding():
     spec = json.loads(json.dumps(record.spec))
     args, kwargs = decode_call(spec, record.tensors)
     entry = kwargs["cache"].layers[1]
-    assert type(entry).__name__ == "DynamicSlidingWindowLayer" and entry.cumulative_length == 6
+    assert isinstance(entry, DynamicSlidingWindowLayer) and entry.cumulative_length == 6
     assert torch.equal(layer(*args, **kwargs), expected)
     assert entry.keys.shape[-2] == 3 and entry.cumulative_length == 7  # it slid, as the reference's did
     new_keys, new_values = appended_kv(args, kwargs, spec, record.tensors)
