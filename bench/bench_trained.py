@@ -1,0 +1,116 @@
+"""Correct ports of real trained LLMs: each model's own layers on torch-xla against its goldens.
+
+    python bench/bench_trained.py                                 # both models, bfloat16 and float32
+    python bench/bench_trained.py --models gemma3_270m --dtypes bfloat16 --seq-len 600
+
+For each model (``fixtures/trained_models.py`` fetches and converts it, cached) and dtype: the
+goldens extracted as a user extracts them, then ``pytest --xla --chain`` on them, as a user runs
+it. Prints each run's outcomes, every failing check line (a correct port: each is a false
+alarm), and how far each limit sits above the port's own value (limit / value of noise_ratio
+and token_noise_ratio, median and max over the tests), with the wall times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "fixtures"))
+from trained_models import MODELS, ensure
+
+STATISTICS = ("noise_ratio", "token_noise_ratio")
+
+
+def pytest(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return done, time.perf_counter() - start
+
+
+def properties(case: ET.Element) -> dict[str, str]:
+    return {p.get("name"): p.get("value") for p in case.iter("property")}
+
+
+def reaches(cases: list[dict[str, str]], name: str) -> list[float]:
+    """limit / value of statistic ``name`` over the tests that carry both."""
+    out = []
+    for props in cases:
+        value, limit = props.get(name), props.get(f"{name}_limit")
+        if value is not None and limit is not None and float(value) > 0:
+            out.append(float(limit) / float(value))
+    return out
+
+
+def failing_lines(output: str) -> list[str]:
+    """``test | check line`` of every FAIL line in pytest's failure section."""
+    body = output.split("= FAILURES =", 1)[-1] if "= FAILURES =" in output else ""
+    test, found = None, []
+    for line in body.splitlines():
+        header = re.match(r"^_+ (\S+) _+$", line)
+        if header:
+            test = header.group(1)
+        elif line.rstrip().endswith("FAIL"):
+            found.append(f"{test} | {' '.join(line.split()[:-1])}")
+    return found
+
+
+def run(model: str, dtype: str, seq_len: int, folder: Path) -> None:
+    path = ensure(model)
+    store = folder / f"{model}-{dtype}-{seq_len}"
+    extract, extract_s = pytest(
+        "--gpu-golden", "--extract", f"--model={path}", f"--golden-dir={store}", "--dtype", dtype,
+        "--seq-len", str(seq_len), "-q", cwd=folder,
+    )  # fmt: skip
+    if extract.returncode != 0:
+        print(f"{model} {dtype}: extraction failed ({extract_s:.0f} s):\n{extract.stdout[-2000:]}")
+        return
+    xml = folder / f"{store.name}.xml"
+    tested, test_s = pytest(
+        "--xla", "--chain", f"--model={path}", f"--golden-dir={store}", f"--junitxml={xml}", "-q", cwd=folder
+    )
+    cases = [properties(c) for c in ET.parse(xml).getroot().iter("testcase")]
+    summary = tested.stdout.strip().splitlines()[-1] if tested.stdout.strip() else "(no output)"
+    print(f"\n{model} {dtype}, {seq_len} tokens: {summary} (extraction {extract_s:.0f} s, tests {test_s:.0f} s)")
+    for name in STATISTICS:
+        values = reaches(cases, name)
+        if values:
+            print(
+                f"  {name} limit / value over {len(values)} tests: median {statistics.median(values):.2f}, "
+                f"max {max(values):.2f}, min {min(values):.2f}"
+            )
+    for line in failing_lines(tested.stdout):
+        print(f"  false alarm: {line}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="Comma-separated names. Default: all.")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="Comma-separated. Default: bfloat16,float32.")
+    parser.add_argument("--seq-len", type=int, default=32, help="Tokens of the golden input. Default: 32.")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="layerparity-trained-") as folder:
+        for model in args.models.split(","):
+            for dtype in args.dtypes.split(","):
+                run(model, dtype, args.seq_len, Path(folder))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
