@@ -45,6 +45,7 @@ class LayerOutcome:
     tainted_tokens: list[int] = field(default_factory=list)  # left out after an earlier near-tie flip (chains)
     judged_tokens: int | None = None  # tokens the verdict's statistics kept (None: all of them)
     golden_flip_tokens: list[int] = field(default_factory=list)  # the golden's experts differ from its floor's
+    prompt_kv: str | None = None  # a prompt test's: whether the keys and values it wrote were judged, or why not
 
     @property
     def passed(self) -> bool:
@@ -226,6 +227,7 @@ def judge_appended_kv(
     dtype: str,
     envelope: EnvelopeLimits | None = None,
     states: bool = False,
+    prefix: str = "new_",
 ) -> list[Check]:
     """The checks of the keys and values a decode step appended to the layer's KV cache,
     against the golden's (``cache.new_keys``/``new_values``): cosine similarity and, where the
@@ -237,13 +239,15 @@ def judge_appended_kv(
     output's. With ``states``, the golden's update is a linear-attention layer's convolution
     and recurrent states as the step left them (``new_conv_states_*``,
     ``new_recurrent_states_*``): many numbers, held to the dtype's fixed limit or their own runs'
-    limit, not widened to the output's. No checks when the golden recorded no cache update."""
+    limit, not widened to the output's. No checks when the golden recorded no cache update.
+    ``prefix``: the checks' names' (``prompt_`` for the keys and values a prompt wrote to an
+    empty cache: ``prompt_keys_cosine``, ...)."""
     from .verdict import noise_limits
 
     if "cache.new_keys" not in golden_tensors:
         return []
     if appended is None:
-        return [Check("kv_cache_appended", 0, "==", 1, False)]
+        return [Check("kv_cache_appended" if prefix == "new_" else f"{prefix}kv_written", 0, "==", 1, False)]
     fixed, _, min_cosine = noise_limits(settings, dtype)
     if envelope is not None and not states:
         fixed = max(fixed, envelope.max_noise_ratio)
@@ -255,17 +259,19 @@ def judge_appended_kv(
         max_ratio = max(fixed, envelope.max_appended_noise_ratio.get(part, 0.0)) if envelope is not None else fixed
         golden = golden_tensors[f"cache.new_{part}"]
         if tuple(target.shape) != tuple(golden.shape):
-            checks.append(Check(f"new_{label}_positions", target.shape[-2], "==", golden.shape[-2], False))
+            checks.append(Check(f"{prefix}{label}_positions", target.shape[-2], "==", golden.shape[-2], False))
             continue
         floor = golden_tensors.get(f"floor.cache.new_{part}")
         m = compare_tensors(golden, target, floor=floor)
         cosine = m.cosine_similarity
         checks.append(
-            Check(f"new_{label}_cosine", cosine, ">=", min_cosine, not math.isnan(cosine) and cosine >= min_cosine)
+            Check(f"{prefix}{label}_cosine", cosine, ">=", min_cosine, not math.isnan(cosine) and cosine >= min_cosine)
         )
         if floor is not None and m.noise_ratio is not None:
             ratio = m.noise_ratio
             checks.append(
-                Check(f"new_{label}_noise_ratio", ratio, "<=", max_ratio, not math.isnan(ratio) and ratio <= max_ratio)
+                Check(
+                    f"{prefix}{label}_noise_ratio", ratio, "<=", max_ratio, not math.isnan(ratio) and ratio <= max_ratio
+                )
             )
     return checks

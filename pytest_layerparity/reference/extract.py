@@ -22,6 +22,7 @@ from ..compare.floor import FLOOR_KEY
 from ..compare.judge import LayerOutcome, judge_golden
 from ..report.progress import SILENT, Progress
 from ..selection import decode_key, layer_key
+from ..store import promptkv
 from ..store.callspec import (
     CallRecord,
     UnstorableCache,
@@ -52,7 +53,7 @@ from .memory import give_back_memory
 from .model import ModelError, build_skeleton, find_layer_list, layer_count_from_config
 from .overflow import Measured, Overflow, OverflowWatch, ReferenceOverflow, StopForward, output_overflow, overflow_text
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
-from .prompt_cache import filled, filling, prompt_cache, with_or_without
+from .prompt_cache import filled, filling, prompt_cache, unknown_with_cache, with_or_without
 from .source import ModelSource
 from .spill import SpilledCalls, SpilledKV, mapped_empty
 
@@ -93,6 +94,7 @@ class ReferenceRun:
     uncalled: dict[int, str] = field(default_factory=dict)  # layer -> its class: of all, those the prompt skipped
     model_class: str = ""
     decode_skipped: str = ""  # why a model without an LM head has no decode steps
+    prompt_kv: str | None = None  # why the prompt goldens hold no keys and values their call wrote (None: they do)
 
     def io_tensors(self) -> dict[str, torch.Tensor]:
         """``model_io``'s tensors, with those kept on disk read back."""
@@ -249,6 +251,7 @@ class ReferenceSide:
 
                 output, cache = with_or_without(capturing, cache)
                 del capturing
+                run.prompt_kv = _prompt_kv_unknown(model, layer_list, name, steps)
                 run.uncalled = {i: type(m).__name__ for i, m in enumerate(layer_list) if i not in called}
                 has_logits = getattr(output, "logits", None) is not None
                 # the prompt's logits, held once: the tensor itself where it is on the CPU already;
@@ -305,7 +308,8 @@ class ReferenceSide:
         def hook(index: int) -> Callable[..., tuple[tuple, dict]]:
             def replace(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
                 entry = stored(index)
-                new_args, new_kwargs = decode_call(entry.metadata["call"], entry.tensors, device, cache_name)
+                spec = entry.metadata["call"]  # the call as the capture recorded it: no prompt cache
+                new_args, new_kwargs = decode_call(spec, entry.tensors, device, cache_name, prompt_cache=False)
                 return tuple(new_args), new_kwargs
 
             return replace
@@ -592,8 +596,14 @@ class ReferenceSide:
         # and each decode step); the envelope's runs use it where they run on the CPU too.
         layer = None if self.settings.no_precision_floor else self.floor.load(index)
         try:
-            info = self._write_golden(index, layer_key(index), run.calls[index], layer=layer)
             steps = sorted(step for (i, step) in run.decode_calls if i == index)
+            prompt = run.calls[index]
+            first = run.decode_calls[(index, steps[0])] if steps else None
+            skipped = run.decode_skipped.removeprefix("none: ")
+            promptkv.attach(prompt, first, f"no decode steps: {skipped}" if skipped else run.prompt_kv)
+            del first
+            info = self._write_golden(index, layer_key(index), prompt, layer=layer)
+            del prompt
             for step in steps:
                 self._write_golden(index, decode_key(index, step), run.decode_calls[(index, step)], step, layer)
                 del run.decode_calls[(index, step)]
@@ -684,6 +694,14 @@ class ReferenceSide:
             hidden_in=entry.tensors.get(hidden_input_name(spec)),
             envelope=entry.envelope_for(False),  # torch's kernels, where a reference runs, sum in float32
         )
+
+
+def _prompt_kv_unknown(model: Any, layer_list: Any, name: str | None, steps: int) -> str | None:
+    """Why the first decode step's past is not known to be what each layer's prompt call
+    writes to an empty cache (None where it is: ``store.promptkv``)."""
+    if not steps:
+        return "extracted with --decode-steps 0 (a prompt golden keeps the keys and values the decode steps start from)"
+    return unknown_with_cache(model, layer_list, name)
 
 
 def _steps_overflow(logits: list[torch.Tensor]) -> Overflow | None:

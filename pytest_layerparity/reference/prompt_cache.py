@@ -25,21 +25,35 @@ T = TypeVar("T")
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 
 
-def prompt_cache(model: Any, layer_list: Any, name: str | None) -> Any:
-    """An empty cache of the model's own kind for its layers to fill during the prompt's
-    forward (taken as ``name``), or None where one cannot be known to be that."""
+def unknown_with_cache(model: Any, layer_list: Any, name: str | None) -> str | None:
+    """Why the model's layers are not known to compute the same output with an empty cache of
+    the model's own kind as without one (None where they are: every layer's entry is an
+    attention layer's ``DynamicCache`` entry). The prompt's keys and values are stored only
+    where they are known to (``store.promptkv``)."""
     if name is None or not len(layer_list):
-        return None
+        return "its decoder layers take no cache argument"
     supports = getattr(model, "_supports_default_dynamic_cache", None)
     if supports is None or not supports():
-        return None
+        return f"{type(model).__name__} makes a cache of its own kind, not transformers' DynamicCache"
     config = model.config.get_text_config(decoder=True)
     kinds = getattr(config, "layer_types", None)
     if kinds is not None and not set(kinds) <= ATTENTION_LAYER_TYPES:
+        others = ", ".join(sorted(set(kinds) - ATTENTION_LAYER_TYPES))
+        return (
+            f"its layers are not all attention layers ({others}): a cache entry that holds other state is not known "
+            "to leave a layer's output as it is without a cache"
+        )
+    return None
+
+
+def prompt_cache(model: Any, layer_list: Any, name: str | None) -> Any:
+    """An empty cache of the model's own kind for its layers to fill during the prompt's
+    forward (taken as ``name``), or None where one cannot be known to be that."""
+    if unknown_with_cache(model, layer_list, name) is not None:
         return None
     from transformers.cache_utils import DynamicCache
 
-    return DynamicCache(config=config)
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
 
 
 @contextlib.contextmanager

@@ -63,6 +63,17 @@ FIELDS: tuple[Field, ...] = (
     Field("new_recurrent_states_noise_ratio"),
     Field("new_conv_states_positions"),
     Field("new_recurrent_states_positions"),
+    # the prompt's KV cache: whether the keys and values its call wrote (to an empty cache) were
+    # judged, or why not, and how they compare with the golden's
+    Field("prompt_kv"),
+    Field("prompt_keys_cosine", csv=True),
+    Field("prompt_keys_noise_ratio", csv=True),
+    Field("prompt_keys_noise_ratio_limit", csv=True),
+    Field("prompt_values_cosine", csv=True),
+    Field("prompt_values_noise_ratio", csv=True),
+    Field("prompt_values_noise_ratio_limit", csv=True),
+    Field("prompt_keys_positions"),
+    Field("prompt_values_positions"),
     # the whole model's next-token distributions
     Field("positions", csv=True),
     Field("top1_agreement", csv=True),

@@ -51,6 +51,13 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
         ]
         for name, (low, high) in limits.branch_bias.items():
             out += [(f"{prefix}branch_bias_{name}_low", low), (f"{prefix}branch_bias_{name}_high", high)]
+    if outcome.prompt_kv is not None:  # a prompt test's: the keys and values its call wrote
+        out.append((f"{prefix}prompt_kv", outcome.prompt_kv))
+        for check in outcome.checks:
+            if check.name.startswith("prompt_"):
+                out.append((f"{prefix}{check.name}", check.value))
+                if check.name.endswith("_noise_ratio"):
+                    out.append((f"{prefix}{check.name}_limit", check.limit))
     routings = outcome.routing
     if routings:
         tokens = sum(r.tokens for r in routings)

@@ -18,13 +18,21 @@ def _value(value: float) -> str:
     return f"{value:.6g}"
 
 
+#: The checks of what a call wrote to its KV cache (a decode step's appended keys and values,
+#: a prompt's), apart from its output's.
+CACHE_CHECKS = ("new_", "kv_", "prompt_")
+
+
 def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
     """What a failing layer says: the layer, each metric against its threshold, shape and
     dtype, the worst element, and the next command to run."""
     m = outcome.metrics
     width = max([22] + [len(check.name) for check in outcome.checks])  # a branch_bias_<direction> may be longer
+    failing = [check for check in outcome.checks if not check.ok]
+    cache_only = failing and all(check.name.startswith(CACHE_CHECKS) for check in failing)
+    what = "the keys and values it wrote to its KV cache differ from the golden's" if cache_only else None
     lines = [
-        f"layer {outcome.layer} {where}: output differs from the golden",
+        f"layer {outcome.layer} {where}: {what or 'output differs from the golden'}",
         f"  shape {outcome.shape}, golden {outcome.golden_dtype}, target {outcome.target_dtype}",
         f"  {'metric':<{width}} {'value':>14}   threshold",
     ]

@@ -19,7 +19,13 @@ A spec node is one of::
                                ``"more"``: ``[{"layer": 1, "keys": ..., "values": ...}]``.
                                A linear-attention entry also records its states under
                                ``"linear"`` (:func:`linear_node`), replayed as copies.
+                               ``"empty": true``: an entry made though it holds nothing
+                               (a prompt's cache, :data:`PROMPT_CACHE`).
     {"dropped": "SomeObject"}  an object that cannot be stored; replayed as None
+
+A prompt's call, made without a cache, records under ``spec["prompt_cache"]`` the empty cache
+(a node without keys, of the reference's kind) its replay gets, and under
+``spec["cache_update"]`` the keys and values it wrote there (:data:`PROMPT_CACHE`).
 
 A call that updated a KV cache also records, under ``spec["cache_update"]``, the keys and
 values the layer appended (``{"layer": 3, "keys": "cache.new_keys", "values": ...}``; for a
@@ -165,6 +171,12 @@ def seen_tokens(cache: Any, layer: int) -> int:
         return 0
     return cache_layer_state(cache, layer).get("seen", past[0].shape[-2])
 
+
+#: A prompt golden's record of the keys and values its call wrote (``store.promptkv``):
+#: ``{"cache": <an empty cache node>, "argument": "cache"}``, the call replayed with that empty
+#: cache under the callee's name for it (``argument``: the reference's); or ``{"not_stored":
+#: "why"}``.
+PROMPT_CACHE = "prompt_cache"
 
 #: The names a decoder layer or model takes its KV cache under, newest first.
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
@@ -456,7 +468,11 @@ def past_cache(node: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], dev
         own = past_cache({k: v for k, v in node.items() if k != "within"}, tensors, device)
         return EncoderDecoderCache(own, DynamicCache())
     cache = DynamicCache()
-    entries = {int(n["layer"]): n for n in entry_nodes(node) if "keys" in n or n.get("sliding_window") or "linear" in n}
+    entries = {
+        int(n["layer"]): n
+        for n in entry_nodes(node)
+        if "keys" in n or n.get("sliding_window") or "linear" in n or n.get("empty")
+    }
     if not entries:
         return cache
     cache.layers.extend(DynamicLayer() for _ in range(max(entries) + 1))
@@ -708,12 +724,19 @@ def decode_call(
     tensors: Mapping[str, torch.Tensor],
     device: Device | None = None,
     cache_name: str | None = None,
+    prompt_cache: bool = True,
 ) -> tuple[list[Any], dict[str, Any]]:
     """Rebuild a stored call; its cache argument under ``cache_name`` when given (the name
-    the callee takes it by: :func:`cache_argument`)."""
+    the callee takes it by: :func:`cache_argument`). A prompt's call that stores the keys and
+    values it wrote (``spec[PROMPT_CACHE]``) gets the empty cache it wrote them to, under that
+    name (else the reference's), unless not ``prompt_cache``."""
     args = [decode(n, tensors, device) for n in spec["args"]]
-    kwargs = {k: decode(n, tensors, device) for k, n in spec["kwargs"].items()}
-    return args, rename_cache_argument(kwargs, cache_name)
+    kwargs = rename_cache_argument({k: decode(n, tensors, device) for k, n in spec["kwargs"].items()}, cache_name)
+    empty = (spec.get(PROMPT_CACHE) or {}).get("cache") if prompt_cache else None
+    name = cache_name or (spec.get(PROMPT_CACHE) or {}).get("argument")
+    if empty is not None and name is not None:
+        kwargs[name] = past_cache(empty, tensors, device)
+    return args, kwargs
 
 
 def primary_output_name(spec: Mapping[str, Any]) -> str:

@@ -7,15 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cached_property
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 from ..capture.routing import capture_routing
-from ..compare.floor import FLOOR_KEY, FLOOR_PREFIX, branch_directions
+from ..compare.floor import FLOOR_KEY, branch_directions
 from ..compare.judge import LayerOutcome, judge_golden
 from ..report.progress import SILENT, Progress
 from ..selection import LayerRange, decode_key, layer_key
+from ..store import promptkv
 from ..store.callspec import (
     appended_kv,
     cache_argument,
@@ -25,9 +25,9 @@ from ..store.callspec import (
     primary_output_name,
     replace_hidden_input,
 )
-from ..store.golden import MODEL_IO_KEY, GoldenEntry, GoldenStore
-from ..store.identity import EXTRACTION_KEYS
+from ..store.golden import MODEL_IO_KEY, GoldenEntry
 from .contract import HOOK, HookedLayer, checked_model_layer
+from .saved import SavedOutputs
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,8 @@ class TargetRun:
 
     output: torch.Tensor
     routing: dict[str, torch.Tensor]
-    appended_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # a decode step's new keys and values
+    appended_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys and values the call wrote to its cache
+    prompt_kv: str | None = None  # a prompt's: "judged", or "not judged: why" (promptkv.unjudged)
 
 
 class TargetSide:
@@ -146,7 +147,9 @@ class TargetSide:
         spec = entry.metadata["call"]
         tensors = entry.tensors if hidden is None else replace_hidden_input(spec, entry.tensors, hidden)
         cache_name = cache_argument(module, self.model.cache_argument)  # the callee's name for it
-        args, kwargs = decode_call(spec, tensors, self.backend.device, cache_name)
+        prompt = entry.metadata.get("kind") == "layer"
+        unjudged = promptkv.unjudged(spec, module, cache_name) if prompt else None
+        args, kwargs = decode_call(spec, tensors, self.backend.device, cache_name, prompt_cache=unjudged is None)
         hooked = self._hooked.get(module)
         if hooked is not None:
             hooked.check_call(module, args, kwargs)
@@ -157,7 +160,9 @@ class TargetSide:
                 hooked.check_output(module, output, spec["output"])
             out = first_tensor(output)
             self.backend.sync()  # one graph: the output, the cache's keys and values, the routers' records
-        return TargetRun(out, routing, appended_kv(args, kwargs, spec, tensors))
+        if not prompt:
+            return TargetRun(out, routing, appended_kv(args, kwargs, spec, tensors))
+        return TargetRun(out, routing, *promptkv.written(args, kwargs, spec, tensors, unjudged))
 
     def judge(
         self,
@@ -203,28 +208,36 @@ class TargetSide:
         entry = self.load_golden(index)
         run = self.run(self.own_layer(index) if control else self.build(index), entry)
         if self.settings.save_outputs and not control:
-            self.save_output(index, entry, run)
-        return self.judge(index, entry, run)
+            self.saved_outputs.save(index, entry, run.output, run.routing, run.appended_kv)
+        outcome = self.judge(index, entry, run)
+        outcome.prompt_kv = run.prompt_kv
+        if run.prompt_kv == promptkv.JUDGED:  # the keys and values the prompt wrote to an empty cache
+            self.judge_written_kv(entry, run, outcome, "prompt_")
+        return outcome
+
+    def judge_written_kv(self, entry: GoldenEntry, run: TargetRun, outcome: LayerOutcome, prefix: str) -> None:
+        """Add to ``outcome`` the checks of the keys and values the call wrote to its cache
+        (``compare.judge.judge_appended_kv``, their names starting with ``prefix``)."""
+        from ..compare.judge import judge_appended_kv
+
+        states = bool((entry.metadata["call"].get("cache_update") or {}).get("states"))
+        settings, dtype = self.settings, self.dtype_name
+        outcome.checks.extend(
+            judge_appended_kv(entry.tensors, run.appended_kv, settings, dtype, outcome.envelope, states, prefix)
+        )
 
     def parity_decode(self, index: int, steps: list[int], control: bool = False) -> list[LayerOutcome]:
         """Layer ``index`` in each decode step: fed the step's golden call (the one-token
         hidden state and the layer's past keys and values as a KV cache), judged on its
         output like a prompt test, and on the keys and values it appended to the cache;
         with ``control``, the model's own layer in its place."""
-        from ..compare.judge import judge_appended_kv
-
         module = self.own_layer(index) if control else self.build(index)
         outcomes = []
         for step in steps:
             entry = self.load_golden(decode_key(index, step))
             run = self.run(module, entry)
             outcome = self.judge(index, entry, run)
-            states = bool((entry.metadata["call"].get("cache_update") or {}).get("states"))
-            outcome.checks.extend(
-                judge_appended_kv(
-                    entry.tensors, run.appended_kv, self.settings, self.dtype_name, outcome.envelope, states
-                )
-            )
+            self.judge_written_kv(entry, run, outcome, "new_")
             outcomes.append(outcome)
         return outcomes
 
@@ -265,14 +278,10 @@ class TargetSide:
         )
 
     @cached_property
-    def output_store(self) -> GoldenStore:
+    def saved_outputs(self) -> SavedOutputs:
         """Where --save-outputs keeps the target's outputs, in the golden format."""
         assert self.settings.save_outputs is not None
-        store = GoldenStore(Path(self.settings.save_outputs))
-        header = {k: v for k, v in (self.manifest or {}).items() if k not in ("files", "schema_version")}
-        header["target"] = self.settings.target_name
-        store.begin(header, compare_keys=(*EXTRACTION_KEYS, "target"))
-        return store
+        return SavedOutputs(self.settings.save_outputs, self.manifest, self.settings.target_name)
 
     def _local(
         self,
@@ -312,13 +321,6 @@ class TargetSide:
             envelope=self.envelope_of(entry),
             tainted=sorted(tainted),
         )
-
-    def save_output(self, index: int, entry: GoldenEntry, run: TargetRun) -> None:
-        spec = entry.metadata["call"]
-        tensors = {k: v for k, v in entry.tensors.items() if not k.startswith(("routing.", FLOOR_PREFIX))}
-        tensors[primary_output_name(spec)] = run.output.detach().to("cpu")
-        tensors.update(run.routing)
-        self.output_store.write(layer_key(index), tensors, {**entry.metadata, "target": self.settings.target_name})
 
     def chain(self, layers: LayerRange | list[int]) -> list[LayerOutcome]:
         """Run the layers on the target from the golden input of the first, feeding each
