@@ -48,6 +48,16 @@ def test_linear_attention_layers_are_extracted_with_their_states_and_their_decod
     )
     assert float(props["new_recurrent_states_cosine"]) > 0.9999  # the states the step left, judged
     assert float(props["new_recurrent_states_noise_ratio"]) > 0 and "new_keys_cosine" not in props
+    for layer in range(3):  # the prompt's cache: not known to leave a linear layer's output as it is
+        props = next(
+            {p.get("name"): p.get("value") for p in c.iter("property")}
+            for c in ET.parse(linear_project.path / "out.xml").getroot().iter("testcase")
+            if c.get("name") == f"test_layer_parity[layer_{layer}]"
+        )
+        assert props["prompt_kv"] == (
+            "not judged: its layers are not all attention layers (linear_attention): a cache entry that holds other "
+            "state is not known to leave a layer's output as it is without a cache"
+        )
 
 
 def test_a_port_that_loses_the_states_between_steps_fails_that_layers_decode_test(linear_project):

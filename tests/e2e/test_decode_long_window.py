@@ -5,6 +5,7 @@ its decode steps replay on torch-xla, which refuses the slice transformers' entr
 from __future__ import annotations
 
 import sys
+import xml.etree.ElementTree as ET
 
 import pytest
 from support import ROOT, cache_dropped
@@ -45,12 +46,27 @@ def test_decode_steps_of_a_window_longer_than_the_past_pass_on_xla(long_window_p
     from pytest_layerparity.store.callspec import call_cache_node
     from pytest_layerparity.store.golden import GoldenStore
 
-    entry = GoldenStore(long_window_project.path / "goldens").load("layer_0.decode_0")
+    store = GoldenStore(long_window_project.path / "goldens")
+    entry = store.load("layer_0.decode_0")
     node = call_cache_node(entry.metadata["call"])
     assert node["sliding_window"] == 512 and entry.tensors[node["keys"]].shape[-2] == 32
-    result = long_window_project.runpytest("--xla")
+    prompt = store.load("layer_0")  # the prompt replayed with an empty sliding entry: its keys all held
+    empty = {"layer": 0, "empty": True, "sliding_window": 512, "seen": 0}
+    assert prompt.metadata["call"]["prompt_cache"]["cache"] == empty
+    assert prompt.tensors["cache.new_keys"].shape[-2] == 32
+    result = long_window_project.runpytest("--xla", "--junitxml=out.xml")
     result.assert_outcomes(passed=7)  # 3 prompts, 3 layers' decode steps, the whole model
     assert "Value out of range" not in result.stdout.str()
+    result = long_window_project.runpytest("--target", "cpu", "-k", "test_layer_parity", "--junitxml=cpu.xml")
+    result.assert_outcomes(passed=3)
+    for xml in ("out.xml", "cpu.xml"):
+        cases = ET.parse(long_window_project.path / xml).getroot().iter("testcase")
+        prompts = [c for c in cases if c.get("name").startswith("test_layer_parity")]
+        assert len(prompts) == 3
+        for case in prompts:
+            props = {p.get("name"): p.get("value") for p in case.iter("property")}
+            assert props["prompt_kv"] == "judged" and float(props["prompt_keys_cosine"]) > 0.999
+            assert float(props["prompt_keys_noise_ratio"]) <= float(props["prompt_keys_noise_ratio_limit"])
 
 
 def test_a_sliding_layer_that_loses_its_cache_fails_its_decode_test_on_xla(long_window_project):

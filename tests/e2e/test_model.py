@@ -19,8 +19,8 @@ def pytest_layerparity_build_target_model(model_config, device, settings):
     return hf_step(model.eval().to(device))
 """
 #: The final norm's weight off by 20%. The embedded model's routers have near-ties that some of
-#: the whole model's perturbed runs flip, which moves their logits: its committed envelope
-#: holds logit_scale in 0.85-1.14 (8 runs), so a 10% error there passes.
+#: the whole model's perturbed runs flip, which moves their logits and widens the range of
+#: logit_scale (the committed envelope's: 0.97-1.03, 7 runs).
 FINAL_NORM = "model.model.norm.weight.mul_(0.8)  # the final norm's weight off by 20%"
 LM_HEAD = "model.lm_head.weight.copy_(model.lm_head.weight.roll(1, dims=0))  # vocabulary rows shifted by one"
 
@@ -36,7 +36,7 @@ def test_a_bug_after_the_last_layer_fails_the_whole_model_test_and_no_layer_test
             "whole model on cpu*: next-token distributions differ from the golden's (34 positions)",
             "*FAIL",
             "  top-1 agreement *, top-k overlap *, KL median *",
-            "*noise envelope from 8 perturbed reference runs of the whole model: they reach median KL *",
+            "*noise envelope from 7 perturbed reference runs of the whole model: they reach median KL *",
             "  control: the model's own transformers model on cpu*, on the same tokens, passes: the difference is the "
             "port's",
             "FAILED layerparity::test_model_parity - *",

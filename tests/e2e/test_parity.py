@@ -79,6 +79,9 @@ def test_xla_parity_passes_every_layer_of_the_default_model(project):
         assert float(props["contribution_bias"]) <= float(props["contribution_bias_high"])
         assert props["envelope_samples"] == "12"
         assert float(props["routing_agreement"]) > 0.9  # bf16 flips a near-tie token in some layers
+        assert props["prompt_kv"] == "judged"  # the keys and values the prompt wrote to an empty cache
+        for part in ("keys", "values"):
+            assert float(props[f"prompt_{part}_noise_ratio"]) <= float(props[f"prompt_{part}_noise_ratio_limit"])
 
 
 def test_planted_bug_fails_exactly_that_layer_on_xla(project):
