@@ -1,0 +1,154 @@
+"""The prompt's KV cache judged: do correct ports still pass every prompt test with the keys and
+values the prompt wrote held against the golden's, how far do those statistics sit from their
+limits, and what do two bugs only the prompt's cache shows read?
+
+    PJRT_DEVICE=CPU python bench/bench_prompt_kv.py [--models llama,qwen3,mixtral,gemma2,gpt_oss]
+        [--dtypes bfloat16,float32] [--targets xla,cpu] [--layers 4] [--samples 12]
+
+Per model (fixtures/tiny_models.py, realistic weights, 64 wide, 2 KV heads) and dtype: goldens
+extracted on the CPU (32 random tokens, 2 decode steps, K perturbed runs); then, on each
+target, every layer's prompt test with the model's own layer (a correct port: each must pass;
+on the CPU also computed one precision wider and cast back, its keys and values kept wide),
+and in the middle layer two bugs: the keys' rotary positions rolled by one (token 0's key
+rotated as the last token's; the queries right) and KV head 0's keys written to the cache as
+head 1's (attention computed right). Printed: per model, dtype and target, the tests, false
+alarms, and the largest ``prompt_keys_noise_ratio`` / ``prompt_values_noise_ratio`` as a share
+of its limit with the smallest cosine; per bug, whether the prompt test failed, whether its
+output checks alone would have, and the keys' noise ratio against its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "fixtures"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch
+from bench_verdicts import extract, planted, session, wider_port
+from scratch import work_folder
+
+MODELS = ("llama", "qwen3", "mixtral", "gemma2", "gpt_oss")
+KV_CHECKS = ("prompt_keys_noise_ratio", "prompt_values_noise_ratio")
+
+
+class RolledKeys(torch.nn.Module):
+    """Rotates each token's key as the token before it (token 0's as the last token's)."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.modeling = importlib.import_module(type(layer).__module__)
+
+    def forward(self, *args, **kwargs):
+        rotary = self.modeling.apply_rotary_pos_emb
+
+        def rolled(q, k, cos, sin, *more, **options):
+            q_embed, _ = rotary(q, k, cos, sin, *more, **options)
+            _, k_embed = rotary(q, k, cos.roll(1, -2), sin.roll(1, -2), *more, **options)
+            return q_embed, k_embed
+
+        self.modeling.apply_rotary_pos_emb = rolled
+        try:
+            return self.layer(*args, **kwargs)
+        finally:
+            self.modeling.apply_rotary_pos_emb = rotary
+
+
+class SwappedKvHeads(torch.nn.Module):
+    """Attends as the model's layer does; writes KV head 0's keys to the cache as head 1's."""
+
+    def __init__(self, layer: torch.nn.Module, index: int) -> None:
+        super().__init__()
+        self.layer, self.index = layer, index
+
+    def forward(self, *args, **kwargs):
+        out = self.layer(*args, **kwargs)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None:
+            entry = cache.layers[self.index]
+            entry.keys = entry.keys[:, [1, 0, *range(2, entry.keys.shape[1])]]
+        return out
+
+
+def bugs(at: int) -> dict:
+    return {
+        "keys' rotary rolled by one": lambda layer, config: RolledKeys(layer),
+        "KV head 0's keys written as head 1's": lambda layer, config: SwappedKvHeads(layer, at),
+    }
+
+
+def kv_reading(outcome) -> tuple[float, float]:
+    """(the largest prompt KV noise ratio as a share of its limit, the smallest prompt KV cosine)."""
+    shares = [c.value / c.limit for c in outcome.checks if c.name in KV_CHECKS]
+    cosines = [c.value for c in outcome.checks if c.name.startswith("prompt_") and c.name.endswith("_cosine")]
+    return max(shares, default=float("nan")), min(cosines, default=float("nan"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--targets", default="xla,cpu")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=12)
+    args = parser.parse_args()
+    from tiny_models import make
+
+    work = work_folder("prompt-kv-")
+    started = time.time()
+    rows, bug_rows, alarms = [], [], []
+    for name in args.models.split(","):
+        model = make(name, work / name, num_layers=args.layers)
+        layers, mid = list(range(args.layers)), args.layers // 2
+        for dtype in args.dtypes.split(","):
+            store = work / f"{name}-{dtype}"
+            extract(model, store, {}, dtype, layers, args.samples, "cpu")
+            ports = [(target, None) for target in args.targets.split(",")]
+            ports += [("wider", wider_port)] if "cpu" in args.targets.split(",") else []
+            for target, hook in ports:
+                readings, judged = [], 0
+                for i in layers:
+                    # the wider port on the CPU, its experts eager (grouped_mm has no float64)
+                    where = {"target": "cpu", "experts_implementation": "eager"} if hook else {"target": target}
+                    outcome = session(model, store, {}, hook, **where).parity_layer(i)
+                    judged += outcome.prompt_kv == "judged"
+                    readings.append(kv_reading(outcome))
+                    if not outcome.passed:
+                        failed = [f"{c.name} {c.value:.3g} {c.op} {c.limit:.3g}" for c in outcome.checks if not c.ok]
+                        alarms.append(f"{name} {dtype} {target} layer {i}: {', '.join(failed)}")
+                share = max(r[0] for r in readings)
+                cosine = min(r[1] for r in readings)
+                rows.append((name, dtype, target, len(layers), judged, share, cosine))
+                for bug, plant in bugs(mid).items() if hook is None else ():
+                    outcome = session(model, store, {}, planted(plant, mid), target=target).parity_layer(mid)
+                    output_alone = all(c.ok for c in outcome.checks if not c.name.startswith("prompt_"))
+                    keys = next(c for c in outcome.checks if c.name == "prompt_keys_noise_ratio")
+                    caught = not outcome.passed
+                    bug_rows.append((name, dtype, target, bug, caught, output_alone, keys.value, keys.limit))
+            print(f"{name} {dtype}: done ({time.time() - started:.0f} s)", flush=True)
+    print("\ncorrect ports (the model's own layer), every layer's prompt test")
+    print(f"{'model':<9} {'dtype':<9} {'target':<6} {'tests':>5} {'judged':>6} {'max ratio/limit':>15} {'min cos':>10}")
+    for name, dtype, target, tests, judged, share, cosine in rows:
+        print(f"{name:<9} {dtype:<9} {target:<6} {tests:>5} {judged:>6} {share:>15.3f} {cosine:>10.7f}")
+    print(f"false alarms: {len(alarms)} of {sum(r[3] for r in rows)}")
+    for alarm in alarms:
+        print(f"  {alarm}")
+    print("\nbugs in the middle layer's prompt")
+    head = f"{'model':<9} {'dtype':<9} {'target':<6} {'bug':<37} {'caught':>6} {'output alone passes':>19}"
+    print(f"{head} {'keys ratio':>11}")
+    for name, dtype, target, bug, caught, alone, value, limit in bug_rows:
+        keys = f"{value:.3g} <= {limit:.3g}"
+        print(f"{name:<9} {dtype:<9} {target:<6} {bug:<37} {caught!s:>6} {alone!s:>19} {keys:>11}")
+    print(f"caught: {sum(r[4] for r in bug_rows)} of {len(bug_rows)}; {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
