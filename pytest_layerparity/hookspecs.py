@@ -45,8 +45,9 @@ def pytest_layerparity_nxdi_build_module(settings: Any) -> Any:
     neuron``, with the signature and contract of neuronx-distributed-inference's
     ``neuronx_distributed_inference.utils.testing.build_module`` (module class, one tuple of
     example inputs, init kwargs, ``tp_degree``, ``compiler_args``, ``compiler_workdir``,
-    ``checkpoint_path``, ``logical_nc_config``; it returns a module called with tensors of the
-    example inputs' shapes). ``settings`` are the session's options.
+    ``checkpoint_path``, ``priority_model_idx`` (0 for token generation, None for context
+    encoding), ``logical_nc_config`` (the layer's NeuronConfig's); it returns a module called with
+    tensors of the example inputs' shapes). ``settings`` are the session's options.
 
     Return None for NxDI's own ``build_module`` (which needs the Neuron SDK).
     """

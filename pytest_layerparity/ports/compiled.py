@@ -4,12 +4,24 @@ module, once per distinct program, then called on host tensors.
 The builder is neuronx-distributed-inference's ``utils.testing.build_module`` (or what a
 conftest's ``pytest_layerparity_nxdi_build_module`` returns in its place): NxD's
 ``ModelBuilder`` traces the program and neuronx-cc compiles it, in one process over
-``tp_degree`` NeuronCores, with the arguments NxDI compiles the model with (the application's
-``get_compiler_args()``, completed by NxDI's ``ModelWrapper`` for the context-encoding model
-in the prompt pass and the token-generation model in a decode step), ``tp_degree`` and
-``logical_nc_config``. ModelBuilder sets up its own process group and ``parallel_state`` for
-the trace and destroys both after it: the plugin holds none on this path, and checks after
-each build that none was left behind.
+``tp_degree`` NeuronCores. Each program is the layer of the model NxDI makes for its tag
+(``model_tags.py``): context encoding in the prompt pass, token generation in a decode step,
+with the tag's config (``is_prefill_stage`` and the rest, as NxDI's ``model_base`` sets them),
+compiler arguments (the application's ``get_compiler_args()`` completed by NxDI's
+``ModelWrapper``) and ``priority_model_idx`` (the weight-layout optimisation: token generation
+only). ModelBuilder sets up its own process group and ``parallel_state`` for the trace and
+destroys both after it: the plugin holds none on this path, and checks after each build that
+none was left behind.
+
+The logical NeuronCore config has one source, as in NxDI's ``application_base.get_builder``
+(``logical_nc_config=self.neuron_config.logical_nc_config``): the layer's NeuronConfig, which
+NxDI resolves (``models/config.py``, ``_get_lnc``: ``NEURON_LOGICAL_NC_CONFIG``, else the
+``logical_nc_config`` given, else the platform's, 2 on Trn2). That one value goes to
+``build_module`` (ModelBuilder's ``parallel_state`` and its weight-layout program's ``--lnc``),
+to the ``--lnc`` NxDI's ``ModelWrapper`` writes into the layer's compiler arguments (where the
+application has none of its own), to the ModelBuilder that shards each layer's weights and to
+the ``parallel_state`` the plugin sets up to build a layer on the meta device (``lnc_size``,
+which picks how NxD lays its replica groups over the cores).
 
 One build per program, as NxDI compiles a model: a program is keyed by what makes programs
 differ (:class:`ProgramKey`): the application, the layer's structure (its per-layer config as
@@ -27,11 +39,11 @@ they are swapped only when another layer calls it.
 
 Decode steps run in a static KV cache, as NxDI's token-generation model does: the past keys
 and values padded to the goldens' prompt + decode tokens, the boolean mask False on the
-padding, the positions as inputs. NxDI's token-generation attention
-(``attention_base.compute_for_token_gen``) sets the scores of masked positions to the dtype's
-minimum before its softmax, so padded positions weigh zero (``tests/nxdi`` checks the padded
-call against the unpadded one in NxD's CPU mode): one token-generation program serves every
-decode step of every layer of a kind.
+padding, the positions as inputs (int32, as NxDI's ``ModelWrapper.input_generator`` makes
+them). NxDI's token-generation attention (``attention_base.compute_for_token_gen``) sets the
+scores of masked positions to the dtype's minimum before its softmax, so padded positions
+weigh zero (``tests/nxdi`` checks the padded call against the unpadded one in NxD's CPU
+mode): one token-generation program serves every decode step of every layer of a kind.
 
 What a Trainium user saves (measured with the CPU stand-in builder, tests/nxdi): a 6-layer
 Llama with 2 decode steps built 36 programs for its 13 tests (each layer's prompt and each
@@ -49,9 +61,7 @@ Long because the program key, the builds and the weight swaps are one cache (:cl
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import inspect
 import json
 import os
 import shutil
@@ -65,6 +75,8 @@ from typing import Any
 
 import torch
 
+from .model_tags import layer_config, make_layer, program_tag, tag_model
+
 BuildModule = Callable[..., Any]
 
 
@@ -77,39 +89,6 @@ def nxdi_build_module() -> BuildModule:
     from neuronx_distributed_inference.utils.testing import build_module
 
     return build_module
-
-
-def program_tag(past: bool) -> str:
-    """The NxDI model whose compiler arguments a program gets: token generation for a decode
-    step (a past is given), context encoding for the prompt pass."""
-    from neuronx_distributed_inference.models.model_wrapper import (
-        CONTEXT_ENCODING_MODEL_TAG,
-        TOKEN_GENERATION_MODEL_TAG,
-    )
-
-    return TOKEN_GENERATION_MODEL_TAG if past else CONTEXT_ENCODING_MODEL_TAG
-
-
-def compiler_args(app: type, config: Any, tag: str) -> str:
-    """The neuronx-cc arguments NxDI compiles the model ``tag`` of ``app`` with: the
-    application's ``get_compiler_args()`` (Qwen3-MoE's reads the tag as ``compile_tag``; None
-    means NxDI's default for the tag), passed through ``ModelWrapper``, which appends what it
-    always appends, as the application does when it creates its models."""
-    from neuronx_distributed_inference.models.model_wrapper import ModelWrapper
-
-    config = copy.deepcopy(config)  # ModelWrapper adjusts the neuron config of token generation
-    probe = app.__new__(app)  # the application's own method, without loading a model
-    torch.nn.Module.__init__(probe)
-    probe.config = config
-    probe.neuron_config = config.neuron_config
-    probe.compile_tag = tag
-    return ModelWrapper(config, model_cls=None, tag=tag, compiler_args=probe.get_compiler_args()).compiler_args
-
-
-def make_layer(layer_cls: type, config: Any, index: int) -> torch.nn.Module:
-    """NxDI's decoder layer ``index`` of ``layer_cls`` for ``config`` (with ``layer_idx`` where it takes one)."""
-    params = inspect.signature(layer_cls.__init__).parameters
-    return layer_cls(config, index) if "layer_idx" in params else layer_cls(config)
 
 
 class LayerProgram(torch.nn.Module):
@@ -212,37 +191,57 @@ def module_structure(module: torch.nn.Module) -> list[Any]:
 
 @dataclass
 class CompiledLayer:
-    """One decoder layer of the port as the compiled programs see it: how NxDI builds it
-    (``layer_cls``, its per-layer ``config``, ``index``) and its converted, unsharded checkpoint
-    (``state()``, names relative to the layer)."""
+    """One decoder layer of the port as the compiled programs see it: how NxDI builds it (the
+    application ``app``, ``layer_cls``, the application's ``config``, ``index``) and its
+    converted, unsharded checkpoint (``state()``, names relative to the layer)."""
 
     app: type
     layer_cls: type
     config: Any
     index: int
     state: Callable[[], dict[str, torch.Tensor]]
-    _structure: str | None = None
-    _args: dict[str, str] = field(default_factory=dict)
+    _models: dict[str, Any] = field(default_factory=dict)
+    _structures: dict[str, str] = field(default_factory=dict)
 
     @property
-    def init(self) -> dict[str, Any]:
-        return {"layer_cls": self.layer_cls, "config": self.config, "index": self.index}
+    def lnc(self) -> int:
+        """The logical NeuronCore config of every program of this layer: its NeuronConfig's, as
+        NxDI's application hands it to ModelBuilder (``application_base.get_builder``)."""
+        return int(self.config.neuron_config.logical_nc_config)
 
-    def structure(self, tp_degree: int, logical_nc_config: int) -> str:
-        """A digest of the layer's structure: its config as NxDI serialises it and the module
-        NxDI builds from it, built on the meta device as ModelBuilder builds it (once per layer)."""
-        if self._structure is None:
-            with traced_world(tp_degree, logical_nc_config):  # MoE layers read their groups in state_dict()
-                structure = module_structure(LayerProgram(**self.init))
-            check_nothing_left()
-            text = json.dumps([self.config.to_json_string(), structure])
-            self._structure = hashlib.sha256(text.encode()).hexdigest()
-        return self._structure
+    def model(self, tag: str) -> Any:
+        """The ``ModelWrapper`` NxDI's application makes for ``tag`` (its config, compiler
+        arguments and ``priority_model_idx``), once per tag."""
+        if tag not in self._models:
+            self._models[tag] = tag_model(self.app, self.config, tag)
+        return self._models[tag]
+
+    def init(self, tag: str) -> dict[str, Any]:
+        """The program's init kwargs for ``tag``: the layer built from the tag's config, as NxDI's
+        model of that tag builds layer ``index``."""
+        config = layer_config(self.layer_cls, self.model(tag).config, self.index)
+        return {"layer_cls": self.layer_cls, "config": config, "index": self.index}
 
     def compiler_args(self, tag: str) -> str:
-        if tag not in self._args:
-            self._args[tag] = compiler_args(self.app, self.config, tag)
-        return self._args[tag]
+        return self.model(tag).compiler_args
+
+    def priority_model_idx(self, tag: str) -> int | None:
+        """0 (the weight-layout optimisation) for token generation, None for context encoding,
+        as NxDI's ``model_base`` gives its models."""
+        return self.model(tag).priority_model_idx
+
+    def structure(self, tag: str, tp_degree: int) -> str:
+        """A digest of the layer's structure in ``tag``'s program: its config as NxDI serialises
+        it and the module NxDI builds from it, built on the meta device as ModelBuilder builds it
+        (once per tag)."""
+        if tag not in self._structures:
+            init = self.init(tag)
+            with traced_world(tp_degree, self.lnc):  # MoE layers read their groups in state_dict()
+                structure = module_structure(LayerProgram(**init))
+            check_nothing_left()
+            text = json.dumps([init["config"].to_json_string(), structure])
+            self._structures[tag] = hashlib.sha256(text.encode()).hexdigest()
+        return self._structures[tag]
 
 
 @dataclass(frozen=True)
@@ -290,7 +289,7 @@ class CompiledPrograms:
     given_builder: BuildModule | None = None  # None: NxDI's own build_module
     tp_degree: int = 1
     ep_degree: int = 1  # NxDI's moe_ep_degree; the ranks are still tp_degree (moe_ep x moe_tp)
-    logical_nc_config: int | None = None
+    logical_nc_config: int | None = None  # layerparity_logical_nc_config; None: the NeuronConfig resolves it
     root: Path | None = None
     compiled: list[Compiled] = field(default_factory=list)
     programs: dict[ProgramKey, Program] = field(default_factory=dict)
@@ -309,11 +308,6 @@ class CompiledPrograms:
         name = f"{getattr(builder, '__module__', '?')}.{getattr(builder, '__qualname__', repr(builder))}"
         return f"{name} (a conftest's pytest_layerparity_nxdi_build_module)"
 
-    @property
-    def lnc(self) -> int:
-        """The logical_nc_config the builder gets (build_module's default where none is given)."""
-        return 1 if self.logical_nc_config is None else self.logical_nc_config
-
     def folder(self, app: type, key: ProgramKey) -> Path:
         if self.root is None:
             self._temporary = tempfile.mkdtemp(prefix="layerparity-nxdi-")
@@ -328,10 +322,11 @@ class CompiledPrograms:
         tag = program_tag(past=len(example) > 3)
         fields = {
             "application": f"{layer.app.__module__}.{layer.app.__qualname__}",
-            "layer": layer.structure(self.tp_degree, self.lnc),
+            "layer": layer.structure(tag, self.tp_degree),
             "call": _signature(example),
             "compiler_args": layer.compiler_args(tag),
-            "placement": [self.tp_degree, self.ep_degree, self.logical_nc_config],
+            "priority_model_idx": layer.priority_model_idx(tag),
+            "placement": [self.tp_degree, self.ep_degree, layer.lnc],
         }
         return ProgramKey(tag, hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest())
 
@@ -359,18 +354,18 @@ class CompiledPrograms:
         checkpoint = folder / "checkpoint.pt"
         with FileLock(str(folder / ".lock")):  # xdist workers may build the same program
             self._write_checkpoint(checkpoint, layer.state())
-            extra = {} if self.logical_nc_config is None else {"logical_nc_config": self.logical_nc_config}
             module = self.build_module(
                 LayerProgram,
                 [example],
-                module_init_kwargs=layer.init,
+                module_init_kwargs=layer.init(key.tag),
                 tp_degree=self.tp_degree,
                 world_size=self.tp_degree,  # expert parallelism divides these ranks, it adds none
                 local_ranks_size=self.tp_degree,
                 compiler_args=args,
                 compiler_workdir=str(workdir),
                 checkpoint_path=str(checkpoint),
-                **extra,
+                priority_model_idx=layer.priority_model_idx(key.tag),
+                logical_nc_config=layer.lnc,  # the NeuronConfig's, as NxDI's application passes it
             )
         check_nothing_left()
         self.compiled.append(Compiled(key.name, layer.index, key.tag, _shape_name(example), args, str(workdir)))
@@ -400,14 +395,15 @@ class CompiledPrograms:
             local_ranks_size=self.tp_degree,
             checkpoint_loader=lambda: state,
             compiler_workdir=str(program.workdir),
-            logical_nc_config=self.lnc,
+            logical_nc_config=layer.lnc,
         )
+        tag = program.key.tag
         builder.add(
             key=LayerProgram.__name__,
-            model_instance=BaseModelInstance(partial(LayerProgram, **layer.init), input_output_aliases={}),
+            model_instance=BaseModelInstance(partial(LayerProgram, **layer.init(tag)), input_output_aliases={}),
             example_inputs=[program.example],
             compiler_args=program.compiler_args,
-            priority_model_idx=0,  # build_module's default
+            priority_model_idx=layer.priority_model_idx(tag),  # as build() gave build_module
         )
         sharded = builder.shard_checkpoint()
         check_nothing_left()
@@ -419,8 +415,8 @@ class CompiledPrograms:
         torch.save({f"layer.{k}": v for k, v in state.items()}, partial_path)
         os.replace(partial_path, path)
 
-    def describe(self) -> str:
-        lnc = "NxDI's default" if self.logical_nc_config is None else str(self.logical_nc_config)
+    def describe(self, lnc: str) -> str:
+        """The header's words; ``lnc``: the logical NeuronCore config and where it comes from."""
         where = self.root if self._temporary is None and self.root is not None else "a temporary folder"
         return (
             f"compiled once per program (layer kind and call shape; other layers' weights loaded into it) by "

@@ -41,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .compiled import CompiledLayer, make_layer
+from .compiled import CompiledLayer
+from .model_tags import layer_config, make_layer
 
 if TYPE_CHECKING:
     from ..reference.source import ModelSource
@@ -350,6 +351,8 @@ class NxdiPort:
             app = import_application(self.source().config_json.get("model_type"), self.app_spec)
         decoder_layer_class(app)  # one the port can build, or a usage error now (not mid-session)
         self._app = app
+        if self.compiled is not None:
+            self.logical_nc_config()  # an option the environment overrides is a usage error now
 
     def stop(self) -> None:
         self.runtime.teardown()
@@ -371,7 +374,11 @@ class NxdiPort:
         app = self.app
         layer = decoder_layer_class(app)
         version = _version("neuronx-distributed-inference")
-        runs = self.compiled.describe() if self.compiled is not None else self._describe_cpu_mode()
+        if self.compiled is not None:
+            lnc, origin = self.logical_nc_config()
+            runs = self.compiled.describe(f"{lnc} ({origin})")
+        else:
+            runs = self._describe_cpu_mode()
         text = f"NxDI port {app.__name__} / {layer.__name__} (neuronx-distributed-inference {version}), {runs}"
         if self.stood_in:
             text += f"; stand-ins for the closed-source {', '.join(self.stood_in)}"
@@ -411,6 +418,16 @@ class NxdiPort:
                 "use --dtype bfloat16 or float32"
             )
         config_cls = self.app.get_config_cls()
+        neuron_config = self.neuron_config(batch_size=batch_size, seq_len=seq_len, torch_dtype=dtype)
+        return config_cls(
+            neuron_config, load_config=load_pretrained_config(hf_config=hf_config_for_nxdi(self.source().config_json))
+        )
+
+    def neuron_config(self, **fields: Any) -> Any:
+        """The application's NeuronConfig for this run's placement (``fields`` besides): in NxD's
+        CPU mode ``on_cpu`` at the runtime's tp degree; compiled, ``tp_degree``, the MoE's
+        expert parallelism, and ``layerparity_logical_nc_config`` where set (else NxDI's
+        NeuronConfig resolves the logical NeuronCore config itself)."""
         if self.compiled is None:
             placement: dict[str, Any] = {"tp_degree": self.runtime.tp_degree, "on_cpu": True}
         else:
@@ -420,12 +437,31 @@ class NxdiPort:
             if self.compiled.ep_degree > 1:
                 ep = self.compiled.ep_degree
                 placement.update(moe_ep_degree=ep, moe_tp_degree=self.compiled.tp_degree // ep)
-        neuron_config = config_cls.get_neuron_config_cls()(
-            batch_size=batch_size, seq_len=seq_len, torch_dtype=dtype, **placement
-        )
-        return config_cls(
-            neuron_config, load_config=load_pretrained_config(hf_config=hf_config_for_nxdi(self.source().config_json))
-        )
+        return self.app.get_config_cls().get_neuron_config_cls()(**placement, **fields)
+
+    def logical_nc_config(self) -> tuple[int, str]:
+        """The logical NeuronCore config of the compiled programs, as NxDI's NeuronConfig resolves
+        it (``models/config.py``, ``_get_lnc``), and where it came from: ``NEURON_LOGICAL_NC_CONFIG``,
+        else ``layerparity_logical_nc_config``, else the platform's (``torch_neuronx.utils.
+        get_platform_target()``: 2 on trn2 and trn3). A variable and an option that disagree are
+        refused (NxDI would quietly take the variable)."""
+        assert self.compiled is not None
+        given = self.compiled.logical_nc_config
+        env = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+        if env is not None and given is not None and int(env) != given:
+            raise PortError(
+                f"NEURON_LOGICAL_NC_CONFIG={env} and -o layerparity_logical_nc_config={given} disagree; NxDI's "
+                "NeuronConfig takes the variable: unset it, or drop the option"
+            )
+        with nxd_warnings_quiet():
+            lnc = int(self.neuron_config().logical_nc_config)
+        if env is not None:
+            return lnc, "NEURON_LOGICAL_NC_CONFIG"
+        if given is not None:
+            return lnc, "layerparity_logical_nc_config"
+        from torch_neuronx.utils import get_platform_target
+
+        return lnc, f"NxDI's NeuronConfig default on {get_platform_target()}"
 
     def layer_state(self, index: int, config: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Layer ``index``'s checkpoint tensors through the application's converter, named
@@ -476,8 +512,9 @@ class NxdiPort:
         compiled = self.compiled
         assert compiled is not None
         layer_cls = decoder_layer_class(self.app)
-        config = layer_config(layer_cls, self.inference_config(dtype, batch_size, seq_len), index)
-        layer = CompiledLayer(self.app, layer_cls, config, index, lambda: self.layer_state(index, config, dtype))
+        config = self.inference_config(dtype, batch_size, seq_len)  # each program's tag makes its own of it
+        own = layer_config(layer_cls, config, index)
+        layer = CompiledLayer(self.app, layer_cls, config, index, lambda: self.layer_state(index, own, dtype))
 
         def run(example: tuple[torch.Tensor, ...]) -> Any:
             with nxd_warnings_quiet():
@@ -517,14 +554,6 @@ class NxdiPort:
         if unexpected:
             raise PortError(f"layer {index}: converted weights {layer_cls.__name__} has no place for: {unexpected}")
         return HFCallToNxDI(layer.eval(), index, KvLayout.of(layer, tp), self.runtime.rank)
-
-
-def layer_config(layer_cls: type, config: Any, index: int) -> Any:
-    """Layer ``index``'s config as NxDI's model class builds the layer: where the layer's module
-    has ``get_updated_configs`` (Gemma-3, GPT-OSS, Llama 4: which layers slide, chunk or skip
-    RoPE), its ``index``-th per-layer config; else the model's."""
-    per_layer = getattr(inspect.getmodule(layer_cls), "get_updated_configs", None)
-    return per_layer(config)[index] if callable(per_layer) else config
 
 
 def _version(dist_name: str) -> str:
@@ -633,7 +662,8 @@ class HFCallToProgram(HFCall):
     ) -> tuple[torch.Tensor, tuple | None]:
         if past is not None:
             mask, past = static_kv_cache(mask, past, self.kv_length)
-        example = (hidden_states, mask.contiguous(), position_ids.contiguous(), *(t.contiguous() for t in past or ()))
+        positions = position_ids.to(torch.int32).contiguous()  # as NxDI's ModelWrapper.input_generator makes them
+        example = (hidden_states, mask.contiguous(), positions, *(t.contiguous() for t in past or ()))
         outputs = self.run(example)
         if isinstance(outputs, torch.Tensor):
             return outputs, None

@@ -3,34 +3,55 @@ one: the real one traces with NxD's ModelBuilder and compiles with neuronx-cc, w
 here). What it keeps of the real contract, so that the plugin's ``--port nxdi --target neuron``
 wiring is tested against it:
 
+- the signature: the real one's parameters, in order, of the same kinds and defaults
+  (``test_signatures.py`` holds it, and ``StandinNxDModel.initialize``'s, against NxD's and
+  NxDI's sources);
 - the arguments: ``example_inputs`` a list of exactly one tuple of tensors, the module class
-  and its init kwargs, ``checkpoint_path`` loaded with ``checkpoint_loader_fn`` (torch.load) and
-  sharded with NxD's ``get_sharded_checkpoint`` into the module built from them (every
-  parameter must come from the checkpoint, as ModelBuilder's weight loading needs);
-- the process group: like ModelBuilder's trace it sets up its own (a world of ``tp_degree``)
-  and ``parallel_state`` to build the module and destroys both before returning, so a process
-  group the caller left set up makes it fail the way the real one does (torch refuses a second
-  default group);
+  and its init kwargs, ``checkpoint_path`` loaded with ``checkpoint_loader_fn`` and sharded with
+  NxD's ``get_sharded_checkpoint`` into the module built from them (every parameter must come
+  from the checkpoint, as ModelBuilder's weight loading needs);
+- the process group: like ModelBuilder's trace (``trace/model_builder.py``, ``trace``) it sets
+  up its own (a world of ``tp_degree``) and runs NxD's own ``parallel_state.
+  initialize_model_parallel(tp_degree, 1, expert_model_parallel_size=1,
+  skip_collective_init=True, lnc_size=logical_nc_config)`` to build the module, and destroys both
+  before returning, so a process group the caller left set up makes it fail the way the real one
+  does (torch refuses a second default group);
+- one logical NeuronCore config: ``logical_nc_config`` is what ModelBuilder lays
+  ``parallel_state`` out for and compiles its weight-layout program with (``--lnc``); a program
+  whose compiler arguments carry another ``--lnc``, or whose module's NeuronConfig has another
+  ``logical_nc_config``, would be a pair of programs (or a program and its replica groups) for two
+  core layouts, so the stand-in refuses it, naming both values;
 - the compiled program: called with tensors of exactly the example's shapes and dtypes (a NEFF
   takes nothing else), on host tensors, returning a tuple of host tensors;
 - its weights: NxD's weight API of the model ModelBuilder builds (``trace/spmd.py``: the traced
-  ``NxDModelExecutor``'s ``nxd_model``), ``nxd_model.initialize(sharded_checkpoint,
-  start_rank_tensor)``: a list of one state dict per rank (``local_ranks_size`` of them) and
-  the first rank as a tensor, loaded strictly (a missing or unexpected name, or a shape that
-  differs, is an error), with the build's one exception: a ``rank_util.rank`` the application's
-  converter leaves out (NxD's SPMDRank, which Mixtral's converter gives the model only; at
-  ``tp_degree`` 1 the module's own value is the rank). ModelBuilder's model has no
-  ``replace_weights`` (that is ModelBuilderV2's NxDModel), so neither has this one.
+  ``NxDModelExecutor``'s ``nxd_model``), ``nxd_model.initialize(checkpoint, start_rank_tensor)``:
+  a list of one state dict per rank (``local_ranks_size`` of them) and the first rank as a
+  tensor, loaded strictly (a missing or unexpected name, or a shape that differs, is an error),
+  with the build's one exception: a ``rank_util.rank`` the application's converter leaves out
+  (NxD's SPMDRank, which Mixtral's converter gives the model only; at ``tp_degree`` 1 the
+  module's own value is the rank). ModelBuilder's model has no ``replace_weights`` (that is
+  ModelBuilderV2's NxDModel), so neither has this one.
 
-Only ``tp_degree`` 1 is built (NxD's CPU mode in one process). Each build is recorded, one JSON
-line in ``builds.jsonl`` in the working directory: what the plugin passed; each weight load one
-line in ``loads.jsonl``: the program's workdir and what was loaded.
+Where it differs from the real one: only ``tp_degree`` 1 is built (NxD's CPU mode in one
+process), NxDI's layer runs eagerly (its CPU branches, not the ones neuronx-cc would trace), and
+no ``checkpoint_path`` is refused rather than filled with random weights.
+
+Each build is recorded, one JSON line in ``builds.jsonl`` in the working directory: what the
+plugin passed and the module's NeuronConfig settings; each weight load one line in
+``loads.jsonl``. :func:`record_nxd_calls` records the calls the plugin makes to NxD's
+``ModelBuilder`` and ``parallel_state.initialize_model_parallel`` (and this builder's own, and
+ModelBuilder's) in ``nxd_calls.jsonl``: who called, the arguments as given, bound to the real
+signature.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
+import re
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -38,16 +59,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+#: The logical NeuronCore config a compiler argument sets (NxDI's ModelWrapper writes ``--lnc=N``).
+LNC_FLAG = re.compile(r"--lnc[= ](\d+)")
+#: The settings NxDI's model_base puts in each model tag's NeuronConfig, recorded per build.
+TAG_SETTINGS = (
+    "is_prefill_stage",
+    "batch_size",
+    "n_active_tokens",
+    "bucket_n_active_tokens",
+    "sequence_parallel_enabled",
+    "buckets",
+    "cc_pipeline_tiling_factor",
+    "logical_nc_config",
+)
+
+
+def _append(name: str, record: dict[str, Any]) -> None:
+    with open(name, "a") as sink:
+        sink.write(json.dumps(record) + "\n")
+
 
 @contextmanager
-def world(tp_degree: int):
+def world(tp_degree: int, logical_nc_config: int):
     from neuronx_distributed.parallel_layers import parallel_state
 
     before = os.environ.get("NXD_CPU_MODE")
     os.environ["NXD_CPU_MODE"] = "1"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=tp_degree)
     try:
-        parallel_state.initialize_model_parallel(tp_degree, 1, expert_model_parallel_size=1, skip_collective_init=True)
+        parallel_state.initialize_model_parallel(  # as ModelBuilder.trace does
+            tensor_model_parallel_size=tp_degree,
+            pipeline_model_parallel_size=1,
+            expert_model_parallel_size=1,
+            skip_collective_init=True,
+            lnc_size=logical_nc_config,
+        )
         try:
             yield
         finally:
@@ -83,18 +129,25 @@ class StandinNxDModel:
         missing = [k for k in missing if not k.endswith("rank_util.rank")]  # as the build: see build_module
         if missing or unexpected:
             raise RuntimeError(f"initialize: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        record = {"workdir": self.workdir, "ranks": len(checkpoint), "start_rank": start, "names": len(checkpoint[0])}
-        with open("loads.jsonl", "a") as sink:
-            sink.write(json.dumps(record) + "\n")
+        _append(
+            "loads.jsonl",
+            {"workdir": self.workdir, "ranks": len(checkpoint), "start_rank": start, "names": len(checkpoint[0])},
+        )
 
 
 class StandinProgram:
     def __init__(
-        self, module: torch.nn.Module, example: tuple[torch.Tensor, ...], tp_degree: int, workdir: str
+        self,
+        module: torch.nn.Module,
+        example: tuple[torch.Tensor, ...],
+        tp_degree: int,
+        workdir: str,
+        logical_nc_config: int = 1,
     ) -> None:
         self.module = module
         self.signature = [(tuple(t.shape), t.dtype) for t in example]
         self.tp_degree = tp_degree
+        self.logical_nc_config = logical_nc_config
         self.nxd_model = StandinNxDModel(self, workdir)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -103,15 +156,38 @@ class StandinProgram:
             raise ValueError(f"the compiled program takes {self.signature}, was given {given}")
         if any(t.device.type != "cpu" for t in inputs):
             raise ValueError("the compiled program takes host tensors")
-        with world(self.tp_degree), torch.no_grad():
+        with world(self.tp_degree, self.logical_nc_config), torch.no_grad():
             outputs = self.module(*inputs)
         return tuple(t.detach().clone() for t in outputs)
+
+
+def one_core_layout(logical_nc_config: int, compiler_args: str | None, module_init_kwargs: dict) -> dict[str, Any]:
+    """The logical NeuronCore configs a build would use, which must be one: ``logical_nc_config``
+    (ModelBuilder's parallel_state and weight-layout program), the compiler arguments' ``--lnc``
+    and the module's NeuronConfig's. Returns the tag settings of that NeuronConfig."""
+    flags = sorted({int(n) for n in LNC_FLAG.findall(compiler_args or "")})
+    if any(n != logical_nc_config for n in flags):
+        raise ValueError(
+            f"compiler_args compile the program with --lnc={flags[0]} and build_module was given logical_nc_config="
+            f"{logical_nc_config}, which ModelBuilder lays parallel_state out for and compiles its weight-layout "
+            "program with: two core layouts for one program"
+        )
+    neuron_config = getattr(module_init_kwargs.get("config"), "neuron_config", None)
+    settings = {name: getattr(neuron_config, name, None) for name in TAG_SETTINGS}
+    module_lnc = settings["logical_nc_config"]
+    if module_lnc is not None and module_lnc != logical_nc_config:
+        raise ValueError(
+            f"the module's NeuronConfig has logical_nc_config {module_lnc} and build_module was given "
+            f"logical_nc_config={logical_nc_config}: NxDI's application passes its NeuronConfig's "
+            "(application_base.get_builder)"
+        )
+    return settings
 
 
 def build_module(
     module_cls,
     example_inputs,
-    module_init_kwargs=None,
+    module_init_kwargs={},  # noqa: B006 (the real default: test_signatures.py holds the two alike)
     tp_degree=1,
     world_size=None,
     local_ranks_size=None,
@@ -121,7 +197,7 @@ def build_module(
     priority_model_idx=0,
     logical_nc_config=1,
     dry_run=False,
-    checkpoint_loader_fn=torch.load,
+    checkpoint_loader_fn=lambda checkpoint_path: torch.load(checkpoint_path),  # noqa: PLW0108 (the real default)
 ):
     from neuronx_distributed.trace.trace import get_sharded_checkpoint
 
@@ -134,13 +210,17 @@ def build_module(
         raise ValueError("example_inputs must be a list of exactly one tuple of tensors")
     if tp_degree != 1:
         raise NotImplementedError("the CPU stand-in of build_module builds tp_degree 1 only")
+    settings = one_core_layout(logical_nc_config, compiler_args, module_init_kwargs)
     if checkpoint_path is None or not Path(checkpoint_path).exists():
         raise FileNotFoundError(f"checkpoint_path {checkpoint_path}: the stand-in does not make random weights")
     workdir = Path(compiler_workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "compiler_args.txt").write_text(compiler_args or "")
-    with world(tp_degree):
-        module = module_cls(**(module_init_kwargs or {}))
+    with world(tp_degree, logical_nc_config):
+        from neuronx_distributed.parallel_layers import parallel_state
+
+        layout = parallel_state._REPLICA_LOGIC.name  # how NxD laid the groups out for this core layout
+        module = module_cls(**module_init_kwargs)
         state = checkpoint_loader_fn(checkpoint_path)
         get_sharded_checkpoint(state, module, 0, tp_degree)
         missing, unexpected = module.load_state_dict(state, strict=False)
@@ -149,21 +229,97 @@ def build_module(
         raise RuntimeError(f"checkpoint {checkpoint_path}: missing {missing}, unexpected {unexpected}")
     record = {
         "module": module_cls.__name__,
-        "init": sorted(module_init_kwargs or {}),
-        "index": (module_init_kwargs or {}).get("index"),
+        "init": sorted(module_init_kwargs),
+        "index": module_init_kwargs.get("index"),
         "example": [[list(t.shape), str(t.dtype)] for t in example_inputs[0]],
         "tp_degree": tp_degree,
         "world_size": world_size,
         "local_ranks_size": local_ranks_size,
         "logical_nc_config": logical_nc_config,
+        "priority_model_idx": priority_model_idx,
         "compiler_args": compiler_args,
         "compiler_workdir": str(compiler_workdir),
         "checkpoint_path": str(checkpoint_path),
+        "neuron_config": settings,
+        "replica_logic": layout,
     }
-    with open("builds.jsonl", "a") as sink:
-        sink.write(json.dumps(record) + "\n")
-    return StandinProgram(module.eval(), example_inputs[0], tp_degree, str(compiler_workdir))
+    _append("builds.jsonl", record)
+    if dry_run:
+        return None  # the real one stops after the trace
+    return StandinProgram(module.eval(), example_inputs[0], tp_degree, str(compiler_workdir), logical_nc_config)
+
+
+# -- what the plugin calls of NxD, recorded ----------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON: plain values as they are, a tensor as its [shape, dtype], a sequence
+    element by element, anything else by its type's name."""
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return type(value).__name__
+
+
+def _spy(owner: Any, name: str, label: str) -> None:
+    """``owner.name`` replaced by a function that records each call (the caller, the arguments
+    as given and as bound to the real signature) and calls the real one."""
+    real = getattr(owner, name)
+    if getattr(real, "standin_spy", False):
+        return
+    signature = inspect.signature(real)
+
+    @functools.wraps(real)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)  # a call the real one refuses is refused here too
+        frame = sys._getframe(1)
+        _append(
+            "nxd_calls.jsonl",
+            {
+                "call": label,
+                "caller": f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}",
+                "positional": len(args),
+                "keywords": sorted(kwargs),
+                "arguments": {k: _plain(v) for k, v in bound.arguments.items() if k != "self"},
+            },
+        )
+        return real(*args, **kwargs)
+
+    spy.standin_spy = True
+    setattr(owner, name, spy)
+
+
+def record_nxd_calls() -> None:
+    """Record every call of NxD's ``ModelBuilder(...)``, ``ModelBuilder.add`` and
+    ``parallel_state.initialize_model_parallel`` made through those names (the plugin's, this
+    builder's, ModelBuilder's own) in ``nxd_calls.jsonl``. Idempotent."""
+    from pytest_layerparity.ports import standins
+
+    standins.install()  # what the plugin does before it imports NxD
+    from neuronx_distributed.parallel_layers import parallel_state
+    from neuronx_distributed.trace.model_builder import ModelBuilder
+
+    _spy(parallel_state, "initialize_model_parallel", "initialize_model_parallel")
+    _spy(ModelBuilder, "__init__", "ModelBuilder")
+    _spy(ModelBuilder, "add", "ModelBuilder.add")
+
+
+def recorded(builder: Any) -> Any:
+    """``builder`` recording how it was called (``nxd_calls.jsonl``: positional count and keyword
+    names, to be bound to the real ``build_module``'s signature)."""
+
+    @functools.wraps(builder)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        record = {"call": "build_module", "caller": "", "positional": len(args), "keywords": sorted(kwargs)}
+        _append("nxd_calls.jsonl", {**record, "arguments": {}})
+        return builder(*args, **kwargs)
+
+    return call
 
 
 def pytest_layerparity_nxdi_build_module(settings: Any):
-    return build_module
+    record_nxd_calls()
+    return recorded(build_module)

@@ -47,6 +47,12 @@ def builds(pytester: pytest.Pytester) -> list[dict]:
     return [json.loads(line) for line in (pytester.path / "builds.jsonl").read_text().splitlines()]
 
 
+def nxd_calls(pytester: pytest.Pytester, call: str) -> list[dict]:
+    """The recorded calls of ``call`` (the stand-in's ``record_nxd_calls``)."""
+    lines = (pytester.path / "nxd_calls.jsonl").read_text().splitlines()
+    return [c for c in map(json.loads, lines) if c["call"] == call]
+
+
 def loads(pytester: pytest.Pytester) -> list[dict]:
     path = pytester.path / "loads.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -66,7 +72,8 @@ def test_compiled_port_passes_every_layer_prompt_decode_and_model(pytester, name
             "layerparity: port NxDI port Neuron*ForCausalLM / Neuron*DecoderLayer (*), compiled once per program "
             "(layer kind and call shape; other layers' weights loaded into it) by standin_build_module.build_module "
             "(a conftest's pytest_layerparity_nxdi_build_module) "
-            f"(tp_degree 1, logical_nc_config NxDI's default; compiler workdirs under {pytester.path}/cc)*",
+            "(tp_degree 1, logical_nc_config 1 (NxDI's NeuronConfig default on trn1); compiler workdirs under "
+            f"{pytester.path}/cc)*",
         ]
     )
     made = builds(pytester)
@@ -78,13 +85,31 @@ def test_compiled_port_passes_every_layer_prompt_decode_and_model(pytester, name
     for b in made:
         assert b["module"] == "LayerProgram" and b["init"] == ["config", "index", "layer_cls"]
         assert b["index"] == 0  # built with the first layer that called it
-        assert b["tp_degree"] == 1 and b["logical_nc_config"] == 1  # NxDI's default, not passed
+        assert b["tp_degree"] == 1 and b["logical_nc_config"] == b["neuron_config"]["logical_nc_config"] == 1
         folder = Path(b["compiler_workdir"]).parent  # the program's entry
         assert folder.parent == pytester.path / "cc" / "nxdi" / app
         assert b["checkpoint_path"] == str(folder / "checkpoint.pt")
         assert "--verify-hlo=true" in b["compiler_args"]
         hidden, mask, positions = b["example"][:3]
-        assert mask[1] == "torch.bool" and positions[1] == "torch.int64" and hidden[1] == f"torch.{dtype}"
+        # positions int32, as NxDI's ModelWrapper.input_generator makes them
+        assert mask[1] == "torch.bool" and positions[1] == "torch.int32" and hidden[1] == f"torch.{dtype}"
+    # each program's layer built from its model tag's config, as NxDI's model_base sets it
+    # (enable_context_encoding / enable_token_generation), the weight-layout optimisation for token generation only
+    cte, tkg = prompt[0]["neuron_config"], decode[0]["neuron_config"]
+    assert (cte["is_prefill_stage"], cte["n_active_tokens"], cte["bucket_n_active_tokens"]) == (True, 34, True)
+    assert (tkg["is_prefill_stage"], tkg["n_active_tokens"], tkg["bucket_n_active_tokens"]) == (False, 1, False)
+    assert tkg["sequence_parallel_enabled"] is False and cte["buckets"] == tkg["buckets"] == [34]
+    assert prompt[0]["priority_model_idx"] is None and decode[0]["priority_model_idx"] == 0
+    # ModelWrapper's adjustment for token generation where the application has no compiler arguments of its own
+    assert (cte["cc_pipeline_tiling_factor"], tkg["cc_pipeline_tiling_factor"]) == (
+        (2, 1) if name == "llama" else (2, 2)
+    )
+    # each weight load sharded by a ModelBuilder given what the program was built with
+    for add in nxd_calls(pytester, "ModelBuilder.add"):
+        if add["caller"] == "compiled.py:shard":
+            (built,) = [b for b in made if b["example"] == add["arguments"]["example_inputs"][0]]
+            assert add["arguments"]["priority_model_idx"] == built["priority_model_idx"]
+            assert add["arguments"]["compiler_args"] == built["compiler_args"]
     (step,) = decode
     past = step["example"][3][0]
     # one token, its past in a static KV cache of the goldens' prompt + decode tokens (32 + 2)
@@ -289,13 +314,102 @@ def pytest_layerparity_nxdi_build_module(settings):
     result.stdout.fnmatch_lines(["*the builder left a gloo process group set up after compiling*"])
 
 
-def test_logical_nc_config_reaches_the_neuron_config_and_the_compiler(pytester):
+def test_logical_nc_config_reaches_the_neuron_config_and_the_compiler(pytester, monkeypatch):
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
     result = run(
         pytester, "llama", "float32", "-k", "layer_parity and layer_1", "-o", "layerparity_logical_nc_config=2"
     )
     result.assert_outcomes(passed=1)
     (made,) = builds(pytester)
-    assert made["logical_nc_config"] == 2 and "--lnc=2" in made["compiler_args"]
+    assert made["logical_nc_config"] == made["neuron_config"]["logical_nc_config"] == 2
+    assert "--lnc=2" in made["compiler_args"]
+    # NxDI's NeuronConfig takes NEURON_LOGICAL_NC_CONFIG over the option: the two disagreeing is refused up front
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "1")
+    both = run(pytester, "llama", "float32", "-o", "layerparity_logical_nc_config=2")
+    assert both.ret == pytest.ExitCode.USAGE_ERROR
+    both.stderr.fnmatch_lines(
+        [
+            "*NEURON_LOGICAL_NC_CONFIG=1 and -o layerparity_logical_nc_config=2 disagree; NxDI's NeuronConfig takes "
+            "the variable: unset it, or drop the option*"
+        ]
+    )
+
+
+@pytest.mark.parametrize(
+    ("option", "lnc", "origin"),
+    [
+        ((), 2, "NxDI's NeuronConfig default on trn2"),
+        (("-o", "layerparity_logical_nc_config=1"), 1, "layerparity_logical_nc_config"),
+    ],
+)
+def test_on_trn2_every_program_is_built_sharded_and_laid_out_for_one_lnc(pytester, monkeypatch, option, lnc, origin):
+    """On a Trn2 platform (the stand-in's ``get_platform_target`` reads NEURON_PLATFORM_TARGET_OVERRIDE
+    first, as torch-neuronx's does) NxDI's NeuronConfig takes LNC 2 unless told otherwise
+    (models/config.py, _get_lnc). That one value reaches the layer's NeuronConfig and compiler
+    arguments, ``build_module`` (ModelBuilder's parallel_state and weight-layout program), the
+    ModelBuilder that shards each weight load, and every parallel_state set up to build a layer:
+    the plugin's traced world, ModelBuilder's own, the builder's. The option overrides it
+    everywhere at once."""
+    import inspect
+
+    from neuronx_distributed.parallel_layers.parallel_state import initialize_model_parallel
+    from neuronx_distributed.trace.model_builder import ModelBuilder
+    from neuronx_distributed_inference.utils.testing import build_module
+
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    result = run(pytester, "llama", "float32", "-k", "layer_parity or layer_decode_parity", *option)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines([f"layerparity: port NxDI port *(tp_degree 1, logical_nc_config {lnc} ({origin});*"])
+    made = builds(pytester)
+    assert sorted(len(b["example"]) for b in made) == [3, 5]
+    for b in made:
+        assert b["logical_nc_config"] == b["neuron_config"]["logical_nc_config"] == lnc
+        assert f"--lnc={lnc}" in b["compiler_args"] and b["replica_logic"] == "LOGIC1"
+    inits = nxd_calls(pytester, "initialize_model_parallel")
+    callers = {c["caller"] for c in inits}
+    assert {"compiled.py:traced_world", "model_builder.py:shard_checkpoint", "standin_build_module.py:world"} <= callers
+    assert {c["arguments"].get("lnc_size") for c in inits} == {lnc}
+    builders = nxd_calls(pytester, "ModelBuilder")
+    assert builders and all(c["caller"] == "compiled.py:shard" for c in builders)  # one per weight load
+    assert {c["arguments"]["logical_nc_config"] for c in builders} == {lnc}
+    # every call the plugin made binds to the real function's signature (NxD's and NxDI's sources)
+    real = {
+        "build_module": inspect.signature(build_module),
+        "ModelBuilder": inspect.signature(ModelBuilder.__init__),
+        "ModelBuilder.add": inspect.signature(ModelBuilder.add),
+        "initialize_model_parallel": inspect.signature(initialize_model_parallel),
+    }
+    for name, signature in real.items():
+        calls = [
+            c for c in nxd_calls(pytester, name) if name == "build_module" or c["caller"].startswith("compiled.py")
+        ]
+        assert calls, name
+        for c in calls:  # a method's positional count includes self
+            signature.bind(*range(c["positional"]), **dict.fromkeys(c["keywords"]))
+
+
+def test_the_standin_refuses_two_core_layouts_for_one_program(tmp_path):
+    """What a build with two logical NeuronCore configs would compile on Trainium: a program and
+    ModelBuilder's parallel_state and weight-layout program for different core layouts."""
+    from types import SimpleNamespace
+
+    from standin_build_module import build_module
+
+    class Layer(torch.nn.Module):
+        def __init__(self, config: object = None) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2, bias=False)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+            return (self.proj(x),)
+
+    example = [(torch.zeros(1, 2),)]
+    with pytest.raises(ValueError, match="--lnc=2 and build_module was given logical_nc_config=1"):
+        build_module(Layer, example, compiler_args="-O1 --lnc=2", compiler_workdir=str(tmp_path))
+    on_lnc2 = {"config": SimpleNamespace(neuron_config=SimpleNamespace(logical_nc_config=2))}
+    with pytest.raises(ValueError, match=r"NeuronConfig has logical_nc_config 2 and build_module was given .*=1"):
+        build_module(Layer, example, on_lnc2, compiler_args="-O1", compiler_workdir=str(tmp_path))
 
 
 def test_expert_parallelism_reaches_the_neuron_config_and_is_refused_on_the_cpu(pytester):
@@ -312,7 +426,9 @@ def test_expert_parallelism_reaches_the_neuron_config_and_is_refused_on_the_cpu(
     with nxd_warnings_quiet():  # NxDI's own deprecation notices, as in a session
         neuron = port.inference_config(torch.float32, 1, 32).neuron_config
     assert (neuron.tp_degree, neuron.moe_ep_degree, neuron.moe_tp_degree) == (4, 2, 2)
-    assert "moe_ep_degree 2" in port.compiled.describe()
+    with nxd_warnings_quiet():
+        described = port.describe()
+    assert "(tp_degree 4, moe_ep_degree 2, logical_nc_config 1 (NxDI's NeuronConfig default on trn1);" in described
 
     ep2 = ("-o", "layerparity_ep_degree=2")
     cpu = run(pytester, "mixtral", "float32", *ep2, flags=("--port", "nxdi", "--target", "cpu"))
@@ -352,7 +468,8 @@ def test_a_layer_that_keeps_its_index_gets_a_program_of_its_own():
     with nxd_warnings_quiet():
         config = port.inference_config(torch.float32, 1, 34)
         configs = [layer_config(layer_cls, config, i) for i in range(6)]
-        structures = [CompiledLayer(port.app, layer_cls, c, i, dict).structure(1, 1) for i, c in enumerate(configs)]
+        layers = [CompiledLayer(port.app, layer_cls, config, i, dict) for i in range(6)]
+        structures = [layer.structure("token_generation_model", 1) for layer in layers]
     assert [c.sliding_window for c in configs] == [16, 16, 16, 16, 16, None]
     assert len(set(structures)) == 6
 
