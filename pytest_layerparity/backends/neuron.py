@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -152,7 +153,10 @@ class NeuronBackend(Backend):
                 self._we_initialised_pg = True
             self.process_group_backend = str(dist.get_backend())
             if not parallel_state.model_parallel_is_initialized():
-                parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp_degree)
+                with warnings.catch_warnings():
+                    # NxD's own notice: its collective set-up calls torch-xla's deprecated mark_step
+                    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"neuronx_distributed")
+                    parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp_degree)
                 self._we_initialised_mp = True
             self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_size()
             self._device = torch_xla.device()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -139,6 +140,9 @@ def test_setup_initialises_once_per_process_and_teardown_undoes_it(clean_env, no
     assert [c["call"] for c in state.CALLS] == ["initialize_model_parallel"]
     call = state.CALLS[0]
     assert call["tensor_model_parallel_size"] == 1 and call["pg_backend"] == "xla" and call["pg_world_size"] == 1
+    # NxD's own collective set-up ran (an all-reduce over the world, on the real "xla" group), for LNC 1 on trn1
+    assert call["skip_collective_init"] is False and call["collectives_initialised"] is True
+    assert call["lnc_size"] == 1 and call["replica_logic"] == "LOGIC1"
     assert call["env"]["RANK"] == "0" and call["env"]["WORLD_SIZE"] == "1"
 
     backend.setup()  # idempotent
@@ -181,7 +185,9 @@ def test_what_someone_else_initialised_is_used_and_left_alone(clean_env, no_proc
     state = install_in_sys_modules(clean_env)
     apply_env_defaults()
     dist.init_process_group("xla")
-    state.initialize_model_parallel(tensor_model_parallel_size=1)
+    with warnings.catch_warnings():  # the collective set-up calls torch-xla's deprecated mark_step, as NxD's does
+        warnings.simplefilter("ignore", DeprecationWarning)
+        state.initialize_model_parallel(tensor_model_parallel_size=1)
     backend = NeuronBackend(tp_degree=1)
     backend.setup()
     backend.teardown()
