@@ -20,7 +20,6 @@ output checks alone would have, and the keys' noise ratio against its limit.
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
@@ -31,51 +30,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "fixtures"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import torch
 from bench_verdicts import extract, planted, session, wider_port
+from planted_ports import RolledKeys, SwappedKvHeads
 from scratch import work_folder
 
 MODELS = ("llama", "qwen3", "mixtral", "gemma2", "gpt_oss")
 KV_CHECKS = ("prompt_keys_noise_ratio", "prompt_values_noise_ratio")
-
-
-class RolledKeys(torch.nn.Module):
-    """Rotates each token's key as the token before it (token 0's as the last token's)."""
-
-    def __init__(self, layer: torch.nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-        self.modeling = importlib.import_module(type(layer).__module__)
-
-    def forward(self, *args, **kwargs):
-        rotary = self.modeling.apply_rotary_pos_emb
-
-        def rolled(q, k, cos, sin, *more, **options):
-            q_embed, _ = rotary(q, k, cos, sin, *more, **options)
-            _, k_embed = rotary(q, k, cos.roll(1, -2), sin.roll(1, -2), *more, **options)
-            return q_embed, k_embed
-
-        self.modeling.apply_rotary_pos_emb = rolled
-        try:
-            return self.layer(*args, **kwargs)
-        finally:
-            self.modeling.apply_rotary_pos_emb = rotary
-
-
-class SwappedKvHeads(torch.nn.Module):
-    """Attends as the model's layer does; writes KV head 0's keys to the cache as head 1's."""
-
-    def __init__(self, layer: torch.nn.Module, index: int) -> None:
-        super().__init__()
-        self.layer, self.index = layer, index
-
-    def forward(self, *args, **kwargs):
-        out = self.layer(*args, **kwargs)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if cache is not None:
-            entry = cache.layers[self.index]
-            entry.keys = entry.keys[:, [1, 0, *range(2, entry.keys.shape[1])]]
-        return out
 
 
 def bugs(at: int) -> dict:

@@ -10,67 +10,23 @@ import xml.etree.ElementTree as ET
 
 from support import ROOT
 
-ROLLED_KEYS = """
-import importlib
+PLANTED = f"""
+import sys
 
 import pytest
-import torch
 
-
-class RolledKeys(torch.nn.Module):
-    '''Rotates each token's key as the token before it (token 0's as the last token's).'''
-
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-        self.modeling = importlib.import_module(type(layer).__module__)
-
-    def forward(self, *args, **kwargs):
-        rotary = self.modeling.apply_rotary_pos_emb
-
-        def rolled(q, k, cos, sin, *more, **options):
-            q_embed, _ = rotary(q, k, cos, sin, *more, **options)
-            _, k_embed = rotary(q, k, cos.roll(1, -2), sin.roll(1, -2), *more, **options)
-            return q_embed, k_embed
-
-        self.modeling.apply_rotary_pos_emb = rolled
-        try:
-            return self.layer(*args, **kwargs)
-        finally:
-            self.modeling.apply_rotary_pos_emb = rotary
+sys.path.insert(0, {str(ROOT / "fixtures")!r})
+from planted_ports import {{port}}
 
 
 @pytest.hookimpl
 def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
-    return RolledKeys(reference_layer).to(device) if layer_idx == 2 else None
+    return {{port}}(reference_layer{{more}}).to(device) if layer_idx == {{layer}} else None
 """
-
-SWAPPED_KV_HEADS = """
-import pytest
-import torch
-
-
-class SwappedKvHeads(torch.nn.Module):
-    '''Attends as the model's layer does, and writes KV head 0's keys as head 1's (and 1's as 0's).'''
-
-    def __init__(self, layer, index):
-        super().__init__()
-        self.layer = layer
-        self.index = index
-
-    def forward(self, *args, **kwargs):
-        out = self.layer(*args, **kwargs)
-        cache = kwargs.get("cache")
-        if cache is not None:
-            entry = cache.layers[self.index]
-            entry.keys = entry.keys[:, [1, 0, *range(2, entry.keys.shape[1])]]
-        return out
-
-
-@pytest.hookimpl
-def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
-    return SwappedKvHeads(reference_layer, layer_idx).to(device) if layer_idx == 4 else None
-"""
+#: A port whose keys' rotary positions are rolled by one (token 0's key rotated as the last token's) at layer 2.
+ROLLED_KEYS = PLANTED.format(port="RolledKeys", more="", layer=2)
+#: A port that attends right and writes KV head 0's keys as head 1's (and 1's as 0's) at layer 4.
+SWAPPED_KV_HEADS = PLANTED.format(port="SwappedKvHeads", more=", layer_idx", layer=4)
 
 
 def _properties(xml_path):
