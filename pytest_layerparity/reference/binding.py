@@ -30,7 +30,7 @@ class WeightsBinding:
         self.store = store
         self.dtype = dtype
         self.extract_again = extract_again
-        self._checked: set[int] = set()  # layers whose weights are their goldens' (digested once)
+        self._checked: set[int] = set()  # layers held to their goldens' digest (or without one), once
 
     def check(self, layers: list[int], unreadable_ok: bool = False) -> None:
         """Refuse the goldens of ``layers`` where the weights are not the ones they were
@@ -38,11 +38,15 @@ class WeightsBinding:
         recorded a digest (one from before the digests is not checked: :meth:`describe`).
         ``unreadable_ok``: a layer whose weights cannot be read is left for its own test (the
         check before any test reads a layer that ``-k`` may deselect)."""
+        layers = [i for i in layers if i not in self._checked]
+        if not layers:  # each golden's load asks: the manifest is read where a layer is new
+            return
         manifest = self.store.read_manifest() or {}
         layer_path = (manifest.get("model") or {}).get("layer_module")
         for index in layers:
             recorded = recorded_weights(manifest, layer_key(index), WEIGHTS_FIELD)
-            if index in self._checked or recorded is None:
+            if recorded is None:  # nothing to hold it to (an older store): not asked again
+                self._checked.add(index)
                 continue
             try:
                 found = self.model.weights_fingerprint(index, self.dtype, layer_path)

@@ -63,6 +63,7 @@ class ModelSource:
         self.attn_implementation = attn_implementation
         self.experts_implementation = experts_implementation
         self._skeletons: dict[torch.dtype, PreTrainedModel] = {}
+        self._digests: dict[tuple[int, torch.dtype, str], str | None] = {}  # a layer's weights read once
 
     @cached_property
     def config_json(self) -> dict[str, Any]:
@@ -150,12 +151,16 @@ class ModelSource:
     def weights_fingerprint(self, index: int, dtype: torch.dtype, layer_path: str | None = None) -> str | None:
         """The digest of layer ``index``'s checkpoint tensors in ``dtype`` (see
         :mod:`.fingerprint`; ``layer_path``: the layer list's path, where a store recorded it);
-        None where there is nothing to digest: no safetensors checkpoint, no tensors of its own."""
+        None where there is nothing to digest: no safetensors checkpoint, no tensors of its own.
+        Digested once per process (an extraction's check of the store and its golden ask both)."""
         try:
             checkpoint = self.checkpoint
         except ModelError:
             return None
-        return layer_fingerprint(checkpoint, layer_path or self.layer_list[0], index, dtype)
+        key = (index, dtype, layer_path or self.layer_list[0])
+        if key not in self._digests:
+            self._digests[key] = layer_fingerprint(checkpoint, key[2], index, dtype)
+        return self._digests[key]
 
     @property
     def top_k(self) -> int | None:
