@@ -10,29 +10,13 @@ import xml.etree.ElementTree as ET
 import pytest
 from support import ROOT, cache_dropped
 
+sys.path.insert(0, str(ROOT / "fixtures"))  # tiny_models
+from tiny_models import make
+
 
 @pytest.fixture(scope="module")
 def long_window_model(tmp_path_factory):
-    from transformers import Gemma3TextConfig
-
-    sys.path.insert(0, str(ROOT / "fixtures"))
-    try:
-        from make_default_model import save_realistic
-    finally:
-        sys.path.remove(str(ROOT / "fixtures"))
-    config = Gemma3TextConfig(
-        vocab_size=1024,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=512,  # Gemma 3 270M's, over a 32-token prompt and 2 decode steps
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=2048,
-    )
-    return save_realistic(config, tmp_path_factory.mktemp("gemma3") / "model", seed=0)
+    return make("gemma3_long_window", tmp_path_factory.mktemp("gemma3") / "model")
 
 
 @pytest.fixture
