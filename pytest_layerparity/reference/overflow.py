@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..store.callspec import first_tensor as callspec_first_tensor
+
 
 class ReferenceOverflow(Exception):
     """The reference model's own output holds inf/NaN in the extraction's dtype (the message
@@ -54,18 +56,12 @@ class Measured:
 
 
 def first_tensor(output: Any) -> torch.Tensor | None:
-    """A layer's output hidden states: its first tensor (a layer may return a tuple)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, Mapping):
-        output = list(output.values())
-    if not isinstance(output, (tuple, list)):
+    """A layer's output hidden states: its first tensor (:func:`~..store.callspec.first_tensor`),
+    or None where it holds none."""
+    try:
+        return callspec_first_tensor(output)
+    except ValueError:
         return None
-    for value in output:
-        found = first_tensor(value)
-        if found is not None:
-            return found
-    return None
 
 
 def nonfinite_stats(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
