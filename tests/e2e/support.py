@@ -72,3 +72,9 @@ def model_with_other_weights(dest: Path, layers: list[int], tensor: str = "self_
         tensors[key] = tensors[key] * 1.01
         save_file(tensors, shard, metadata={"format": "pt"})
     return dest
+
+
+def printed_before_summary(result) -> str:
+    """What a run printed before pytest's short test summary, which repeats each failure's message
+    (in full where the terminal is wide enough)."""
+    return result.stdout.str().split("short test summary info")[0] + result.stderr.str()
