@@ -44,7 +44,12 @@ which results a correct port's kernels legitimately give):
   (``SIXTEEN_BIT_ACCUMULATION``), as tensor cores' float16-accumulate mode and XLA's CPU
   backend do: its error drawn at the size of one sequential float16 sum of the same products
   (:func:`sequential_sum_error_std`); not without ``sixteen_bit_sums`` (Neuron's PSUM, cuBLAS,
-  eager CPU sum in float32), nor in bfloat16 (no kernel sums in 8 significant bits).
+  eager CPU sum in float32), nor in bfloat16 (no kernel sums in 8 significant bits);
+* in half the runs (drawn apart), float32 matmuls are lowered as XLA's CPU backend lowers
+  them (``SEQUENTIAL_SUMS``): a one-row one (a decode step's token) sums its products in
+  order, from its bias where it has one, its error drawn at the size of that sum
+  (:func:`sequential_sum_error_std`); any other errs ``BLOCKED_SUM_SCALE`` times the
+  reference kernel's (its sums in other blocks).
 
 With ``break_ties``, a run also breaks exact ties among ``topk``'s candidates in an order of
 its own, drawn per call: which of equal scores a router or a sparse-attention indexer takes
@@ -53,6 +58,9 @@ judge such choices one router at a time; the whole model's envelope runs with it
 
 Each run under a new seed is one legitimate implementation of the same layer: the spread of
 a statistic over runs is what a correct port's statistic is judged against.
+
+Long because :class:`PerturbedArithmetic` is one dispatch mode whose alternatives for every
+kind of op are drawn against the same per-run picks (a backend lowers all such ops one way).
 """
 
 from __future__ import annotations
@@ -96,6 +104,21 @@ MODES = ("jitter", "stochastic", "random")
 ERROR_SCALE = 2.0
 #: Result dtypes whose matmuls a legitimate kernel may accumulate in the result's own dtype.
 SIXTEEN_BIT_ACCUMULATION = frozenset({torch.float16})
+#: Result dtypes whose one-row matmuls (a decode step's token times a weight) a run may sum one
+#: product at a time, from the bias where there is one, in the runs that take it (half, drawn
+#: apart): XLA's CPU backend fuses a one-row dot with its bias into one loop that does so
+#: (measured at K 64 to 4096: its error is that of such a sum, 3.3 times eager's at K 896), as
+#: torch's own CPU addmm does for one row times a (k, n) row-major weight. Products of more
+#: rows go to blocked kernels (XLA's 4 and 32 rows err 1.1 and 1.25 times eager): taken for
+#: all of them, the in-order sum widened Qwen2.5-Coder-0.5B's float32 prompt limits 6-fold. A
+#: 16-bit matmul's sum in float32 is below its result's rounding (not modelled).
+SEQUENTIAL_SUMS = frozenset({torch.float32})
+#: How much larger than the reference kernel's is the error of a float32 matmul of several rows
+#: in that other lowering (its sums in other blocks): XLA's CPU backend errs 1.22 to 1.36 times
+#: eager on prompt-shaped products (32 rows, k 640 to 2048, random operands; 1.1 at 4 rows).
+BLOCKED_SUM_SCALE = 1.5
+#: The one-row matmuls of ``SEQUENTIAL_SUMS``, by packet name: the position of the rows' operand.
+ONE_ROW_MATMULS = {"mm": 0, "addmm": 1}
 #: A 16-bit result any kernel computes in float32 and rounds to nearest (not an approximated
 #: function's) is rounded stochastically from this fraction of the way from its exact value to
 #: the reference's result: 1.5 times a correct rounding's squared error, where a correct port's
@@ -273,6 +296,31 @@ class PerturbedArithmetic(TorchDispatchMode):
 
         return self._drawn(args, PRODUCT_ROUNDED_ADDMM, rounded_first, lambda: self._perturbed(func, args, kwargs))
 
+    def _matmul(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A matmul (``ACCUMULATING_OPS``), perturbed; a float32 one (``SEQUENTIAL_SUMS``), in
+        the runs that take the other lowering (:meth:`_drawn`), as that lowering computes it: a
+        one-row product (a decode step's token times a weight) with its error drawn as that of
+        its products summed in order from its bias (:func:`.rounding.accumulation_error`), any
+        other with its error ``BLOCKED_SUM_SCALE`` times the reference kernel's."""
+
+        def standard(exact: list[Any] | None = None) -> Any:
+            if exact is None and func is torch.ops.aten.addmm.default:  # (a 16-bit one's alternative)
+                return self._addmm(func, args, kwargs)
+            return self._perturbed(func, args, kwargs, exact)
+
+        floating = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        if self.mode == "random" or not floating or any(a.dtype not in SEQUENTIAL_SUMS for a in floating):
+            return standard()
+        rows = ONE_ROW_MATMULS.get(func.overloadpacket.__name__)
+        one_row = rows is not None and args[rows].dim() == 2 and args[rows].shape[0] == self.samples  # a run's
+        exact = self._wider_results(func, args, kwargs)  # once, for both ways
+        return self._drawn(
+            args,
+            SEQUENTIAL_SUMS,
+            lambda: self._perturbed(func, args, kwargs, exact, in_order=one_row, blocked=not one_row),
+            lambda: standard(exact),
+        )
+
     def _drawn(self, args: tuple, dtypes: frozenset, other: Callable[[], Any], standard: Callable[[], Any]) -> Any:
         """``other()`` or ``standard()`` where every floating operand in ``args`` is of
         ``dtypes`` (else ``standard()``), chosen once per run for each alternative (``other``'s
@@ -339,8 +387,8 @@ class PerturbedArithmetic(TorchDispatchMode):
             return self._topk_ties_broken(func, args, kwargs)
         if func is torch.ops.aten.native_layer_norm.default and func in DECOMPOSED_OPS:
             return self._layer_norm(func, args, kwargs)
-        if func is torch.ops.aten.addmm.default:
-            return self._addmm(func, args, kwargs)
+        if func.overloadpacket.__name__ in ACCUMULATING_OPS and not func._schema.is_mutable:
+            return self._matmul(func, args, kwargs)
         decomposition = DECOMPOSED_OPS.get(func)
         if decomposition is not None:
             with self:  # each op of the decomposition dispatches here again
@@ -351,8 +399,19 @@ class PerturbedArithmetic(TorchDispatchMode):
             return self._attention(func, args, kwargs)
         return self._perturbed(func, args, kwargs)
 
-    def _perturbed(self, func: Any, args: tuple, kwargs: dict, exact: list[Any] | None = None) -> Any:
-        """``func`` run, its rounded floating results rounded another legitimate way (around ``exact``, given)."""
+    def _perturbed(
+        self,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        exact: list[Any] | None = None,
+        in_order: bool = False,
+        blocked: bool = False,
+    ) -> Any:
+        """``func`` run, its rounded floating results rounded another legitimate way (around
+        ``exact``, given); a float32 matmul's products summed in order from its bias
+        (``in_order``) or in other blocks (``blocked``: ``BLOCKED_SUM_SCALE``), as
+        ``SEQUENTIAL_SUMS``' other lowering does."""
         name = func.overloadpacket.__name__
         if exact is None and self.mode != "random" and name != "_to_copy" and _may_round(func):
             exact = self._wider_results(func, args, kwargs)  # before an in-place op changes its input
@@ -384,10 +443,18 @@ class PerturbedArithmetic(TorchDispatchMode):
                     continue
                 self.ops += 1
                 generator = self._generator(value.device)
+                if in_order and name in ACCUMULATING_OPS and value.dtype in SEQUENTIAL_SUMS:
+                    # the sum's own error (each partial sum rounded, the last one included) around the exact result
+                    from_bias = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
+                    error = accumulation_error(name, args, value.dtype, generator, from_bias)
+                    results.append((wide + error).to(value.dtype))
+                    continue
                 summed = self.sixteen_bit_sums and name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION
                 if summed:
                     wide = wide + accumulation_error(name, args, value.dtype, generator)
                 jitter, scale = self.mode == "jitter" and approximated(name), self._scale(name, value.dtype)
+                if blocked and name in ACCUMULATING_OPS and value.dtype in SEQUENTIAL_SUMS:
+                    scale *= BLOCKED_SUM_SCALE
                 sixteen = value.dtype in (torch.bfloat16, torch.float16)
                 pull = SIXTEEN_BIT_PULL if self.mode == "jitter" and sixteen and not (jitter or summed) else None
                 draws = keyed_draws(func, args, value, self.seed, self.samples)

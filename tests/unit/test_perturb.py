@@ -8,7 +8,7 @@ import torch
 
 from pytest_layerparity.reference import draws, rounding
 from pytest_layerparity.reference.algorithms import one_pass_var_mean
-from pytest_layerparity.reference.perturb import PerturbedArithmetic
+from pytest_layerparity.reference.perturb import BLOCKED_SUM_SCALE, PerturbedArithmetic
 from pytest_layerparity.reference.rounding import another_rounding, sequential_sum_error_std, stochastic_round
 from pytest_layerparity.reference.wider import attention_reference, exact_fast_matmul, query_block
 
@@ -170,6 +170,61 @@ def test_float16_matmuls_are_perturbed_as_float16_accumulation_and_bfloat16_ones
         relative[dtype] = (error / rounding).item()
     assert relative[torch.float16] > 4
     assert relative[torch.bfloat16] < 2
+
+
+def _in_order_from_bias(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``x @ w + bias`` in float32, one product at a time, starting from the bias (as XLA's
+    CPU backend computes a one-row dot fused with its bias)."""
+    total = bias.expand(x.shape[0], -1).clone()
+    for i in range(x.shape[1]):
+        total = total + x[:, i : i + 1] * w[i : i + 1]
+    return total
+
+
+def test_float32_matmuls_sum_in_order_from_the_bias_in_half_the_runs():
+    """Eight stacked runs of a float32 linear with a bias: those that take the in-order sum err
+    as such a sum does (within 20%, ~3x eager's error at k 896), the others as eager does; both
+    kinds occur, and a float32 matmul's draw is one per run (its bias-free matmuls alike)."""
+    g = torch.Generator().manual_seed(11)
+    x, bias = torch.randn(1, 896, generator=g), torch.randn(256, generator=g)
+    w = (torch.randn(256, 896, generator=g) / 30).t()  # a linear's weight, as F.linear passes it
+    exact = x.double() @ w.double() + bias.double()
+
+    def rms(t: torch.Tensor) -> float:
+        return (t.double() - exact).pow(2).mean().sqrt().item()
+
+    in_order, eager = rms(_in_order_from_bias(x, w, bias)), rms(torch.addmm(bias, x, w))
+    assert in_order > 2 * eager
+    with PerturbedArithmetic(4, samples=8):
+        runs = torch.addmm(bias, x.repeat(8, 1), w)
+        plain = x.repeat(8, 1) @ w
+    sizes = [rms(runs[k : k + 1]) for k in range(8)]
+    took = [s > (in_order + eager) / 2 for s in sizes]
+    assert 0 < sum(took) < 8
+    for size, yes in zip(sizes, took, strict=True):
+        assert size == pytest.approx(in_order if yes else eager, rel=0.2)
+    without = x.double() @ w.double()
+    plain_sizes = [(plain[k].double() - without[0]).pow(2).mean().sqrt().item() for k in range(8)]
+    cut = (max(plain_sizes) + min(plain_sizes)) / 2
+    assert [s > cut for s in plain_sizes] == took  # the same runs sum in order everywhere
+
+
+def test_float32_matmuls_of_several_rows_are_not_summed_in_order():
+    """A prompt's float32 linear (four rows a run) errs as eager does, or in the other
+    lowering's runs BLOCKED_SUM_SCALE times that, never as an in-order sum: blocked kernels
+    compute products of several rows."""
+    g = torch.Generator().manual_seed(12)
+    x, bias = torch.randn(4, 896, generator=g), torch.randn(256, generator=g)
+    w = (torch.randn(256, 896, generator=g) / 30).t()
+    exact = x.double() @ w.double() + bias.double()
+    eager = (torch.addmm(bias, x, w).double() - exact).pow(2).mean().sqrt().item()
+    with PerturbedArithmetic(4, samples=8):
+        runs = torch.addmm(bias, x.repeat(8, 1), w)
+    sizes = [(runs[4 * k : 4 * k + 4].double() - exact).pow(2).mean().sqrt().item() for k in range(8)]
+    wider = [s > 1.25 * eager for s in sizes]
+    assert 0 < sum(wider) < 8
+    for size, yes in zip(sizes, wider, strict=True):
+        assert size == pytest.approx(BLOCKED_SUM_SCALE * eager if yes else eager, rel=0.15)
 
 
 def test_norms_and_softmax_are_perturbed_reduction_by_reduction():
