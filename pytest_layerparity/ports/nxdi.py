@@ -610,6 +610,8 @@ class HFCall(torch.nn.Module):
             else:
                 allowed = torch.ones(batch, 1, 1, length, dtype=torch.bool, device=device)
         output, present = self.call_layer(hidden_states, allowed, position_ids, past)
+        if past is None and present is not None and present[0].shape[-2] < seq:
+            present = in_order_of_position(present, position_ids)
         if cache is not None and present is not None:
             cache.update(present[0], present[1], self.index)
         return output
@@ -619,6 +621,19 @@ class HFCall(torch.nn.Module):
     ) -> tuple[torch.Tensor, tuple | None]:
         """The layer's output and the keys and values it made (None if it made none)."""
         raise NotImplementedError
+
+
+def in_order_of_position(present: tuple, position_ids: torch.Tensor) -> tuple:
+    """The keys and values a sliding-window layer's prompt returned, the last W of its
+    positions (fewer than the prompt's), from NxDI's ring layout (``get_last_kv_window``:
+    position p in slot p mod W, the slots NxDI's token generation writes) into the positions'
+    order, the HF cache's; other entries of ``present`` unchanged."""
+    keys = present[0]
+    batch, heads, width, dim = keys.shape
+    latest = position_ids.amax(dim=1).to(keys.device)  # each sample's last position
+    slots = (latest[:, None] - width + 1 + torch.arange(width, device=keys.device)) % width
+    index = slots[:, None, :, None].expand(batch, heads, width, dim)
+    return (keys.gather(2, index), present[1].gather(2, index), *present[2:])
 
 
 class HFCallToNxDI(HFCall):

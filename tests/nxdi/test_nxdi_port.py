@@ -44,6 +44,38 @@ def test_correct_nxdi_port_passes_every_layer_prompt_decode_and_model(pytester, 
     )
 
 
+def test_in_order_of_position_undoes_nxdi_sliding_window_ring_layout():
+    """NxDI's prompt returns a sliding window's last W keys with position p in slot p mod W
+    (its get_last_kv_window); the port's adapter puts them back in the positions' order."""
+    import torch
+    from neuronx_distributed_inference.modules.attention.utils import get_last_kv_window
+
+    from pytest_layerparity.ports.nxdi import in_order_of_position
+
+    for seq in (17, 32, 45):
+        keys = torch.arange(seq, dtype=torch.float32).view(1, 1, seq, 1).expand(2, 3, seq, 4)
+        position_ids = torch.arange(seq).expand(2, seq)
+        ring = get_last_kv_window(16, position_ids, keys, keys + 0.5)
+        assert not torch.equal(ring[0], keys[:, :, -15:]) or seq % 15 == 0
+        ordered = in_order_of_position(ring, position_ids)
+        assert torch.equal(ordered[0], keys[:, :, -15:]) and torch.equal(ordered[1], keys[:, :, -15:] + 0.5)
+
+
+def test_sliding_window_port_prompt_keys_and_values_are_judged(pytester):
+    """Mistral's window (16) is shorter than the prompt (32): the keys and values the NxDI
+    port's prompt writes are judged against the golden's and pass."""
+    import xml.etree.ElementTree as ET
+
+    result = run(pytester, "mistral", "float32", "--junitxml=out.xml")
+    result.assert_outcomes(passed=5)
+    judged = {}
+    for case in ET.parse(pytester.path / "out.xml").getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if case.get("name", "").startswith("test_layer_parity"):
+            judged[case.get("name")] = (props.get("prompt_kv"), float(props.get("prompt_keys_cosine", "nan")))
+    assert len(judged) == 2 and all(kv == "judged" and cosine > 0.9999 for kv, cosine in judged.values()), judged
+
+
 def test_qwen3_moe_port_ignores_norm_topk_prob_and_the_failure_says_routing_agreed(pytester):
     """NxDI's Qwen3-MoE normalises the top-k affinities always (normalize_top_k_affinities =
     True); a checkpoint with norm_topk_prob: false is computed otherwise by transformers.
