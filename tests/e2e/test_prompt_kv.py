@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 from support import ROOT
 
@@ -91,11 +92,28 @@ def test_a_port_that_writes_one_kv_heads_keys_as_anothers_fails_its_prompt_test_
     assert props["test_layer_parity[layer_3]"]["verdict"] == "pass"
 
 
+def _as_before_prompt_kv(root: Path, model: Path) -> None:
+    """Rewrite the store at ``root`` as one extracted before the prompt's keys and values were
+    kept: each prompt golden without them and without the empty cache its replay took."""
+    from pytest_layerparity.store.callspec import PROMPT_CACHE
+    from pytest_layerparity.store.golden import GoldenStore
+
+    store = GoldenStore(root, model)
+    manifest = store.read_manifest()
+    for key in [k for k in manifest["files"] if "." not in k and k.startswith("layer_")]:
+        entry = store.load(key)
+        tensors = {k: t for k, t in entry.tensors.items() if "cache.new_" not in k}
+        metadata = dict(entry.metadata)
+        metadata["call"] = {k: v for k, v in metadata["call"].items() if k != PROMPT_CACHE}
+        store.write(key, tensors, metadata, record_extra={"weights_sha256": manifest["files"][key]["weights_sha256"]})
+
+
 def test_an_old_store_without_prompt_kv_passes_and_says_they_were_not_judged(pytester):
-    """NxDI's Llama goldens (fixtures/make_nxdi_fixtures.py) were extracted before the prompt's
-    keys and values were kept: tested as before, and each prompt test says so."""
+    """NxDI's Llama goldens (fixtures/make_nxdi_fixtures.py) rewritten as extracted before the
+    prompt's keys and values were kept: tested as before, and each prompt test says so."""
     shutil.copytree(ROOT / "fixtures" / "goldens" / "nxdi" / "llama-bfloat16", pytester.path / "goldens")
     model = ROOT / "fixtures" / "nxdi" / "llama"
+    _as_before_prompt_kv(pytester.path / "goldens", model)
     pytester.makeini(f"[pytest]\nlayerparity_model = {model}\nlayerparity_golden_dir = goldens\n")
     result = pytester.runpytest("--target", "cpu", "-k", "test_layer_parity", "--junitxml=out.xml")
     result.assert_outcomes(passed=2)
