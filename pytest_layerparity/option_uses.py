@@ -168,7 +168,9 @@ USES: dict[str, Use] = {
         "--tp-degree alone shards the experts)",
     ),
     "logical_nc_config": Use(
-        lambda s: _parity(s) and s.compiled, "sets the programs NxDI compiles under --port nxdi --target neuron"
+        lambda s: _parity(s) and s.target_name == "neuron",
+        "sets the programs NxDI compiles under --port nxdi --target neuron, and the tensor-parallel groups of "
+        "--neuron's parallel_state",
     ),
     "experts_implementation": Use(_parity, f"sets the MoE experts of the layers built on a target ({TARGETS})"),
     "attn_implementation": Use(

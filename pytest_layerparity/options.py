@@ -692,9 +692,10 @@ OPTIONS = (
     Option(
         "logical_nc_config",
         "--logical-nc-config",
-        "With --port nxdi --target neuron: NxDI's logical_nc_config of the compiled programs, their sharding and "
-        "parallel_state alike (2 on Trn2 with LNC2). Default: what NxDI's NeuronConfig resolves "
-        "(NEURON_LOGICAL_NC_CONFIG, else the platform's: 2 on Trn2, 1 on Trn1).",
+        "With --neuron: the logical NeuronCore config of parallel_state's tensor-parallel groups, and with --port "
+        "nxdi NxDI's logical_nc_config of the compiled programs and their sharding alike (2 on Trn2 with LNC2). "
+        "Default: what NxDI's NeuronConfig resolves (NEURON_LOGICAL_NC_CONFIG, else the platform's: 2 on Trn2, "
+        "1 on Trn1).",
         type=positive_int,
         default=None,
         ini=True,

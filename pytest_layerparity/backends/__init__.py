@@ -43,7 +43,11 @@ def create_backend(name: str, options: Settings | None = None) -> Backend:
     if name == "xla":
         return cls(compile_cache=getattr(options, "compile_cache", None))
     if name == "neuron":
-        return cls(tp_degree=getattr(options, "tp_degree", 1), compile_cache=getattr(options, "compile_cache", None))
+        return cls(
+            tp_degree=getattr(options, "tp_degree", 1),
+            compile_cache=getattr(options, "compile_cache", None),
+            logical_nc_config=getattr(options, "logical_nc_config", None),
+        )
     return cls()
 
 

@@ -9,8 +9,10 @@ per session, the way neuronx-distributed's own ``trace()`` does on torch 2.x:
    rendezvous on one port);
 2. ``torch.distributed.init_process_group("xla")`` (the env:// rendezvous on those variables),
    unless a process group exists already;
-3. ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_degree)``, unless
-   ``parallel_state.model_parallel_is_initialized()``.
+3. ``parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_degree,
+   lnc_size=...)``, unless ``parallel_state.model_parallel_is_initialized()``: the logical
+   NeuronCore config as NxDI's NeuronConfig resolves it (:func:`logical_nc_config`; its
+   tensor-parallel groups are laid over a Trn2 node's cores by it).
 
 ``teardown()`` undoes what ``setup()`` did and nothing else: ``destroy_model_parallel()``,
 ``torch.distributed.destroy_process_group()``, and the variables it set.
@@ -112,6 +114,38 @@ def import_parallel_state() -> Any:
     return parallel_state
 
 
+#: The platforms whose NeuronCores NxDI's NeuronConfig groups two to a logical core by default.
+TWO_CORE_PLATFORMS = ("trn2", "trn3")
+
+
+def logical_nc_config(option: int | None) -> tuple[int, str]:
+    """The logical NeuronCore config, as NxDI's NeuronConfig resolves it (``_get_lnc``), and
+    where it came from: ``NEURON_LOGICAL_NC_CONFIG``, else ``layerparity_logical_nc_config``
+    (``option``), else the platform's (``torch_neuronx.utils.get_platform_target()``: 2 on
+    trn2 and trn3, else 1). A variable and an option that disagree are refused."""
+    env = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if env is not None:
+        if not env.isdigit() or int(env) < 1:
+            raise BackendUnavailable(f"NEURON_LOGICAL_NC_CONFIG={env!r} is not a positive whole number")
+        if option is not None and int(env) != option:
+            raise BackendUnavailable(
+                f"NEURON_LOGICAL_NC_CONFIG={env} and -o layerparity_logical_nc_config={option} disagree; unset the "
+                "variable, or drop the option"
+            )
+        return int(env), "NEURON_LOGICAL_NC_CONFIG"
+    if option is not None:
+        return option, "layerparity_logical_nc_config"
+    try:
+        from torch_neuronx.utils import get_platform_target
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"--neuron: torch_neuronx.utils.get_platform_target does not import ({exc}), so the platform's logical "
+            "NeuronCore config is not known; set -o layerparity_logical_nc_config=N (2 on Trn2 with LNC2)"
+        ) from exc
+    platform = get_platform_target()
+    return (2 if platform in TWO_CORE_PLATFORMS else 1), f"the platform's, {platform}"
+
+
 #: A NeuronCore's tensor engine accumulates every matmul in float32 (its PSUM), float16 ones too.
 NEURON_SIXTEEN_BIT_SUMS = False
 
@@ -121,9 +155,13 @@ class NeuronBackend(Backend):
     lazy = True
     sixteen_bit_sums = NEURON_SIXTEEN_BIT_SUMS
 
-    def __init__(self, tp_degree: int = 1, compile_cache: str | None = None) -> None:
+    def __init__(
+        self, tp_degree: int = 1, compile_cache: str | None = None, logical_nc_config: int | None = None
+    ) -> None:
         self.tp_degree = tp_degree
         self.compile_cache = compile_cache
+        self.logical_nc_option = logical_nc_config
+        self.lnc: tuple[int, str] | None = None  # (value, where it came from), once resolved
         self._device = None
         self._env_applied: dict[str, str] = {}
         self._we_initialised_pg = False
@@ -153,10 +191,13 @@ class NeuronBackend(Backend):
                 self._we_initialised_pg = True
             self.process_group_backend = str(dist.get_backend())
             if not parallel_state.model_parallel_is_initialized():
+                self.lnc = logical_nc_config(self.logical_nc_option)
                 with warnings.catch_warnings():
                     # NxD's own notice: its collective set-up calls torch-xla's deprecated mark_step
                     warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"neuronx_distributed")
-                    parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp_degree)
+                    parallel_state.initialize_model_parallel(
+                        tensor_model_parallel_size=self.tp_degree, lnc_size=self.lnc[0]
+                    )
                 self._we_initialised_mp = True
             self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_size()
             self._device = torch_xla.device()
@@ -197,6 +238,8 @@ class NeuronBackend(Backend):
             f"tensor parallel {self.tensor_parallel_size}; process group {self.process_group_backend} {pg}, "
             f"parallel_state {mp}"
         )
+        if self.lnc is not None:
+            text += f" with logical NeuronCore config {self.lnc[0]} ({self.lnc[1]})"
         if self.compile_cache:
             text += f"; compile cache {self.compile_cache}"
         return text + ")"

@@ -183,8 +183,18 @@ def destroy_model_parallel():
     _record("destroy_model_parallel")
 '''
 
+#: torch_neuronx.utils: ``get_platform_target`` reads NEURON_PLATFORM_TARGET_OVERRIDE first, as the real one.
+UTILS_SOURCE = '''"""Stand-in for torch_neuronx.utils: the platform from NEURON_PLATFORM_TARGET_OVERRIDE, else trn1."""
+import os
+
+
+def get_platform_target(compiler_args=None):
+    return os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1")
+'''
+
 PACKAGES = {
     "torch_neuronx/__init__.py": '"""Stand-in for torch-neuronx (the Neuron SDK cannot be installed here)."""\n',
+    "torch_neuronx/utils.py": UTILS_SOURCE,
     "neuronx_distributed/__init__.py": (
         '"""Stand-in for neuronx-distributed (the Neuron SDK cannot be installed here)."""\n'
     ),
@@ -222,6 +232,10 @@ def install_in_sys_modules(monkeypatch) -> types.ModuleType:
         module.__path__ = []
         packages[name] = module
         monkeypatch.setitem(sys.modules, name, module)
+    utils = types.ModuleType("torch_neuronx.utils")
+    exec(compile(UTILS_SOURCE, "<torch_neuronx.utils stand-in>", "exec"), utils.__dict__)
+    monkeypatch.setattr(packages["torch_neuronx"], "utils", utils, raising=False)
+    monkeypatch.setitem(sys.modules, "torch_neuronx.utils", utils)
     state.__spec__ = importlib.machinery.ModuleSpec(state.__name__, loader=None)
     monkeypatch.setattr(packages["neuronx_distributed.parallel_layers"], "parallel_state", state, raising=False)
     monkeypatch.setitem(sys.modules, state.__name__, state)

@@ -44,7 +44,7 @@ DIST_VARS = (
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in DIST_VARS:
+    for name in (*DIST_VARS, "NEURON_LOGICAL_NC_CONFIG", "NEURON_PLATFORM_TARGET_OVERRIDE"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -124,6 +124,42 @@ def test_compile_cache_refuses_a_conflicting_setting(tmp_path, env, message):
 
 
 # -- the process group (real, on the torch-xla CPU device) and parallel_state (stand-in) --
+
+
+@pytest.mark.parametrize(
+    ("platform", "env", "option", "lnc", "origin"),
+    [
+        ("trn2", None, None, 2, "the platform's, trn2"),
+        ("trn1", None, None, 1, "the platform's, trn1"),
+        ("trn2", None, 1, 1, "layerparity_logical_nc_config"),
+        ("trn2", "1", None, 1, "NEURON_LOGICAL_NC_CONFIG"),
+    ],
+)
+def test_parallel_state_gets_the_logical_nc_config_nxdi_would(
+    clean_env, no_process_group, platform, env, option, lnc, origin
+):
+    """--neuron's parallel_state is set up with NxDI's logical NeuronCore config (its
+    tensor-parallel groups are laid over a Trn2 node's cores by it): the variable, else the
+    option, else the platform's (2 on trn2)."""
+    state = install_in_sys_modules(clean_env)
+    clean_env.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", platform)
+    if env is not None:
+        clean_env.setenv("NEURON_LOGICAL_NC_CONFIG", env)
+    backend = NeuronBackend(tp_degree=1, logical_nc_config=option)
+    backend.setup()
+    try:
+        assert state.CALLS[0]["lnc_size"] == lnc
+        assert f"with logical NeuronCore config {lnc} ({origin})" in backend.describe()
+    finally:
+        backend.teardown()
+
+
+def test_a_logical_nc_config_the_variable_contradicts_is_refused(clean_env, no_process_group):
+    state = install_in_sys_modules(clean_env)
+    clean_env.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    with pytest.raises(BackendUnavailable, match="NEURON_LOGICAL_NC_CONFIG=2 and -o layerparity_logical_nc_config=1"):
+        NeuronBackend(tp_degree=1, logical_nc_config=1).setup()
+    assert [c["call"] for c in state.CALLS] == []
 
 
 def test_setup_initialises_once_per_process_and_teardown_undoes_it(clean_env, no_process_group):

@@ -107,7 +107,8 @@ import pytest
         ),
         (
             ["--target", "cpu", "-o", "layerparity_logical_nc_config=2"],
-            "*-o layerparity_logical_nc_config=2 sets the programs NxDI compiles under --port nxdi --target neuron; "
+            "*-o layerparity_logical_nc_config=2 sets the programs NxDI compiles under --port nxdi --target "
+            "neuron, and the tensor-parallel groups of --neuron's parallel_state; "
             "this run (--target cpu) does not use it: drop -o layerparity_logical_nc_config=2*",
         ),
         (
