@@ -129,8 +129,8 @@ def logical_nc_config(option: int | None) -> tuple[int, str]:
             raise BackendUnavailable(f"NEURON_LOGICAL_NC_CONFIG={env!r} is not a positive whole number")
         if option is not None and int(env) != option:
             raise BackendUnavailable(
-                f"NEURON_LOGICAL_NC_CONFIG={env} and -o layerparity_logical_nc_config={option} disagree; unset the "
-                "variable, or drop the option"
+                f"NEURON_LOGICAL_NC_CONFIG={env} and -o layerparity_logical_nc_config={option} disagree; NxDI's "
+                "NeuronConfig takes the variable: unset it, or drop the option"
             )
         return int(env), "NEURON_LOGICAL_NC_CONFIG"
     if option is not None:
@@ -143,7 +143,7 @@ def logical_nc_config(option: int | None) -> tuple[int, str]:
             "NeuronCore config is not known; set -o layerparity_logical_nc_config=N (2 on Trn2 with LNC2)"
         ) from exc
     platform = get_platform_target()
-    return (2 if platform in TWO_CORE_PLATFORMS else 1), f"the platform's, {platform}"
+    return (2 if platform in TWO_CORE_PLATFORMS else 1), f"NxDI's NeuronConfig default on {platform}"
 
 
 #: A NeuronCore's tensor engine accumulates every matmul in float32 (its PSUM), float16 ones too.

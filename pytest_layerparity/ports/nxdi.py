@@ -444,24 +444,19 @@ class NxdiPort:
         it (``models/config.py``, ``_get_lnc``), and where it came from: ``NEURON_LOGICAL_NC_CONFIG``,
         else ``layerparity_logical_nc_config``, else the platform's (``torch_neuronx.utils.
         get_platform_target()``: 2 on trn2 and trn3). A variable and an option that disagree are
-        refused (NxDI would quietly take the variable)."""
-        assert self.compiled is not None
-        given = self.compiled.logical_nc_config
-        env = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
-        if env is not None and given is not None and int(env) != given:
-            raise PortError(
-                f"NEURON_LOGICAL_NC_CONFIG={env} and -o layerparity_logical_nc_config={given} disagree; NxDI's "
-                "NeuronConfig takes the variable: unset it, or drop the option"
-            )
-        with nxd_warnings_quiet():
-            lnc = int(self.neuron_config().logical_nc_config)
-        if env is not None:
-            return lnc, "NEURON_LOGICAL_NC_CONFIG"
-        if given is not None:
-            return lnc, "layerparity_logical_nc_config"
-        from torch_neuronx.utils import get_platform_target
+        refused (NxDI would quietly take the variable). Where it came from is what the eager
+        backend resolves (:func:`..backends.neuron.logical_nc_config`); the value is the
+        NeuronConfig's own."""
+        from ..backends.base import BackendUnavailable
+        from ..backends.neuron import logical_nc_config
 
-        return lnc, f"NxDI's NeuronConfig default on {get_platform_target()}"
+        assert self.compiled is not None
+        try:
+            _, origin = logical_nc_config(self.compiled.logical_nc_config)
+        except BackendUnavailable as exc:
+            raise PortError(str(exc)) from exc
+        with nxd_warnings_quiet():
+            return int(self.neuron_config().logical_nc_config), origin
 
     def layer_state(self, index: int, config: Any, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Layer ``index``'s checkpoint tensors through the application's converter, named

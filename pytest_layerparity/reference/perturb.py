@@ -443,7 +443,7 @@ class PerturbedArithmetic(TorchDispatchMode):
                     continue
                 self.ops += 1
                 generator = self._generator(value.device)
-                if in_order and name in ACCUMULATING_OPS and value.dtype in SEQUENTIAL_SUMS:
+                if in_order:  # (a float32 matmul: _matmul's)
                     # the sum's own error (each partial sum rounded, the last one included) around the exact result
                     from_bias = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
                     error = accumulation_error(name, args, value.dtype, generator, from_bias)
@@ -453,7 +453,7 @@ class PerturbedArithmetic(TorchDispatchMode):
                 if summed:
                     wide = wide + accumulation_error(name, args, value.dtype, generator)
                 jitter, scale = self.mode == "jitter" and approximated(name), self._scale(name, value.dtype)
-                if blocked and name in ACCUMULATING_OPS and value.dtype in SEQUENTIAL_SUMS:
+                if blocked:  # (a float32 matmul: _matmul's)
                     scale *= BLOCKED_SUM_SCALE
                 sixteen = value.dtype in (torch.bfloat16, torch.float16)
                 pull = SIXTEEN_BIT_PULL if self.mode == "jitter" and sixteen and not (jitter or summed) else None

@@ -129,8 +129,8 @@ def test_compile_cache_refuses_a_conflicting_setting(tmp_path, env, message):
 @pytest.mark.parametrize(
     ("platform", "env", "option", "lnc", "origin"),
     [
-        ("trn2", None, None, 2, "the platform's, trn2"),
-        ("trn1", None, None, 1, "the platform's, trn1"),
+        ("trn2", None, None, 2, "NxDI's NeuronConfig default on trn2"),
+        ("trn1", None, None, 1, "NxDI's NeuronConfig default on trn1"),
         ("trn2", None, 1, 1, "layerparity_logical_nc_config"),
         ("trn2", "1", None, 1, "NEURON_LOGICAL_NC_CONFIG"),
     ],
