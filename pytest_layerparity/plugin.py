@@ -314,11 +314,14 @@ def _breach_text(item: pytest.Item, breach: Any) -> str:
 
 @pytest.hookimpl
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
-    """Say what the compile cache did in this process (not known to an xdist controller)."""
+    """Say what the compile cache did in this process, and what the first weight swap's check
+    found (neither is known to an xdist controller)."""
     session = config.stash.get(SESSION_KEY, None)
-    line = session.cache_summary() if session is not None else None
-    if line:
-        terminalreporter.write_line(f"layerparity: {line}")
+    if session is None:
+        return
+    for line in (session.cache_summary(), session.swap_summary()):
+        if line:
+            terminalreporter.write_line(f"layerparity: {line}")
 
 
 @pytest.fixture(scope="session")

@@ -252,6 +252,12 @@ class LayerParitySession:
         """What the compile cache did in this process (None before the target started)."""
         return self._backend.cache_summary() if self._backend is not None else None
 
+    def swap_summary(self) -> str | None:
+        """What the check of the first weight swap into a compiled program found (None where
+        none was swapped in this process)."""
+        compiled = self.port.compiled if self.port is not None else None
+        return compiled.swap_check if compiled is not None else None
+
     @cached_property
     def reference(self) -> ReferenceSide:
         from .reference.extract import ReferenceSide

@@ -33,9 +33,12 @@ shape, the compiler arguments and the placement. The layer index is not in it. T
 layer to call a program is compiled with its own converted checkpoint; any other layer of
 the same key has its checkpoint sharded the way NxDI shards on load (``ModelBuilder.
 shard_checkpoint``, which runs on the CPU) and loaded into the built program through NxD's
-weight API (``nxd_model.initialize(sharded, start_rank)``, what NxDI's ``load_weights`` calls
-on the model ModelBuilder built). Each program knows which layer's weights it holds, and
-they are swapped only when another layer calls it.
+weight API (``replace_weights(sharded)`` where the NxD model has it, ModelBuilderV2's; else
+``initialize(sharded, start_rank)``, what NxDI's ``load_weights`` calls on the model
+ModelBuilder built). Each program knows which layer's weights it holds, and they are swapped
+only when another layer calls it. The session's first swap is held against a fresh build of
+the same layer on the same call (:meth:`CompiledPrograms.check_swap`): what the SDK does with
+new weights for an initialised model is closed source, so it is verified once where it runs.
 
 Decode steps run in a static KV cache, as NxDI's token-generation model does: the past keys
 and values padded to the goldens' prompt + decode tokens, the boolean mask False on the
@@ -75,6 +78,7 @@ from typing import Any
 
 import torch
 
+from .kv_layout import KvLayout
 from .model_tags import layer_config, make_layer, program_tag, tag_model
 
 BuildModule = Callable[..., Any]
@@ -84,6 +88,11 @@ class ProcessGroupLeftBehind(RuntimeError):
     """The builder returned with a process group or parallel_state still set up."""
 
 
+class WeightSwapMismatch(RuntimeError):
+    """A program given another layer's weights does not compute what a fresh build of that layer
+    computes."""
+
+
 def nxdi_build_module() -> BuildModule:
     """neuronx-distributed-inference's own ``build_module``."""
     from neuronx_distributed_inference.utils.testing import build_module
@@ -91,10 +100,21 @@ def nxdi_build_module() -> BuildModule:
     return build_module
 
 
+#: The program's own rank module (NxD's ``SPMDRank``) and its checkpoint entry.
+KV_RANK = "kv_rank"
+
+
 class LayerProgram(torch.nn.Module):
     """What is compiled for a layer: NxDI's decoder layer taking positional tensors (hidden
     states, boolean mask, position ids, and in a decode step the past keys and values) and
-    returning tensors (its output, then the keys and values it made)."""
+    returning tensors (its output, then the keys and values it made).
+
+    Every rank of a program gets the same inputs (SPMD) and the caller gets rank 0's outputs,
+    while NxDI's attention holds and makes only its rank's KV heads. At ``tp_degree`` > 1 the
+    past therefore comes with every rank's heads, rank after rank, and each rank takes its own
+    block by its rank (NxD's ``SPMDRank``, whose weight is ``arange(tp_degree)`` sharded, one
+    value per rank: :func:`program_state`), as NxDI's token generation holds a cache per rank;
+    the keys and values the layer made are gathered from every rank before they are returned."""
 
     def __init__(self, layer_cls: type, config: Any, index: int) -> None:
         super().__init__()
@@ -102,6 +122,11 @@ class LayerProgram(torch.nn.Module):
         dtype = config.neuron_config.torch_dtype
         if dtype != torch.float32:
             self.layer.to(dtype)  # as NxDI's get_trace_callable does
+        self.tp_degree = int(config.neuron_config.tp_degree)
+        if self.tp_degree > 1:
+            from neuronx_distributed.parallel_layers.layers import SPMDRank
+
+            setattr(self, KV_RANK, SPMDRank(self.tp_degree))
 
     def forward(
         self, hidden_states: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor
@@ -110,14 +135,40 @@ class LayerProgram(torch.nn.Module):
             hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_value=tuple(past) if past else None,
+            past_key_value=tuple(self.own_heads(t) for t in past) if past else None,
         )
         if not isinstance(outputs, (tuple, list)):
             return (outputs,)
         present = outputs[1] if len(outputs) > 1 else None
         if isinstance(present, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in present):
-            return (outputs[0], *present)
+            return (outputs[0], *(self.every_rank(t) for t in present))
         return (outputs[0],)
+
+    def own_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's block of heads of a [batch, heads of every rank, positions, dim] tensor."""
+        if self.tp_degree == 1:
+            return tensor
+        per_rank = tensor.shape[1] // self.tp_degree
+        rank = getattr(self, KV_RANK).get_rank().to(torch.int64)
+        heads = rank * per_rank + torch.arange(per_rank, device=tensor.device)
+        return torch.index_select(tensor, 1, heads)
+
+    def every_rank(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A [batch, this rank's heads, positions, dim] tensor gathered over the ranks."""
+        if self.tp_degree == 1:
+            return tensor
+        from neuronx_distributed.parallel_layers.mappings import gather_from_tensor_model_parallel_region_with_dim
+
+        return gather_from_tensor_model_parallel_region_with_dim(tensor, gather_dim=1)
+
+
+def program_state(layer_state: dict[str, torch.Tensor], tp_degree: int) -> dict[str, torch.Tensor]:
+    """A layer's converted state under its :class:`LayerProgram`'s names, with the program's
+    rank weight at ``tp_degree`` > 1 (``arange``, as NxDI's converters write ``rank_util.rank``)."""
+    state = {f"layer.{k}": v for k, v in layer_state.items()}
+    if tp_degree > 1:
+        state[f"{KV_RANK}.rank"] = torch.arange(tp_degree, dtype=torch.int32)
+    return state
 
 
 def check_nothing_left() -> None:
@@ -142,6 +193,10 @@ def check_nothing_left() -> None:
 #: Module attributes that make two layers' programs differ when they differ (plain values: the
 #: module's own settings, not its tensors or the objects it holds).
 PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+def _tensors(outputs: Any) -> list[torch.Tensor]:
+    return [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
 
 
 def _shape_name(tensors: Sequence[torch.Tensor]) -> str:
@@ -202,6 +257,7 @@ class CompiledLayer:
     state: Callable[[], dict[str, torch.Tensor]]
     _models: dict[str, Any] = field(default_factory=dict)
     _structures: dict[str, str] = field(default_factory=dict)
+    _layouts: dict[str, KvLayout | None] = field(default_factory=dict)
 
     @property
     def lnc(self) -> int:
@@ -229,6 +285,22 @@ class CompiledLayer:
         """0 (the weight-layout optimisation) for token generation, None for context encoding,
         as NxDI's ``model_base`` gives its models."""
         return self.model(tag).priority_model_idx
+
+    def kv_layout(self) -> KvLayout | None:
+        """How the programs' ranks hold the KV heads (None in one rank, or where no module of the
+        layer shards them): from the layer built on the meta device, as ModelBuilder builds it
+        (once)."""
+        if self.tp <= 1:
+            return None
+        if "layout" not in self._layouts:
+            with traced_world(self.tp, self.lnc):
+                self._layouts["layout"] = KvLayout.of(LayerProgram(**self.init(program_tag(past=True))), self.tp)
+            check_nothing_left()
+        return self._layouts["layout"]
+
+    @property
+    def tp(self) -> int:
+        return int(self.config.neuron_config.tp_degree)
 
     def structure(self, tag: str, tp_degree: int) -> str:
         """A digest of the layer's structure in ``tag``'s program: its config as NxDI serialises
@@ -266,6 +338,8 @@ class Program:
     compiler_args: str
     workdir: Path
     holds: int
+    loaded_from: int  # the layer it held before its last swap
+    swapped_by: str = ""  # the NxD model's method of its last weight swap
 
 
 @dataclass
@@ -294,6 +368,7 @@ class CompiledPrograms:
     compiled: list[Compiled] = field(default_factory=list)
     programs: dict[ProgramKey, Program] = field(default_factory=dict)
     loads: list[tuple[str, int]] = field(default_factory=list)  # (program, layer) of each weight swap
+    swap_check: str | None = None  # what the first swap's check against a fresh build found
     _temporary: str | None = None
 
     @property
@@ -342,18 +417,47 @@ class CompiledPrograms:
             program = self.programs[key] = self.build(layer, key, example)
         elif program.holds != layer.index:
             self.load(program, layer)
+            if self.swap_check is None:
+                self.check_swap(program, layer, example)
         return program
 
-    def build(self, layer: CompiledLayer, key: ProgramKey, example: tuple[torch.Tensor, ...]) -> Program:
-        """The program of ``key``, compiled with ``layer``'s checkpoint."""
+    def check_swap(self, program: Program, layer: CompiledLayer, example: tuple[torch.Tensor, ...]) -> None:
+        """The session's first weight swap held against a fresh build of the same layer, on the
+        same call: what the SDK does when an initialised program is given new weights is in
+        closed source, so it is verified once where it runs. Equal outputs, bit for bit, or
+        :class:`WeightSwapMismatch` (the swapped program computes with other weights)."""
+        fresh = self.build(layer, program.key, example, check=True)
+        swapped, built = _tensors(program.module(*example)), _tensors(fresh.module(*example))
+        pairs = list(zip(swapped, built, strict=False))
+        name, method, index = program.key.name, f"nxd_model.{program.swapped_by}", layer.index
+        if len(swapped) != len(built) or not all(torch.equal(a, b) for a, b in pairs):
+            worst = max(((a.double() - b.double()).abs().max().item() for a, b in pairs), default=float("nan"))
+            raise WeightSwapMismatch(
+                f"layer {index}'s weights swapped into program {name} (built with layer {program.loaded_from}'s) "
+                f"do not compute what a fresh build with layer {index}'s weights computes on the same call (largest "
+                f"difference {worst:.3g}): the SDK's weight loading into a built program ({method}) does not give it "
+                "the weights a build does, so the layers that share a program would not run with their own weights; "
+                "this Neuron SDK's weight swap cannot be used: report it to its maintainers with this message"
+            )
+        self.swap_check = (
+            f"the first weight swap (layer {index} into program {name}, by {method}) computes what a fresh build "
+            f"with layer {index}'s weights computes, bit for bit"
+        )
+
+    def build(
+        self, layer: CompiledLayer, key: ProgramKey, example: tuple[torch.Tensor, ...], check: bool = False
+    ) -> Program:
+        """The program of ``key``, compiled with ``layer``'s checkpoint (``check``: the first
+        swap's reference build, in a workdir of its own)."""
         from filelock import FileLock
 
         args = layer.compiler_args(key.tag)
-        folder = self.folder(layer.app, key)
+        folder = self.folder(layer.app, key) / "swap-check" if check else self.folder(layer.app, key)
+        folder.mkdir(parents=True, exist_ok=True)
         workdir = folder / "workdir"  # ModelBuilder empties it first: the checkpoint lies beside it
         checkpoint = folder / "checkpoint.pt"
         with FileLock(str(folder / ".lock")):  # xdist workers may build the same program
-            self._write_checkpoint(checkpoint, layer.state())
+            self._write_checkpoint(checkpoint, program_state(layer.state(), self.tp_degree))
             module = self.build_module(
                 LayerProgram,
                 [example],
@@ -368,16 +472,25 @@ class CompiledPrograms:
                 logical_nc_config=layer.lnc,  # the NeuronConfig's, as NxDI's application passes it
             )
         check_nothing_left()
-        self.compiled.append(Compiled(key.name, layer.index, key.tag, _shape_name(example), args, str(workdir)))
-        return Program(key, module, example, args, workdir, holds=layer.index)
+        if not check:
+            self.compiled.append(Compiled(key.name, layer.index, key.tag, _shape_name(example), args, str(workdir)))
+        return Program(key, module, example, args, workdir, holds=layer.index, loaded_from=layer.index)
 
     def load(self, program: Program, layer: CompiledLayer) -> None:
-        """``layer``'s weights into ``program`` (built with another layer of its key): sharded as
-        NxDI shards on load, then handed to the program's NxD model as NxDI's ``load_weights``
-        hands them (ranks from 0: one process over the ranks)."""
+        """``layer``'s weights into ``program`` (built with another layer of its key), sharded as
+        NxDI shards on load: by the NxD model's ``replace_weights`` where it has one (ModelBuilderV2's
+        ``NxDModel``: the weights of a model already on the device replaced), else by
+        ``initialize`` as NxDI's ``load_weights`` hands them (ranks from 0: one process over the
+        ranks)."""
         sharded = self.shard(program, layer)
-        program.module.nxd_model.initialize(sharded, torch.tensor([0], dtype=torch.int32))
-        program.holds = layer.index
+        model = program.module.nxd_model
+        if callable(getattr(model, "replace_weights", None)):
+            model.replace_weights(sharded)
+            program.swapped_by = "replace_weights"
+        else:
+            model.initialize(sharded, torch.tensor([0], dtype=torch.int32))
+            program.swapped_by = "initialize"
+        program.loaded_from, program.holds = program.holds, layer.index
         self.loads.append((program.key.name, layer.index))
 
     def shard(self, program: Program, layer: CompiledLayer) -> list[dict[str, torch.Tensor]]:
@@ -387,7 +500,7 @@ class CompiledPrograms:
         from neuronx_distributed.trace import ModelBuilder
         from neuronx_distributed.trace.model_builder import BaseModelInstance
 
-        state = {f"layer.{k}": v for k, v in layer.state().items()}
+        state = program_state(layer.state(), self.tp_degree)
         builder = ModelBuilder(
             router=None,
             tp_degree=self.tp_degree,
@@ -410,16 +523,17 @@ class CompiledPrograms:
         return sharded
 
     def _write_checkpoint(self, path: Path, state: dict[str, torch.Tensor]) -> None:
-        """A layer's converted state under the program's names, written atomically."""
+        """A program's checkpoint (:func:`program_state`), written atomically."""
         partial_path = path.with_name(f".{path.name}.{os.getpid()}")
-        torch.save({f"layer.{k}": v for k, v in state.items()}, partial_path)
+        torch.save(state, partial_path)
         os.replace(partial_path, path)
 
     def describe(self, lnc: str) -> str:
         """The header's words; ``lnc``: the logical NeuronCore config and where it comes from."""
         where = self.root if self._temporary is None and self.root is not None else "a temporary folder"
         return (
-            f"compiled once per program (layer kind and call shape; other layers' weights loaded into it) by "
+            f"compiled once per program (layer kind and call shape; other layers' weights loaded into it, the first "
+            "swap checked against a fresh build of its layer) by "
             f"{self.builder_name} (tp_degree {self.tp_degree}, "
             + (f"moe_ep_degree {self.ep_degree}, " if self.ep_degree > 1 else "")
             + f"logical_nc_config {lnc}; compiler workdirs under {where})"

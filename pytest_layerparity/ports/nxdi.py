@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .compiled import CompiledLayer
+from .kv_layout import KvLayout
 from .model_tags import layer_config, make_layer
 
 if TYPE_CHECKING:
@@ -244,71 +245,6 @@ class CpuMode:
         release_distributed(self.owns_parallel_state, self.owns_group, self.env_applied)
         self.owns_parallel_state = self.owns_group = False
         self.env_applied = {}
-
-
-@dataclass(frozen=True)
-class KvLayout:
-    """How the port's attention lays the model's key/value heads over the ranks, as NxDI's
-    GQA sharding does (``modules/attention/gqa.py``): the ``source`` heads, each repeated
-    ``repeats`` times in place (``repeat_interleave``: REPLICATE_TO_TP_DEGREE when there are
-    fewer KV heads than ranks, CONVERT_TO_MHA when the ranks do not divide them), padded to
-    ``total`` heads, ``total / tp`` consecutive heads on each rank."""
-
-    strategy: str
-    source: int
-    total: int
-    repeats: int
-    tp: int
-
-    @classmethod
-    def of(cls, layer: torch.nn.Module, tp: int) -> KvLayout | None:
-        """The layout of ``layer``'s attention (None where no module of it shards KV heads)."""
-        for module in layer.modules():
-            source = getattr(module, "_src_num_key_value_heads", None)
-            strategy = getattr(module, "sharding_strategy", None)
-            total = getattr(module, "num_key_value_heads", None)
-            if isinstance(source, int) and isinstance(total, int) and strategy is not None:
-                name = getattr(strategy, "name", str(strategy))
-                heads = getattr(module, "_src_num_attention_heads", total)
-                # none replicated where total == source (NxDI may still name CONVERT_TO_MHA at tp 1)
-                repeats = 1 if total == source else heads // source if name == "CONVERT_TO_MHA" else total // source
-                return cls(name, source, total, repeats, tp)
-        return None
-
-    def describe(self) -> str:
-        per_rank = self.total // self.tp
-        if self.total == self.source:
-            return f"{self.source} KV heads, {per_rank} on each rank"
-        return f"{self.source} KV heads as {self.total} ({self.strategy}), {per_rank} on each rank"
-
-    def rank_heads(self, rank: int) -> list[int | None]:
-        """The source head of each of ``rank``'s heads (None: padding)."""
-        per_rank = self.total // self.tp
-        return [
-            j // self.repeats if j < self.source * self.repeats else None
-            for j in range(rank * per_rank, (rank + 1) * per_rank)
-        ]
-
-    def split(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
-        """A [batch, source heads, positions, dim] tensor as ``rank`` holds it."""
-        heads = self.rank_heads(rank)
-        if heads == list(range(self.source)):
-            return tensor
-        picked = [tensor[:, h : h + 1] if h is not None else torch.zeros_like(tensor[:, :1]) for h in heads]
-        return torch.cat(picked, dim=1).contiguous()
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Each rank's [batch, heads on the rank, positions, dim] tensor gathered over the ranks,
-        one copy of each source head kept (in the model's order)."""
-        import torch.distributed as dist
-
-        if self.tp > 1:
-            parts = [torch.empty_like(tensor) for _ in range(self.tp)]
-            dist.all_gather(parts, tensor.contiguous())
-            tensor = torch.cat(parts, dim=1)
-        if self.total == self.source:
-            return tensor
-        return tensor[:, [h * self.repeats for h in range(self.source)]]
 
 
 # -- the port ----------------------------------------------------------------------------------
@@ -515,7 +451,7 @@ class NxdiPort:
             with nxd_warnings_quiet():
                 return compiled.run(layer, example)
 
-        return HFCallToProgram(run, index, kv_length=seq_len)
+        return HFCallToProgram(run, index, kv_length=seq_len, layout=layer.kv_layout)
 
     def _build(self, index: int, dtype: torch.dtype, batch_size: int, seq_len: int) -> torch.nn.Module:
         from neuronx_distributed.trace.trace import get_sharded_checkpoint
@@ -660,25 +596,44 @@ class HFCallToProgram(HFCall):
     """The HF call made into the positional call of the layer's compiled program (``run``
     finds the program of the call's shape and calls it); its routers are inside the program.
     A decode step's past comes in a static KV cache of ``kv_length`` positions, as NxDI's
-    token-generation model holds it, so that every step has the same shape."""
+    token-generation model holds it, so that every step has the same shape. Sharded
+    (``layout()``: how the program's ranks hold the KV heads; None where nothing shards them),
+    the past goes in as the ranks hold it, rank after rank along the heads (each rank's program
+    takes its own block, :class:`LayerProgram`), and the keys and values the program returns,
+    gathered from every rank, come back as the model's heads."""
 
-    def __init__(self, run: Callable[[tuple[torch.Tensor, ...]], Any], index: int, kv_length: int) -> None:
+    def __init__(
+        self,
+        run: Callable[[tuple[torch.Tensor, ...]], Any],
+        index: int,
+        kv_length: int,
+        layout: Callable[[], KvLayout | None] = lambda: None,
+    ) -> None:
         super().__init__(index)
         self.run = run
         self.kv_length = kv_length
+        self.layout = layout
 
     def call_layer(
         self, hidden_states: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor, past: tuple | None
     ) -> tuple[torch.Tensor, tuple | None]:
+        layout = self.layout()
         if past is not None:
             mask, past = static_kv_cache(mask, past, self.kv_length)
+            if layout is not None:
+                past = tuple(layout.by_rank(t) for t in past)
         positions = position_ids.to(torch.int32).contiguous()  # as NxDI's ModelWrapper.input_generator makes them
         example = (hidden_states, mask.contiguous(), positions, *(t.contiguous() for t in past or ()))
         outputs = self.run(example)
         if isinstance(outputs, torch.Tensor):
             return outputs, None
         outputs = tuple(outputs)
-        return outputs[0], (outputs[1], outputs[2]) if len(outputs) >= 3 else None
+        if len(outputs) < 3:
+            return outputs[0], None
+        present = (outputs[1], outputs[2])
+        if layout is not None:
+            present = tuple(layout.merge(t) for t in present)
+        return outputs[0], present
 
 
 def static_kv_cache(mask: torch.Tensor, past: tuple, length: int) -> tuple[torch.Tensor, tuple]:

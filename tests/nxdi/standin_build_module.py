@@ -30,11 +30,22 @@ wiring is tested against it:
   with the build's one exception: a ``rank_util.rank`` the application's converter leaves out
   (NxD's SPMDRank, which Mixtral's converter gives the model only; at ``tp_degree`` 1 the
   module's own value is the rank). ModelBuilder's model has no ``replace_weights`` (that is
-  ModelBuilderV2's NxDModel), so neither has this one.
+  ModelBuilderV2's NxDModel), so neither has this one; :func:`replacing_weights` gives a
+  builder's programs ModelBuilderV2's, which has it.
 
-Where it differs from the real one: only ``tp_degree`` 1 is built (NxD's CPU mode in one
-process), NxDI's layer runs eagerly (its CPU branches, not the ones neuronx-cc would trace), and
-no ``checkpoint_path`` is refused rather than filled with random weights.
+- SPMD over ``tp_degree`` ranks: at ``tp_degree`` > 1 the checkpoint is sharded per rank as
+  ModelBuilder shards it (``get_sharded_checkpoint`` under a mocked world of the ranks, the
+  module on the meta device), and the program runs on ``tp_degree`` rank processes (:class:`Ranks`,
+  the stand-in's NeuronCores), each NxD's CPU mode in one gloo group of the ranks with
+  ``parallel_state`` laid out for ``logical_nc_config``, each holding its own rank's weights:
+  every rank is given the same inputs, the collectives run between the ranks, and rank 0's
+  outputs are returned, as NxD's ``NxDModel`` returns them. A caller that hands a rank-split
+  tensor as a whole, or reads rank 0's keys and values as every rank's, is wrong here as on
+  the hardware.
+
+Where it differs from the real one: NxDI's layer runs eagerly (its CPU branches, not the ones
+neuronx-cc would trace), and no ``checkpoint_path`` is refused rather than filled with random
+weights.
 
 Each build is recorded, one JSON line in ``builds.jsonl`` in the working directory: what the
 plugin passed and the module's NeuronConfig settings; each weight load one line in
@@ -46,15 +57,20 @@ signature.
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import functools
 import inspect
 import json
+import multiprocessing
 import os
 import re
 import sys
+import tempfile
+import traceback
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -79,6 +95,19 @@ def _append(name: str, record: dict[str, Any]) -> None:
         sink.write(json.dumps(record) + "\n")
 
 
+def _traced_parallel_state(tp_degree: int, logical_nc_config: int) -> None:
+    """NxD's ``parallel_state`` set up as ModelBuilder's trace and sharding set it up."""
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp_degree,
+        pipeline_model_parallel_size=1,
+        expert_model_parallel_size=1,
+        skip_collective_init=True,
+        lnc_size=logical_nc_config,
+    )
+
+
 @contextmanager
 def world(tp_degree: int, logical_nc_config: int):
     from neuronx_distributed.parallel_layers import parallel_state
@@ -87,13 +116,7 @@ def world(tp_degree: int, logical_nc_config: int):
     os.environ["NXD_CPU_MODE"] = "1"
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=tp_degree)
     try:
-        parallel_state.initialize_model_parallel(  # as ModelBuilder.trace does
-            tensor_model_parallel_size=tp_degree,
-            pipeline_model_parallel_size=1,
-            expert_model_parallel_size=1,
-            skip_collective_init=True,
-            lnc_size=logical_nc_config,
-        )
+        _traced_parallel_state(tp_degree, logical_nc_config)
         try:
             yield
         finally:
@@ -106,6 +129,145 @@ def world(tp_degree: int, logical_nc_config: int):
             os.environ["NXD_CPU_MODE"] = before
 
 
+@contextmanager
+def mocked_world(tp_degree: int, logical_nc_config: int):
+    """The world ModelBuilder shards a checkpoint in (``trace/model_builder.py``,
+    ``shard_checkpoint``): a mocked process group of the ranks, ``parallel_state`` for it,
+    modules built on the meta device."""
+    from neuronx_distributed.parallel_layers import parallel_state
+    from neuronx_distributed.trace.mock_torchdist import mock_distributed
+    from neuronx_distributed.utils.model_utils import init_on_device
+
+    with mock_distributed(world_size=tp_degree), init_on_device(torch.device("meta"), force_custom_init_on_device=True):
+        torch.distributed.init_process_group(backend="xla", rank=0, world_size=tp_degree)  # the mocked one
+        _traced_parallel_state(tp_degree, logical_nc_config)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
+def _strict_load(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str = "initialize") -> None:
+    """``state`` into ``module``, every name and shape as the module's (the build's one exception:
+    a ``rank_util.rank`` the application's converter leaves out, see :func:`build_module`)."""
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("rank_util.rank")]
+    if missing or unexpected:
+        raise RuntimeError(f"{what}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+
+
+def _rank_main(conn: Any, rank: int, tp_degree: int, logical_nc_config: int, rendezvous: str) -> None:
+    """One rank of the stand-in device: NxD's CPU mode in the ranks' gloo group; builds, loads
+    and runs what the parent sends, replying ("ok", result) or ("error", text)."""
+    os.environ["NXD_CPU_MODE"] = "1"
+    torch.set_num_threads(1)
+    from pytest_layerparity.ports import standins
+
+    standins.install()
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=tp_degree,
+        timeout=datetime.timedelta(seconds=120),  # a rank that failed mid-collective
+    )
+    # NxD's own set-up, collectives included (skip_collective_init's default)
+    parallel_state.initialize_model_parallel(tp_degree, 1, expert_model_parallel_size=1, lnc_size=logical_nc_config)
+    programs: dict[int, torch.nn.Module] = {}
+    while True:
+        kind, *args = conn.recv()
+        if kind == "stop":
+            return
+        try:
+            if kind == "build":
+                number, module_cls, init_kwargs = args
+                programs[number] = module_cls(**init_kwargs).eval()
+                result = None
+            elif kind == "load":
+                number, state, *what = args
+                _strict_load(programs[number], state, *what)
+                result = None
+            else:  # "call"
+                number, inputs = args
+                with torch.no_grad():
+                    result = tuple(t.detach().clone() for t in programs[number](*inputs))
+            conn.send(("ok", result))
+        except Exception as exc:  # sent back to the caller, who raises it
+            conn.send(("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+class Ranks:
+    """The stand-in's NeuronCores for ``tp_degree`` > 1: one process per rank (spawned once per
+    (tp_degree, logical_nc_config) and kept for the session), each holding every program's
+    module with its own rank's weights."""
+
+    _started: ClassVar[dict[tuple[int, int], Ranks]] = {}
+
+    def __init__(self, tp_degree: int, logical_nc_config: int) -> None:
+        spawn = multiprocessing.get_context("spawn")
+        self.folder = tempfile.mkdtemp(prefix="standin-ranks-")
+        rendezvous = os.path.join(self.folder, "rendezvous")
+        self.pipes = []
+        self.processes = []
+        for rank in range(tp_degree):
+            ours, theirs = spawn.Pipe()
+            process = spawn.Process(
+                target=_rank_main, args=(theirs, rank, tp_degree, logical_nc_config, rendezvous), daemon=True
+            )
+            process.start()
+            self.pipes.append(ours)
+            self.processes.append(process)
+        self.programs = 0
+
+    @classmethod
+    def of(cls, tp_degree: int, logical_nc_config: int) -> Ranks:
+        key = (tp_degree, logical_nc_config)
+        if key not in cls._started:
+            cls._started[key] = cls(tp_degree, logical_nc_config)
+        return cls._started[key]
+
+    def ask(self, messages: list[tuple]) -> list[Any]:
+        """Message r to rank r, all sent before any reply is read (the ranks run together)."""
+        for pipe, message in zip(self.pipes, messages, strict=True):
+            pipe.send(message)
+        replies = [pipe.recv() for pipe in self.pipes]
+        errors = [text for status, text in replies if status == "error"]
+        if errors:
+            raise RuntimeError("the stand-in's ranks failed:\n" + "\n".join(errors))
+        return [result for _, result in replies]
+
+    def stop(self) -> None:
+        for pipe, process in zip(self.pipes, self.processes, strict=True):
+            if process.is_alive():
+                pipe.send(("stop",))
+                process.join(timeout=10)
+
+
+@atexit.register
+def _stop_ranks() -> None:
+    for ranks in Ranks._started.values():
+        ranks.stop()
+
+
+def shard_per_rank(
+    module_cls: Any, module_init_kwargs: dict, state: dict[str, torch.Tensor], tp_degree: int, logical_nc_config: int
+) -> list[dict[str, torch.Tensor]]:
+    """``state`` sharded for each rank as ModelBuilder's ``shard_checkpoint`` shards it."""
+    from neuronx_distributed.trace.trace import get_sharded_checkpoint
+
+    sharded = []
+    with mocked_world(tp_degree, logical_nc_config):
+        module = module_cls(**module_init_kwargs)
+        for rank in range(tp_degree):
+            own = dict(state)
+            get_sharded_checkpoint(own, module, rank, tp_degree)
+            sharded.append(own)
+    return sharded
+
+
 class StandinNxDModel:
     """``nxd_model`` of the built program: NxD's ``NxDModel.initialize`` (trace/spmd.py)."""
 
@@ -116,38 +278,75 @@ class StandinNxDModel:
     def initialize(self, checkpoint: list[dict[str, torch.Tensor]], start_rank_tensor: torch.Tensor) -> None:
         if not isinstance(start_rank_tensor, torch.Tensor) or start_rank_tensor.numel() != 1:
             raise TypeError("initialize takes the start rank as a one-element tensor")
+        self._load(checkpoint, int(start_rank_tensor), "initialize")
+
+    def _load(self, checkpoint: list[dict[str, torch.Tensor]], start: int, method: str) -> None:
         if not (
             isinstance(checkpoint, list)
             and all(isinstance(d, dict) and all(isinstance(t, torch.Tensor) for t in d.values()) for d in checkpoint)
         ):
-            raise TypeError("initialize takes a list of state dicts (one per rank)")
+            raise TypeError(f"{method} takes a list of state dicts (one per rank)")
         if len(checkpoint) != self.program.tp_degree:
-            raise ValueError(f"initialize: {len(checkpoint)} state dicts for {self.program.tp_degree} ranks")
-        start = int(start_rank_tensor)
-        # one process, one rank: the list's first state dict is rank start's
-        missing, unexpected = self.program.module.load_state_dict(checkpoint[0], strict=False)
-        missing = [k for k in missing if not k.endswith("rank_util.rank")]  # as the build: see build_module
-        if missing or unexpected:
-            raise RuntimeError(f"initialize: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+            raise ValueError(f"{method}: {len(checkpoint)} state dicts for {self.program.tp_degree} ranks")
+        ranks = self.program.ranks
+        if ranks is None:  # one process, one rank: the list's first state dict is rank start's
+            _strict_load(self.program.module, checkpoint[0], method)
+        else:  # the list's state dict r is rank start + r's
+            ranks.ask([("load", self.program.number, state, method) for state in checkpoint])
         _append(
             "loads.jsonl",
-            {"workdir": self.workdir, "ranks": len(checkpoint), "start_rank": start, "names": len(checkpoint[0])},
+            {
+                "workdir": self.workdir,
+                "method": method,
+                "ranks": len(checkpoint),
+                "start_rank": start,
+                "names": len(checkpoint[0]),
+            },
         )
 
 
+class StandinNxDModelV2(StandinNxDModel):
+    """``nxd_model`` of the model NxD's ModelBuilderV2 builds (``trace/nxd_model/nxd_model.py``,
+    ``NxDModel``), which has ``replace_weights``: the weights of a model already loaded on the
+    device replaced, one state dict per rank."""
+
+    def replace_weights(self, sharded_checkpoint: list[dict[str, torch.Tensor]]) -> None:
+        self._load(sharded_checkpoint, 0, "replace_weights")
+
+
+def replacing_weights(builder: Any) -> Any:
+    """``builder`` whose programs' NxD model is ModelBuilderV2's (with ``replace_weights``)."""
+
+    @functools.wraps(builder)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        program = builder(*args, **kwargs)
+        if program is not None:
+            program.nxd_model = StandinNxDModelV2(program, program.nxd_model.workdir)
+        return program
+
+    return build
+
+
 class StandinProgram:
+    """A built program: at ``tp_degree`` 1 ``module`` run in this process; above, program
+    ``number`` of the ``ranks``."""
+
     def __init__(
         self,
-        module: torch.nn.Module,
+        module: torch.nn.Module | None,
         example: tuple[torch.Tensor, ...],
         tp_degree: int,
         workdir: str,
         logical_nc_config: int = 1,
+        ranks: Ranks | None = None,
+        number: int = 0,
     ) -> None:
         self.module = module
         self.signature = [(tuple(t.shape), t.dtype) for t in example]
         self.tp_degree = tp_degree
         self.logical_nc_config = logical_nc_config
+        self.ranks = ranks
+        self.number = number
         self.nxd_model = StandinNxDModel(self, workdir)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -156,6 +355,9 @@ class StandinProgram:
             raise ValueError(f"the compiled program takes {self.signature}, was given {given}")
         if any(t.device.type != "cpu" for t in inputs):
             raise ValueError("the compiled program takes host tensors")
+        if self.ranks is not None:  # SPMD: every rank the same inputs, rank 0's outputs returned
+            return self.ranks.ask([("call", self.number, inputs)] * self.tp_degree)[0]
+        assert self.module is not None
         with world(self.tp_degree, self.logical_nc_config), torch.no_grad():
             outputs = self.module(*inputs)
         return tuple(t.detach().clone() for t in outputs)
@@ -208,25 +410,25 @@ def build_module(
         and all(isinstance(t, torch.Tensor) for t in example_inputs[0])
     ):
         raise ValueError("example_inputs must be a list of exactly one tuple of tensors")
-    if tp_degree != 1:
-        raise NotImplementedError("the CPU stand-in of build_module builds tp_degree 1 only")
     settings = one_core_layout(logical_nc_config, compiler_args, module_init_kwargs)
     if checkpoint_path is None or not Path(checkpoint_path).exists():
         raise FileNotFoundError(f"checkpoint_path {checkpoint_path}: the stand-in does not make random weights")
     workdir = Path(compiler_workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "compiler_args.txt").write_text(compiler_args or "")
-    with world(tp_degree, logical_nc_config):
-        from neuronx_distributed.parallel_layers import parallel_state
+    state = checkpoint_loader_fn(checkpoint_path)
+    from neuronx_distributed.parallel_layers import parallel_state
 
-        layout = parallel_state._REPLICA_LOGIC.name  # how NxD laid the groups out for this core layout
-        module = module_cls(**module_init_kwargs)
-        state = checkpoint_loader_fn(checkpoint_path)
-        get_sharded_checkpoint(state, module, 0, tp_degree)
-        missing, unexpected = module.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("rank_util.rank")]
-    if missing or unexpected:
-        raise RuntimeError(f"checkpoint {checkpoint_path}: missing {missing}, unexpected {unexpected}")
+    if tp_degree == 1:
+        with world(tp_degree, logical_nc_config):
+            layout = parallel_state._REPLICA_LOGIC.name  # how NxD laid the groups out for this core layout
+            module = module_cls(**module_init_kwargs)
+            get_sharded_checkpoint(state, module, 0, tp_degree)
+            _strict_load(module, state, f"checkpoint {checkpoint_path}")
+    else:
+        with mocked_world(tp_degree, logical_nc_config):
+            layout = parallel_state._REPLICA_LOGIC.name
+        sharded = shard_per_rank(module_cls, module_init_kwargs, state, tp_degree, logical_nc_config)
     record = {
         "module": module_cls.__name__,
         "init": sorted(module_init_kwargs),
@@ -246,7 +448,14 @@ def build_module(
     _append("builds.jsonl", record)
     if dry_run:
         return None  # the real one stops after the trace
-    return StandinProgram(module.eval(), example_inputs[0], tp_degree, str(compiler_workdir), logical_nc_config)
+    if tp_degree == 1:
+        return StandinProgram(module.eval(), example_inputs[0], tp_degree, str(compiler_workdir), logical_nc_config)
+    ranks = Ranks.of(tp_degree, logical_nc_config)
+    number = ranks.programs
+    ranks.programs += 1
+    ranks.ask([("build", number, module_cls, module_init_kwargs)] * tp_degree)
+    ranks.ask([("load", number, own, f"checkpoint {checkpoint_path}") for own in sharded])
+    return StandinProgram(None, example_inputs[0], tp_degree, str(compiler_workdir), logical_nc_config, ranks, number)
 
 
 # -- what the plugin calls of NxD, recorded ----------------------------------------------------

@@ -43,8 +43,10 @@ def run(
     )
 
 
-def builds(pytester: pytest.Pytester) -> list[dict]:
-    return [json.loads(line) for line in (pytester.path / "builds.jsonl").read_text().splitlines()]
+def builds(pytester: pytest.Pytester, swap_checks: bool = False) -> list[dict]:
+    """The recorded builds: the programs (``swap_checks``: the first weight swap's fresh build)."""
+    made = [json.loads(line) for line in (pytester.path / "builds.jsonl").read_text().splitlines()]
+    return [b for b in made if (Path(b["compiler_workdir"]).parent.name == "swap-check") == swap_checks]
 
 
 def nxd_calls(pytester: pytest.Pytester, call: str) -> list[dict]:
@@ -70,7 +72,8 @@ def test_compiled_port_passes_every_layer_prompt_decode_and_model(pytester, name
     result.stdout.fnmatch_lines(
         [
             "layerparity: port NxDI port Neuron*ForCausalLM / Neuron*DecoderLayer (*), compiled once per program "
-            "(layer kind and call shape; other layers' weights loaded into it) by standin_build_module.build_module "
+            "(layer kind and call shape; other layers' weights loaded into it, the first swap checked against a fresh "
+            "build of its layer) by standin_build_module.build_module "
             "(a conftest's pytest_layerparity_nxdi_build_module) "
             "(tp_degree 1, logical_nc_config 1 (NxDI's NeuronConfig default on trn1); compiler workdirs under "
             f"{pytester.path}/cc)*",
@@ -368,7 +371,11 @@ def test_on_trn2_every_program_is_built_sharded_and_laid_out_for_one_lnc(pyteste
         assert f"--lnc={lnc}" in b["compiler_args"] and b["replica_logic"] == "LOGIC1"
     inits = nxd_calls(pytester, "initialize_model_parallel")
     callers = {c["caller"] for c in inits}
-    assert {"compiled.py:traced_world", "model_builder.py:shard_checkpoint", "standin_build_module.py:world"} <= callers
+    assert {
+        "compiled.py:traced_world",
+        "model_builder.py:shard_checkpoint",
+        "standin_build_module.py:_traced_parallel_state",
+    } <= callers
     assert {c["arguments"].get("lnc_size") for c in inits} == {lnc}
     builders = nxd_calls(pytester, "ModelBuilder")
     assert builders and all(c["caller"] == "compiled.py:shard" for c in builders)  # one per weight load
@@ -501,3 +508,65 @@ def test_the_standin_loads_weights_strictly(tmp_path, monkeypatch):
         program.nxd_model.initialize([{"proj.weight": torch.eye(2)}] * 2, start)
     assert not hasattr(program.nxd_model, "replace_weights")  # ModelBuilderV2's API, not build_module's model's
     assert len((tmp_path / "loads.jsonl").read_text().splitlines()) == 1  # the one that loaded
+
+
+REPLACING = STANDIN.replace(
+    "from standin_build_module import pytest_layerparity_nxdi_build_module",
+    """from standin_build_module import build_module, replacing_weights
+
+
+def pytest_layerparity_nxdi_build_module(settings):
+    return replacing_weights(build_module)
+""",
+)
+
+SWAP_IGNORED = STANDIN.replace(
+    "from standin_build_module import pytest_layerparity_nxdi_build_module",
+    """from standin_build_module import build_module
+
+
+def ignoring_swaps(*args, **kwargs):  # a model that keeps the weights it was built with
+    program = build_module(*args, **kwargs)
+    program.nxd_model.initialize = lambda checkpoint, start_rank_tensor: None
+    return program
+
+
+def pytest_layerparity_nxdi_build_module(settings):
+    return ignoring_swaps
+""",
+)
+
+
+@pytest.mark.parametrize(("builder", "method"), [(STANDIN, "initialize"), (REPLACING, "replace_weights")])
+def test_the_first_weight_swap_is_checked_once_against_a_fresh_build(pytester, builder, method):
+    """Weights go into a built program by the NxD model's ``replace_weights`` where it has one
+    (ModelBuilderV2's), else ``initialize``; the session's first swap is run beside a fresh
+    build of the same layer on the same call, once, and the summary says what it found."""
+    result = run(pytester, "llama", "float32", builder=builder)
+    result.assert_outcomes(passed=5)
+    result.stdout.fnmatch_lines(
+        [
+            "layerparity: the first weight swap (layer 1 into program context_encoding_model-*, by "
+            f"nxd_model.{method}) computes what a fresh build with layer 1's weights computes, bit for bit"
+        ]
+    )
+    (check,) = builds(pytester, swap_checks=True)
+    assert check["index"] == 1 and len(check["example"]) == 3  # layer 1's prompt, where the first swap was
+    assert len(builds(pytester)) == 2
+    assert {x["method"] for x in loads(pytester)} == {method} and len(loads(pytester)) == 8
+
+
+def test_a_weight_swap_that_does_not_take_fails_naming_the_sdk(pytester):
+    """A model that keeps its build's weights when given another layer's (the behaviour the
+    check is for: closed source, verified where it runs): the first swap's check fails the test
+    that swapped, naming the method; layer 0's tests pass."""
+    result = run(pytester, "llama", "float32", "-k", "test_layer_parity", builder=SWAP_IGNORED)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*WeightSwapMismatch: layer 1's weights swapped into program context_encoding_model-* (built with layer "
+            "0's) do not compute what a fresh build with layer 1's weights computes on the same call (largest "
+            "difference *): the SDK's weight loading into a built program (nxd_model.initialize) does not give it the "
+            "weights a build does*",
+        ]
+    )

@@ -56,6 +56,11 @@ def standin_and_real(name: str) -> tuple[Any, Any]:
         from standin_build_module import StandinNxDModel
 
         return StandinNxDModel.initialize, NxDModel.initialize
+    if name == "nxd_model.replace_weights":
+        from neuronx_distributed.trace.nxd_model.nxd_model import NxDModel as NxDModelV2
+        from standin_build_module import StandinNxDModelV2
+
+        return StandinNxDModelV2.replace_weights, NxDModelV2.replace_weights
     from neuronx_distributed.parallel_layers import parallel_state
     from standin_neuron_sdk import recording_parallel_state
 
@@ -64,7 +69,13 @@ def standin_and_real(name: str) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize(
-    "name", ["build_module", "nxd_model.initialize", *(f"parallel_state.{f}" for f in PARALLEL_STATE)]
+    "name",
+    [
+        "build_module",
+        "nxd_model.initialize",
+        "nxd_model.replace_weights",
+        *(f"parallel_state.{f}" for f in PARALLEL_STATE),
+    ],
 )
 def test_a_standin_takes_the_real_functions_parameters(name):
     standin, real = standin_and_real(name)
