@@ -69,12 +69,15 @@ def compare_stores(golden_dir: str, target_dir: str, pattern: str, settings: Set
 def _entry(key: str, index: int, outcome: LayerOutcome) -> ReportEntry:
     """A compared layer's report entry (no properties or placement: it ran in no pytest
     session)."""
+    metrics = dict(properties(outcome))
+    picture = metrics.pop("failure_picture", None)
     return ReportEntry(
         nodeid=f"compare::{key}",
         layers=str(index),
         verdict="pass" if outcome.passed else "fail",
-        metrics=dict(properties(outcome)),
+        metrics=metrics,
         message="" if outcome.passed else _failure(outcome),
+        picture=picture,
     )
 
 

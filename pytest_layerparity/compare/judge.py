@@ -20,6 +20,7 @@ import torch
 from .envelope import Envelope, EnvelopeLimits
 from .floor import FLOOR_KEY, FloorStats, branch_directions, branch_moves, floor_stats, token_mask
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
+from .picture import FailurePicture, failure_picture
 from .routing import RoutingAgreement, agreement, golden_floor_flips, router_names
 from .verdict import Check, evaluate, kernel_lean
 
@@ -46,6 +47,7 @@ class LayerOutcome:
     judged_tokens: int | None = None  # tokens the verdict's statistics kept (None: all of them)
     golden_flip_tokens: list[int] = field(default_factory=list)  # the golden's experts differ from its floor's
     prompt_kv: str | None = None  # a prompt test's: whether the keys and values it wrote were judged, or why not
+    picture: FailurePicture | None = None  # a failing outcome's error against the golden's rounding
 
     @property
     def passed(self) -> bool:
@@ -140,10 +142,14 @@ def judge(
     limits = None
     if envelope is not None and stats is not None:
         limits = envelope.limits(settings.false_alarm_rate, kernel_lean(stats, dtype))
+    checks = evaluate(metrics, settings, floor=stats, dtype=dtype, envelope=limits, cosine=verdict_cosine)
+    picture = None
+    if stats is not None and floor is not None and not all(check.ok for check in checks):
+        picture = failure_picture(golden, target_cpu, floor, keep)
     return LayerOutcome(
         layer=layer,
         metrics=metrics,
-        checks=evaluate(metrics, settings, floor=stats, dtype=dtype, envelope=limits, cosine=verdict_cosine),
+        checks=checks,
         shape=tuple(golden.shape),
         golden_dtype=dtype_name(golden),
         target_dtype=dtype_name(target_cpu),
@@ -155,6 +161,7 @@ def judge(
         tainted_tokens=tainted,
         judged_tokens=int(keep.sum()) if keep is not None else None,
         golden_flip_tokens=flips,
+        picture=picture,
     )
 
 

@@ -12,6 +12,13 @@ if TYPE_CHECKING:
     import pytest
 
 
+def _picture(props: dict[str, Any]) -> str | None:
+    """The failure picture a test recorded: its own, else the first of a chain's layers'."""
+    if "failure_picture" in props:
+        return props["failure_picture"]
+    return next((v for k, v in props.items() if k.endswith(".failure_picture")), None)
+
+
 def skip_reason(report: pytest.TestReport) -> str:
     """What a skipped test's skip said (a test that judged nothing says why), else ''."""
     if report.skipped and isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
@@ -39,6 +46,7 @@ class ReportEntry:
     properties: dict[str, Any] | None = None
     placement: str | None = None
     decode_note: str | None = None  # an extraction's: why it wrote no decode steps
+    picture: str | None = None  # a failing test's FailurePicture (JSON): its own, or its chain's first failing layer's
 
     @classmethod
     def of_test(cls, report: pytest.TestReport) -> ReportEntry:
@@ -61,6 +69,7 @@ class ReportEntry:
             properties={k: v for k, v in props.items() if "." in k},
             placement=props.get("placement"),
             decode_note=props.get("decode_note"),
+            picture=_picture(props),
         )
 
     @property

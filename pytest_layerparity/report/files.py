@@ -267,6 +267,16 @@ def write_report_html(
     if png:
         alt = html.escape(plot_alt(panels(entries)))
         plot = f"<img alt='{alt}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+    from .picture_svg import picture_html
+
+    figures = "".join(picture_html(e.test_name, e.picture) for e in entries if e.picture and e.verdict != "pass")
+    pictures = (
+        "<h2>Failures against the golden's own rounding</h2>"
+        "<p>Each failing test's error per element (beside the golden's rounding error), per token and per channel, "
+        "in units of the golden's: an error confined to one token or channel stands out.</p>" + figures
+        if figures
+        else ""
+    )
     head = "".join(f"<th>{html.escape(c)}</th>" for c in ("test", "layers", "verdict", *CSV_COLUMNS[3:]))
     lines = "".join(f"<li>{html.escape(line)}</li>" for line in header or [])
     page = f"""<!doctype html>
@@ -288,12 +298,15 @@ tr.detail td {{ white-space: normal; }}
 tr.detail pre {{ text-align: left; margin: 0; font-size: 11px; white-space: pre-wrap; overflow-wrap: anywhere;
   position: sticky; left: 6px; max-width: calc(100vw - 4em); max-width: calc(100cqw - 14px); }}
 img {{ max-width: 100%; height: auto; }}
+figure.failure-picture {{ margin: 1em 0; }} figure.failure-picture svg {{ max-width: 100%; height: auto;
+  margin-right: 8px; }}
 .bad {{ color: #c62828; font-weight: bold; }} .good {{ color: #2e7d32; font-weight: bold; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
 <ul>{lines}</ul>
 {summary}
 <div class='table-box'><table><tr>{head}</tr>{"".join(rows)}</table></div>
+{pictures}
 <h2>Metrics across layers</h2>
 {plot}
 </body></html>

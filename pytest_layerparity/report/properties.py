@@ -58,6 +58,8 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
                 out.append((f"{prefix}{check.name}", check.value))
                 if check.name.endswith("_noise_ratio"):
                     out.append((f"{prefix}{check.name}_limit", check.limit))
+    if outcome.picture is not None:  # a failing outcome's, for report.html (compact JSON)
+        out.append((f"{prefix}failure_picture", outcome.picture.to_json()))
     routings = outcome.routing
     if routings:
         tokens = sum(r.tokens for r in routings)

@@ -26,6 +26,15 @@ try {
       cls: r.className,
       color: getComputedStyle(r.cells[2]).color,
     })),
+    pictures: [...document.querySelectorAll("figure.failure-picture")].map((f) => ({
+      caption: f.querySelector("figcaption").innerText,
+      charts: [...f.querySelectorAll("svg")].map((s) => ({
+        name: s.getAttribute("class"),
+        width: Math.round(s.getBoundingClientRect().width),
+        height: Math.round(s.getBoundingClientRect().height),
+        marks: s.querySelectorAll("rect, polyline").length,
+      })),
+    })),
     images: [...document.images].map((i) => ({
       alt: i.alt,
       complete: i.complete,

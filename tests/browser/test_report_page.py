@@ -75,6 +75,12 @@ def test_report_page_loads_renders_its_plot_and_lists_every_test(pytester, tmp_p
     red, green = "rgb(198, 40, 40)", "rgb(46, 125, 50)"
     assert {r["color"] for r in seen["rows"] if r["cls"] == "fail"} == {red}
     assert {r["color"] for r in seen["rows"] if r["cls"] == "pass"} == {green}
+    # the failures pictured: layer 3's and the chain's (at its first failing layer, 3)
+    assert len(seen["pictures"]) == 2
+    for picture in seen["pictures"]:
+        assert "largest per-token ratio" in picture["caption"]
+        assert [c["name"] for c in picture["charts"]] == ["histogram", "per-token", "per-channel"]
+        assert all(c["width"] >= 300 and c["height"] >= 150 and c["marks"] >= 3 for c in picture["charts"])
     (plot,) = seen["images"]
     assert plot["complete"] and plot["naturalWidth"] > 300 and plot["naturalHeight"] > 200  # decoded, not broken
     assert plot["shownWidth"] > 300
@@ -123,6 +129,8 @@ def test_report_page_fits_a_1400px_window_with_a_wide_table_long_failure_text_an
     (failure,) = scrolled["failures"]
     assert scrolled["boxLeft"] <= failure["left"] and failure["right"] <= scrolled["boxRight"]  # still in view
 
+    (picture,) = seen["pictures"]  # the one failing layer's, its charts laid out within the window
+    assert [c["name"] for c in picture["charts"]] == ["histogram", "per-token", "per-channel"]
     (plot,) = seen["images"]  # noise_ratio 1.2e5 against 1: a log axis, so that the envelope band shows
     assert plot["alt"] == (
         "metrics across layers; y axes: max_abs_diff (symlog), mean_abs_diff (symlog), 1 - cosine_similarity (log), "
