@@ -473,6 +473,33 @@ BUGS = {
 }
 
 
+#: The part of the layer each bug kind is planted in, as the diagnosis names parts
+#: (``compare.diagnosis.PARTS``): what a diagnosis must name first to count as right.
+PLANTED_PART = {
+    "wrong norm epsilon": {"norm"},
+    "rotary halves swapped": {"positions"},
+    "one head's output dropped": {"attention"},
+    "wrong expert scaling": {"mlp"},
+    "softmax router (model uses sigmoid)": {"router"},
+    "square projection transposed": {"attention"},
+    "gate and up projections swapped": {"mlp"},
+    "norm weight as (1 + w) twice": {"norm"},
+    "positions off by one": {"positions"},
+    "attention scaled by 1/head_dim": {"scores"},
+    "key/value heads misgrouped": {"kv"},
+    "router correction bias dropped": {"router"},
+    "top-k weights not renormalised": {"router"},
+    "q/k/v biases dropped": {"kv", "attention"},  # the attention's projections, keys and values among them
+    "LayerNorm bias dropped": {"norm"},
+    "GELU variant swapped (erf/tanh)": {"mlp"},
+    "softmax temperature x1.05": {"scores"},
+    "experts' SiLU taken as GELU": {"mlp"},
+    "experts' down projection x1.02": {"mlp"},
+    "attention soft-capping dropped": {"scores"},
+    "softmax temperature x1.3, one-token path only": {"scores"},
+}
+
+
 def one_token_temperature(scale):
     """The attention's softmax temperature off by ``scale`` in the one-token (decode) path
     alone: a port whose token-generation kernel scales scores otherwise than its prompt's."""
@@ -622,6 +649,20 @@ def planted(plant, at):
     return hook
 
 
+def diagnosed(counts: list, bug: str, outcome, what: str, wrong: list) -> None:
+    """Tally whether a caught bug's diagnosis names its planted part first (``counts``:
+    [caught, named]); a wrong or missing one is listed in ``wrong``."""
+    from pytest_layerparity.compare.diagnosis import diagnose
+
+    found = diagnose(outcome)
+    counts[0] += 1
+    right = found is not None and found.part in PLANTED_PART[bug]
+    counts[1] += right
+    if not right:
+        shares = ", ".join(f"{k} {v:.2f}" for k, v in sorted(outcome.error_shares.items(), key=lambda kv: -kv[1]))
+        wrong.append(f"{what}: {found.describe() if found else 'no diagnosis'} [shares: {shares or 'none'}]")
+
+
 def failing(outcome):
     """The checks a test failed, each with its limits."""
 
@@ -708,6 +749,8 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         "caught": [],
         "by_dtype": [],
         "chained": [],
+        "named": [],
+        "misdiagnosed": [],
         "misses": [],
         "alarms": [],
         "sweep": {},
@@ -736,7 +779,9 @@ def run_in_processes(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         if code != 0 or not out.exists():
             raise SystemExit(f"the {group} cases failed: {' '.join(command)}")
         part = json.loads(out.read_text())
-        for key in ("correct", "caught", "by_dtype", "chained", "misses", "alarms", "timing", "reach", "no_effect"):
+        for key in ("correct", "caught", "by_dtype", "chained", "named", "misdiagnosed", "misses", "alarms"):
+            merged[key] += part[key]
+        for key in ("timing", "reach", "no_effect"):
             merged[key] += part[key]
         for dtype, per_model in part["sweep"].items():
             merged["sweep"].setdefault(dtype, {}).update(per_model)
@@ -769,7 +814,9 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     caught = defaultdict(lambda: [0, 0])  # (split of the model, split of the bug kind) -> [bugs, caught]
     by_dtype = defaultdict(lambda: [0, 0])  # (dtype, held-out bug kind) -> [bugs, caught]
     chained = defaultdict(lambda: [0, 0, 0])  # the same -> [bugs, chain failed, first failing layer the planted one]
+    named = defaultdict(lambda: [0, 0])  # the same -> [caught bugs, diagnosis names the planted part first]
     misses, alarms, sweep = [], [], defaultdict(dict)
+    misdiagnosed: list[str] = []
     carried = {}  # per dtype: what each scale of the sweep leaves in the weights (the first model's)
     no_effect = set()  # planted changes that move no float64 output: left out
     reach = []  # (dtype, kind, the runs' largest noise_ratio, the correct port's, the runs' median or None)
@@ -853,6 +900,8 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
                     counts[1] += not outcome.passed
                 if outcome.passed:
                     misses.append(f"{name} {dtype} {bug}")
+                else:
+                    diagnosed(named[(split, bug_split)], bug, outcome, f"{name} {dtype} {bug}", misdiagnosed)
                 if args.bug_chains:
                     chain = session(model, store, extra, planted(plant, mid), target=target).parity_range(layers)
                     first = next((o.layer for o in chain if not o.passed), None)
@@ -871,6 +920,9 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
                     mid, steps
                 )
                 hit = any(not o.passed for o in bugged)
+                if hit:
+                    first = next(o for o in bugged if not o.passed)
+                    diagnosed(named[(split, bug_split)], bug, first, f"{name} {dtype} {bug}", misdiagnosed)
                 for counts in (caught[(split, bug_split)], by_dtype[(dtype, bug_split != "calibration")]):
                     counts[0] += 1
                     counts[1] += hit
@@ -897,6 +949,8 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
         "caught": [[*key, *value] for key, value in caught.items()],
         "by_dtype": [[*key, *value] for key, value in by_dtype.items()],
         "chained": [[*key, *value] for key, value in chained.items()],
+        "named": [[*key, *value] for key, value in named.items()],
+        "misdiagnosed": misdiagnosed,
         "misses": misses,
         "alarms": alarms,
         "sweep": sweep,
@@ -934,6 +988,14 @@ def report(tallies: dict, args: argparse.Namespace, label: str, elapsed: float) 
     for dtype in sorted({d for d, _ in by_dtype}):
         held, calib = by_dtype.get((dtype, True), [0, 0]), by_dtype.get((dtype, False), [0, 0])
         print(f"  {dtype:<9} held-out kinds {held[1]} of {held[0]}, calibration kinds {calib[1]} of {calib[0]}")
+    named = _sum_rows(tallies.get("named", []), 2)
+    if named:
+        print("\ndiagnosis of the caught bugs (named = the planted part named first)")
+        print(f"{'models':<13} {'bug kinds':<12} {'caught':>7} {'named':>6}")
+        for (split, bug_split), (n, right) in sorted(named.items()):
+            print(f"{split:<13} {bug_split:<12} {n:>7} {right:>6}  ({100 * right / n:.0f}%)")
+        for line in tallies.get("misdiagnosed", []):
+            print(f"  misdiagnosed: {line}")
     if chained:
         print("\nplanted bugs in a chain over all layers (caught = the chain fails; named = its first failing layer)")
         print(f"{'models':<13} {'bug kinds':<12} {'bugs':>5} {'caught':>7} {'named':>6}")

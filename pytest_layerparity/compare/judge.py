@@ -22,6 +22,7 @@ from .floor import FLOOR_KEY, FloorStats, branch_directions, branch_moves, floor
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
 from .picture import FailurePicture, failure_picture
 from .routing import RoutingAgreement, agreement, golden_floor_flips, router_names
+from .shares import error_shares
 from .verdict import Check, evaluate, kernel_lean
 
 if TYPE_CHECKING:
@@ -48,6 +49,11 @@ class LayerOutcome:
     golden_flip_tokens: list[int] = field(default_factory=list)  # the golden's experts differ from its floor's
     prompt_kv: str | None = None  # a prompt test's: whether the keys and values it wrote were judged, or why not
     picture: FailurePicture | None = None  # a failing outcome's error against the golden's rounding
+    #: a failing outcome's: the share of its error each stored direction explains (compare.diagnosis)
+    error_shares: dict[str, float] = field(default_factory=dict)
+    #: the share of the error of the keys and values the call wrote along themselves (a scale
+    #: error of the attention's input reads near 1): "keys", "values"
+    kv_self_shares: dict[str, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -143,9 +149,11 @@ def judge(
     if envelope is not None and stats is not None:
         limits = envelope.limits(settings.false_alarm_rate, kernel_lean(stats, dtype))
     checks = evaluate(metrics, settings, floor=stats, dtype=dtype, envelope=limits, cosine=verdict_cosine)
-    picture = None
-    if stats is not None and floor is not None and not all(check.ok for check in checks):
-        picture = failure_picture(golden, target_cpu, floor, keep)
+    picture, shares = None, {}
+    if not all(check.ok for check in checks):
+        if stats is not None and floor is not None:
+            picture = failure_picture(golden, target_cpu, floor, keep)
+        shares = error_shares(golden, target_cpu, branches or {}, keep)
     return LayerOutcome(
         layer=layer,
         metrics=metrics,
@@ -162,6 +170,7 @@ def judge(
         judged_tokens=int(keep.sum()) if keep is not None else None,
         golden_flip_tokens=flips,
         picture=picture,
+        error_shares=shares,
     )
 
 

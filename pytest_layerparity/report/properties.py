@@ -58,6 +58,11 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
                 out.append((f"{prefix}{check.name}", check.value))
                 if check.name.endswith("_noise_ratio"):
                     out.append((f"{prefix}{check.name}_limit", check.limit))
+    from ..compare.diagnosis import diagnose
+
+    diagnosis = diagnose(outcome)
+    if diagnosis is not None:
+        out += [(f"{prefix}diagnosis", diagnosis.part), (f"{prefix}diagnosis_text", diagnosis.describe())]
     if outcome.picture is not None:  # a failing outcome's, for report.html (compact JSON)
         out.append((f"{prefix}failure_picture", outcome.picture.to_json()))
     routings = outcome.routing

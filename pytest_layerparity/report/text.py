@@ -99,6 +99,11 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
             f"  non-finite values: golden NaN {m.golden_nan} Inf {m.golden_inf}, target NaN {m.target_nan} Inf "
             f"{m.target_inf}"
         )
+    from ..compare.diagnosis import diagnose
+
+    diagnosis = diagnose(outcome)
+    if diagnosis is not None:
+        lines.append(f"  {diagnosis.describe()}")
     lines.append(f"  drill in: {next_command}")
     return "\n".join(lines)
 

@@ -219,12 +219,14 @@ class TargetSide:
         """Add to ``outcome`` the checks of the keys and values the call wrote to its cache
         (``compare.judge.judge_appended_kv``, their names starting with ``prefix``)."""
         from ..compare.judge import judge_appended_kv
+        from ..compare.shares import written_shares
 
         states = bool((entry.metadata["call"].get("cache_update") or {}).get("states"))
-        settings, dtype = self.settings, self.dtype_name
-        outcome.checks.extend(
-            judge_appended_kv(entry.tensors, run.appended_kv, settings, dtype, outcome.envelope, states, prefix)
-        )
+        written = run.appended_kv
+        envelope, dtype = outcome.envelope, self.dtype_name
+        outcome.checks += judge_appended_kv(entry.tensors, written, self.settings, dtype, envelope, states, prefix)
+        if written is not None and not states:  # a state's error along itself tells nothing of a scale
+            outcome.kv_self_shares.update(written_shares(entry.tensors, written))
 
     def parity_decode(self, index: int, steps: list[int], control: bool = False) -> list[LayerOutcome]:
         """Layer ``index`` in each decode step: fed the step's golden call (the one-token

@@ -1,0 +1,126 @@
+"""A failing test's likeliest cause: one ranked line naming the part of the layer that is
+wrong, from the evidence the test has, with how sure it is.
+
+The evidence, strongest first:
+
+- the keys and values the call wrote (a prompt's, a decode step's appended ones): keys wrong
+  and values right is what rotated keys do (rotary embedding, positions); both wrong with the
+  output's error outside every stored direction points at the KV path;
+- the routers: tokens that chose other experts than the golden's, off near ties, with the
+  error along the experts' output point at the router;
+- the error's direction: ``target - golden`` against each direction the golden stores
+  (each branch's output, such as the attention's and the MLP's, the attention temperature's
+  and the norms' epsilon's effect on the output: ``floor.branch.*``); the direction that
+  explains the largest share of the error (its squared cosine with it) names the part. A
+  scaled projection moves the output along its branch's output, a temperature or epsilon error
+  along its own direction, so each is explained almost wholly by one; an error of another
+  form (swapped rotary halves, swapped projections) is explained partly, and the line says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .judge import LayerOutcome
+
+#: The parts a diagnosis names, and how it words them.
+PARTS = {
+    "scores": "the attention scores or their temperature (scale, soft-capping, softmax)",
+    "positions": "rotary embedding or positions",
+    "kv": "the KV path (key/value projections or heads)",
+    "attention": "the attention (its projections, heads or scores)",
+    "mlp": "the MLP or experts",
+    "router": "the router (its weights or how it picks experts)",
+    "norm": "a norm (its epsilon, weight or bias)",
+    "unclear": "no part stands out",
+}
+#: Which part a stored direction (``floor.branch.<name>``) stands for.
+DIRECTION_PARTS = {
+    "attention_temperature": "scores",
+    "norm_epsilon": "norm",
+    "gelu_form": "mlp",
+}
+#: Branch (child module) names of each part.
+ATTENTION_NAMES = ("attn", "attention")
+MLP_NAMES = ("mlp", "moe", "experts", "feed_forward", "ffn", "intermediate", "output")
+#: Below this share of the error explained, a direction's part is named as a guess.
+SURE = 0.5
+#: Below this share, no stored direction explains the error.
+UNEXPLAINED = 0.1
+#: From this share of the written values' error along themselves, they are the golden's
+#: scaled: values replaced by other, unrelated ones (heads mixed up) read 0.5.
+SCALED = 0.9
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    part: str  # a key of PARTS
+    sureness: str  # "sure", "likely" or "a guess"
+    evidence: str
+
+    def describe(self) -> str:
+        if self.part == "unclear":
+            return f"diagnosis: {PARTS[self.part]} ({self.evidence})"
+        return f"diagnosis: {PARTS[self.part]} ({self.sureness}: {self.evidence})"
+
+
+def direction_part(name: str) -> str | None:
+    """The part a stored direction stands for (None: a branch of no known part)."""
+    if name in DIRECTION_PARTS:
+        return DIRECTION_PARTS[name]
+    lowered = name.lower()
+    if any(word in lowered for word in ATTENTION_NAMES):
+        return "attention"
+    if any(word in lowered for word in MLP_NAMES):
+        return "mlp"
+    return None
+
+
+def _failed(outcome: LayerOutcome, *names: str) -> bool:
+    return any(not c.ok and c.name.startswith(names) for c in outcome.checks)
+
+
+def diagnose(outcome: LayerOutcome) -> Diagnosis | None:
+    """The likeliest part for a failing ``outcome`` (None for a passing one, or one without
+    evidence: no floor, no directions, no cache)."""
+    if outcome.passed:
+        return None
+    shares = sorted(
+        ((share, name) for name, share in outcome.error_shares.items() if direction_part(name)), reverse=True
+    )
+    best = shares[0] if shares else None
+    keys = _failed(outcome, "prompt_keys", "new_keys", "prompt_kv", "kv_cache")
+    values = _failed(outcome, "prompt_values", "new_values", "prompt_kv", "kv_cache")
+    if keys and not values:
+        return Diagnosis("positions", "sure", "the keys it wrote differ from the golden's, its values do not")
+    scaled = outcome.kv_self_shares.get("values", 0.0)
+    if values and scaled >= SCALED:
+        return Diagnosis(
+            "norm",
+            "likely",
+            f"the values it wrote are the golden's scaled ({scaled:.0%} of their error along them): the attention's "
+            "input is scaled, as a norm's epsilon or weight scales it",
+        )
+    if values and (best is None or best[0] < 0.9):
+        written = "the keys and the values" if keys else "the values"
+        return Diagnosis("kv", "likely", f"{written} it wrote differ from the golden's, not as a scale")
+    flipped = sum(r.flipped - r.near_tie_flipped for r in outcome.routing)
+    tokens = sum(r.tokens for r in outcome.routing)
+    unexplained = best is None or best[0] < UNEXPLAINED
+    if flipped and (unexplained or (direction_part(best[1]) == "mlp" and best[0] < SURE)):
+        return Diagnosis(
+            "router",
+            "likely",
+            f"{flipped} of {tokens} tokens chose other experts off near ties, and the experts' output does not "
+            "explain the error",
+        )
+    if best is None:
+        return None
+    share, name = best
+    if share < UNEXPLAINED:
+        return Diagnosis("unclear", "unclear", f"no stored direction explains it (largest: {name}, {share:.0%})")
+    runner = f"; next {shares[1][1]} {shares[1][0]:.0%}" if len(shares) > 1 else ""
+    sureness = "sure" if share >= 0.9 else "likely" if share >= SURE else "a guess"
+    return Diagnosis(direction_part(name) or "attention", sureness, f"{name} explains {share:.0%} of the error{runner}")
