@@ -369,6 +369,7 @@ class CompiledPrograms:
     programs: dict[ProgramKey, Program] = field(default_factory=dict)
     loads: list[tuple[str, int]] = field(default_factory=list)  # (program, layer) of each weight swap
     swap_check: str | None = None  # what the first swap's check against a fresh build found
+    swap_failed: bool = False  # that check failed: no later swap is made (each would fail alike)
     _temporary: str | None = None
 
     @property
@@ -416,6 +417,8 @@ class CompiledPrograms:
         if program is None:
             program = self.programs[key] = self.build(layer, key, example)
         elif program.holds != layer.index:
+            if self.swap_failed:
+                raise WeightSwapMismatch(f"{self.swap_check} (the session's first swap; no later swap is made)")
             self.load(program, layer)
             if self.swap_check is None:
                 self.check_swap(program, layer, example)
@@ -432,13 +435,15 @@ class CompiledPrograms:
         name, method, index = program.key.name, f"nxd_model.{program.swapped_by}", layer.index
         if len(swapped) != len(built) or not all(torch.equal(a, b) for a, b in pairs):
             worst = max(((a.double() - b.double()).abs().max().item() for a, b in pairs), default=float("nan"))
-            raise WeightSwapMismatch(
+            self.swap_failed = True
+            self.swap_check = (
                 f"layer {index}'s weights swapped into program {name} (built with layer {program.loaded_from}'s) "
                 f"do not compute what a fresh build with layer {index}'s weights computes on the same call (largest "
                 f"difference {worst:.3g}): the SDK's weight loading into a built program ({method}) does not give it "
                 "the weights a build does, so the layers that share a program would not run with their own weights; "
                 "this Neuron SDK's weight swap cannot be used: report it to its maintainers with this message"
             )
+            raise WeightSwapMismatch(self.swap_check)
         self.swap_check = (
             f"the first weight swap (layer {index} into program {name}, by {method}) computes what a fresh build "
             f"with layer {index}'s weights computes, bit for bit"
