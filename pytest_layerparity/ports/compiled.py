@@ -257,7 +257,7 @@ class CompiledLayer:
     state: Callable[[], dict[str, torch.Tensor]]
     _models: dict[str, Any] = field(default_factory=dict)
     _structures: dict[str, str] = field(default_factory=dict)
-    _layouts: dict[str, KvLayout | None] = field(default_factory=dict)
+    _layouts: dict[str, KvLayout | None] = field(default_factory=dict)  # by tag, beside _structures
 
     @property
     def lnc(self) -> int:
@@ -288,15 +288,13 @@ class CompiledLayer:
 
     def kv_layout(self) -> KvLayout | None:
         """How the programs' ranks hold the KV heads (None in one rank, or where no module of the
-        layer shards them): from the layer built on the meta device, as ModelBuilder builds it
-        (once)."""
+        layer shards them): read off the token-generation program's layer as :meth:`structure`
+        builds it."""
         if self.tp <= 1:
             return None
-        if "layout" not in self._layouts:
-            with traced_world(self.tp, self.lnc):
-                self._layouts["layout"] = KvLayout.of(LayerProgram(**self.init(program_tag(past=True))), self.tp)
-            check_nothing_left()
-        return self._layouts["layout"]
+        tag = program_tag(past=True)
+        self.structure(tag, self.tp)
+        return self._layouts[tag]
 
     @property
     def tp(self) -> int:
@@ -305,11 +303,13 @@ class CompiledLayer:
     def structure(self, tag: str, tp_degree: int) -> str:
         """A digest of the layer's structure in ``tag``'s program: its config as NxDI serialises
         it and the module NxDI builds from it, built on the meta device as ModelBuilder builds it
-        (once per tag)."""
+        (once per tag; how its ranks hold the KV heads kept beside, :meth:`kv_layout`)."""
         if tag not in self._structures:
             init = self.init(tag)
             with traced_world(tp_degree, self.lnc):  # MoE layers read their groups in state_dict()
-                structure = module_structure(LayerProgram(**init))
+                program = LayerProgram(**init)
+                structure = module_structure(program)
+                self._layouts[tag] = KvLayout.of(program, tp_degree)
             check_nothing_left()
             text = json.dumps([init["config"].to_json_string(), structure])
             self._structures[tag] = hashlib.sha256(text.encode()).hexdigest()
