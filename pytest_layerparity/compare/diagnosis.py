@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .parts import direction_part
+
 if TYPE_CHECKING:
     from .judge import LayerOutcome
 
@@ -36,15 +38,6 @@ PARTS = {
     "norm": "a norm (its epsilon, weight or bias)",
     "unclear": "no part stands out",
 }
-#: Which part a stored direction (``floor.branch.<name>``) stands for.
-DIRECTION_PARTS = {
-    "attention_temperature": "scores",
-    "norm_epsilon": "norm",
-    "gelu_form": "mlp",
-}
-#: Branch (child module) names of each part.
-ATTENTION_NAMES = ("attn", "attention")
-MLP_NAMES = ("mlp", "moe", "experts", "feed_forward", "ffn", "intermediate", "output")
 #: Below this share of the error explained, a direction's part is named as a guess.
 SURE = 0.5
 #: Below this share, no stored direction explains the error.
@@ -64,18 +57,6 @@ class Diagnosis:
         if self.part == "unclear":
             return f"diagnosis: {PARTS[self.part]} ({self.evidence})"
         return f"diagnosis: {PARTS[self.part]} ({self.sureness}: {self.evidence})"
-
-
-def direction_part(name: str) -> str | None:
-    """The part a stored direction stands for (None: a branch of no known part)."""
-    if name in DIRECTION_PARTS:
-        return DIRECTION_PARTS[name]
-    lowered = name.lower()
-    if any(word in lowered for word in ATTENTION_NAMES):
-        return "attention"
-    if any(word in lowered for word in MLP_NAMES):
-        return "mlp"
-    return None
 
 
 def _failed(outcome: LayerOutcome, *names: str) -> bool:

@@ -35,6 +35,11 @@ BRANCH_PREFIX = FLOOR_PREFIX + "branch."
 #: size as a multiple of the stored direction's norm (``floor.move.<name>``, one number): what
 #: a port with that bug reads along it (:attr:`FloorStats.branch_move`).
 MOVE_PREFIX = FLOOR_PREFIX + "move."
+#: Where a direction is the move of a change with a measure of its own (the attention
+#: scores' scale), the move per unit of that measure as a multiple of the stored direction
+#: (``floor.step.<name>``, one number): what ``compare.sight`` states a test's detection
+#: limits in.
+STEP_PREFIX = FLOOR_PREFIX + "step."
 
 
 def branch_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -43,9 +48,10 @@ def branch_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     return {k[len(BRANCH_PREFIX) :]: v for k, v in sorted(tensors.items()) if k.startswith(BRANCH_PREFIX)}
 
 
-def branch_moves(tensors: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """The moves' sizes a golden holds (``MOVE_PREFIX``), by direction name."""
-    return {k[len(MOVE_PREFIX) :]: float(v) for k, v in tensors.items() if k.startswith(MOVE_PREFIX)}
+def branch_moves(tensors: Mapping[str, torch.Tensor], prefix: str = MOVE_PREFIX) -> dict[str, float]:
+    """The moves' sizes a golden holds (``MOVE_PREFIX``; with ``STEP_PREFIX`` the moves per
+    unit of their change), by direction name."""
+    return {k[len(prefix) :]: float(v) for k, v in tensors.items() if k.startswith(prefix)}
 
 
 @dataclass(frozen=True)

@@ -12,18 +12,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from .envelope import Envelope, EnvelopeLimits
-from .floor import FLOOR_KEY, FloorStats, branch_directions, branch_moves, floor_stats, token_mask
+from .floor import (
+    FLOOR_KEY,
+    STEP_PREFIX,
+    FloorStats,
+    branch_directions,
+    branch_moves,
+    floor_stats,
+    token_mask,
+)
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
 from .picture import FailurePicture, failure_picture
 from .routing import RoutingAgreement, agreement, golden_floor_flips, router_names
 from .shares import error_shares
-from .verdict import Check, evaluate, kernel_lean
+from .sight import Sight, sight
+from .verdict import Check, evaluate, kernel_lean, policy_in_force
 
 if TYPE_CHECKING:
     from ..options import Settings
@@ -54,6 +63,8 @@ class LayerOutcome:
     #: the share of the error of the keys and values the call wrote along themselves (a scale
     #: error of the attention's input reads near 1): "keys", "values"
     kv_self_shares: dict[str, float] = field(default_factory=dict)
+    #: the test's detection limits: the smallest error of each stored kind it fails on (compare.sight)
+    sight: Sight | None = None
 
     @property
     def passed(self) -> bool:
@@ -105,6 +116,7 @@ def judge(
     branches: Mapping[str, torch.Tensor] | None = None,
     moves: Mapping[str, float] | None = None,
     golden_flips: Sequence[int] = (),
+    steps: Mapping[str, float] | None = None,
 ) -> LayerOutcome:
     """Hold ``target`` against ``golden`` (and against the precision floor ``floor``,
     the layer's input ``hidden_in``, the routers' agreement and the layer's noise envelope,
@@ -115,7 +127,8 @@ def judge(
     golden stores (``compare.floor.branch_moves``). ``golden_flips``: tokens whose experts
     the golden chose otherwise than its floor, left out of the statistics against the floor
     (with ``--near-ties strict`` too: there the floor is no measure of the golden's
-    rounding)."""
+    rounding). ``steps``: the moves per unit of their change the golden stores, which the
+    test's detection limits are stated in (:mod:`.sight`)."""
     target_cpu = target.detach().to("cpu")
     if tuple(golden.shape) != tuple(target_cpu.shape):
         raise AssertionError(
@@ -149,6 +162,28 @@ def judge(
     if envelope is not None and stats is not None:
         limits = envelope.limits(settings.false_alarm_rate, kernel_lean(stats, dtype))
     checks = evaluate(metrics, settings, floor=stats, dtype=dtype, envelope=limits, cosine=verdict_cosine)
+    seen = None
+    if stats is not None and floor is not None and policy_in_force(settings, True) == "noise":
+        passed = all(check.ok for check in checks)  # else: what a port as exact as the reference shows
+        base, base_stats = (target_cpu, stats) if passed else (golden, None)
+        if base_stats is None:
+            base_stats = floor_stats(golden, golden, floor, hidden_in, keep, branches, moves)
+        seen = sight(
+            golden,
+            base,
+            floor,
+            base_stats,
+            metrics if passed else replace(metrics, target_nan=metrics.golden_nan, target_inf=metrics.golden_inf),
+            settings,
+            dtype,
+            limits,
+            hidden_in=hidden_in,
+            keep=keep,
+            branches=branches,
+            steps=steps,
+            moves=moves,
+            base_name="port" if passed else "reference",
+        )
     picture, shares = None, {}
     if not all(check.ok for check in checks):
         if stats is not None and floor is not None:
@@ -171,6 +206,7 @@ def judge(
         golden_flip_tokens=flips,
         picture=picture,
         error_shares=shares,
+        sight=seen,
     )
 
 
@@ -229,6 +265,7 @@ def judge_golden(
         tainted=tainted,
         branches=branch_directions(golden_tensors),
         moves=branch_moves(golden_tensors),
+        steps=branch_moves(golden_tensors, STEP_PREFIX),
         # as the envelope's runs were judged: an envelope made before the rule has none
         golden_flips=golden_floor_flips(dict(golden_tensors))
         if envelope is None or envelope.golden_flips is not None

@@ -67,21 +67,28 @@ class SofterAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextmanager
-def raised_norm_epsilon(layer: torch.nn.Module, step: float) -> Iterator[int]:
-    """While active, the epsilon of every norm in ``layer`` (a module named ``*norm`` or of a
-    class ``*Norm``, its epsilon a number in one of ``EPSILON_ATTRIBUTES``) is ``step`` higher;
-    yields how many norms that is, and puts each epsilon back."""
-    raised: list[tuple[torch.nn.Module, str, float]] = []
+def norm_epsilons(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, float]]:
+    """Every norm in ``layer`` (a module named ``*norm`` or of a class ``*Norm``) that keeps its
+    epsilon as a number in one of ``EPSILON_ATTRIBUTES``: (the norm, the attribute, the value)."""
+    found = []
     for name, module in layer.named_modules():
         if not is_norm(name.rsplit(".", 1)[-1], module):
             continue
         for attribute in EPSILON_ATTRIBUTES:
             value = getattr(module, attribute, None)
             if isinstance(value, float) and not isinstance(value, bool):
-                raised.append((module, attribute, value))
-                setattr(module, attribute, value + step)
+                found.append((module, attribute, value))
                 break
+    return found
+
+
+@contextmanager
+def raised_norm_epsilon(layer: torch.nn.Module, step: float) -> Iterator[int]:
+    """While active, the epsilon of every norm in ``layer`` (:func:`norm_epsilons`) is ``step``
+    higher; yields how many norms that is, and puts each epsilon back."""
+    raised = norm_epsilons(layer)
+    for module, attribute, value in raised:
+        setattr(module, attribute, value + step)
     try:
         yield len(raised)
     finally:
@@ -102,22 +109,30 @@ def _move(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float) -> t
     return d.mul_(out_size / size), size / out_size
 
 
-def _direction(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float) -> torch.Tensor | None:
-    """:func:`_move`'s direction alone (a step of arbitrary size: its size is not used)."""
+#: A direction (scaled to the output's norm) and the output's move per unit of its change's
+#: own measure, as a multiple of the direction.
+Stepped = tuple[torch.Tensor, float]
+
+
+def _per_unit(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float, step: float) -> Stepped | None:
+    """:func:`_move` of a change ``step`` long in its own measure: the direction and the move
+    per unit of that measure, as a multiple of the direction (``compare.sight`` states how
+    large a change of the kind a test sees from it)."""
     found = _move(moved, out, max_output_cosine)
-    return None if found is None else found[0]
+    return None if found is None else (found[0], found[1] / step)
 
 
 def temperature_direction(
     run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
-) -> torch.Tensor | None:
+) -> Stepped | None:
     """How the layer's output ``out`` moves under a softer attention: ``run()`` (the same call
-    made anew, in the same arithmetic) under :class:`SofterAttention`, as :func:`_direction`;
-    None where no attention ran (no softmax of scores)."""
+    made anew, in the same arithmetic) under :class:`SofterAttention`, as :func:`_per_unit`
+    (per unit of the scores' relative scale, lowered); None where no attention ran (no softmax
+    of scores)."""
     softer = SofterAttention(1 - TEMPERATURE_STEP)
     with softer:
         moved = run()
-    return _direction(moved, out, max_output_cosine) if softer.hits else None
+    return _per_unit(moved, out, max_output_cosine, TEMPERATURE_STEP) if softer.hits else None
 
 
 def norm_epsilon_direction(
@@ -126,11 +141,11 @@ def norm_epsilon_direction(
     run: Callable[[], torch.Tensor],
     out: torch.Tensor,
     max_output_cosine: float,
-) -> torch.Tensor | None:
+) -> Stepped | None:
     """How the layer's output ``out`` moves with its norms' epsilon raised
     (:data:`NORM_EPSILON_STEP`, :func:`raised_norm_epsilon`): ``run()`` so, as
-    :func:`_direction`. None without the layer's input ``hidden_in``, or where the layer has
-    no norm whose epsilon it keeps."""
+    :func:`_per_unit` (per unit of the epsilon itself). None without the layer's input
+    ``hidden_in``, or where the layer has no norm whose epsilon it keeps."""
     if hidden_in is None or hidden_in.dim() < 1 or hidden_in.shape[-1] < 2:
         return None
     spread = float(hidden_in.detach().reshape(-1, hidden_in.shape[-1]).var(-1, unbiased=False).median())
@@ -140,7 +155,7 @@ def norm_epsilon_direction(
         if not norms:
             return None
         moved = run()
-    return _direction(moved, out, max_output_cosine)
+    return _per_unit(moved, out, max_output_cosine, NORM_EPSILON_STEP * spread)
 
 
 def _gelu_form(module: torch.nn.Module) -> str | None:

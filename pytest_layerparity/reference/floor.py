@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing, floor_routing
-from ..compare.floor import BRANCH_PREFIX, MOVE_PREFIX
+from ..compare.floor import BRANCH_PREFIX, MOVE_PREFIX, STEP_PREFIX
 from ..store.callspec import (
     appended_kv,
     cache_argument,
@@ -207,8 +207,17 @@ class FloorEvaluator:
                 if direction is not None:
                     found[BRANCH_PREFIX + name] = direction.to("cpu", self.golden_dtype)
 
-            keep(TEMPERATURE_BRANCH, temperature_direction(again, out, MAX_BRANCH_OUTPUT_COSINE))
-            keep(NORM_EPSILON_BRANCH, norm_epsilon_direction(layer, hidden_in, again, out, MAX_BRANCH_OUTPUT_COSINE))
+            def keep_stepped(name: str, stepped: tuple[torch.Tensor, float] | None) -> None:
+                """A direction and its move per unit of its change (``STEP_PREFIX``)."""
+                if stepped is not None:
+                    keep(name, stepped[0])
+                    found[STEP_PREFIX + name] = torch.tensor(stepped[1], dtype=torch.float32)
+
+            keep_stepped(TEMPERATURE_BRANCH, temperature_direction(again, out, MAX_BRANCH_OUTPUT_COSINE))
+            # the epsilon's step is set by the layer's input, far outside a q/k norm's or a
+            # post-norm's linear range on a trained model: its direction only, no size per unit
+            epsilon = norm_epsilon_direction(layer, hidden_in, again, out, MAX_BRANCH_OUTPUT_COSINE)
+            keep(NORM_EPSILON_BRANCH, epsilon[0] if epsilon is not None else None)
             gelu = gelu_form_direction(layer, again, out, MAX_BRANCH_OUTPUT_COSINE)
             if gelu is not None:  # the swap is a bug's whole effect: its size kept (compare.verdict.KERNEL_LEAN)
                 keep(GELU_FORM_BRANCH, gelu[0])

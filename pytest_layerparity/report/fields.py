@@ -36,6 +36,12 @@ FIELDS: tuple[Field, ...] = (
     Field("contribution_bias_low", csv=True),
     Field("contribution_bias_high", csv=True),
     Field("envelope_samples"),
+    # the test's detection limits (compare.sight): the smallest change of each kind it fails on
+    Field("detection_attention_scale", csv=True),
+    Field("detection_mlp_scale", csv=True),
+    Field("detection_temperature", csv=True),
+    Field("detection_gelu_form"),
+    Field("detection_text"),
     # mixture-of-experts routing
     Field("routing_agreement", (7, "routing", 8), csv=True),
     Field("routing_flipped", csv=True),

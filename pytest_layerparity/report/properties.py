@@ -63,6 +63,8 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
     diagnosis = diagnose(outcome)
     if diagnosis is not None:
         out += [(f"{prefix}diagnosis", diagnosis.part), (f"{prefix}diagnosis_text", diagnosis.describe())]
+    if outcome.sight is not None:  # what the test could see: its detection limits
+        out += outcome.sight.properties(prefix)
     if outcome.picture is not None:  # a failing outcome's, for report.html (compact JSON)
         out.append((f"{prefix}failure_picture", outcome.picture.to_json()))
     routings = outcome.routing

@@ -104,6 +104,8 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
     diagnosis = diagnose(outcome)
     if diagnosis is not None:
         lines.append(f"  {diagnosis.describe()}")
+    if outcome.sight is not None:
+        lines.append(f"  detection: {outcome.sight.describe()}")
     lines.append(f"  drill in: {next_command}")
     return "\n".join(lines)
 
@@ -161,6 +163,8 @@ def summary_lines(entries: list[ReportEntry]) -> list[str]:
         model = model_summary(metrics)
         if model is not None:
             lines.append(f"  {model}")
+        if entry.verdict == "pass" and metrics.get("detection_text"):
+            lines.append(f"  {metrics['detection_text']}")
         if entry.verdict == "skipped" and entry.message:
             lines.append(f"  {entry.message}")
     first_fail = first_failing(entries)

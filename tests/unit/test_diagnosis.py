@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from pytest_layerparity.compare.diagnosis import PARTS, diagnose, direction_part
+from pytest_layerparity.compare.diagnosis import PARTS, diagnose
 from pytest_layerparity.compare.judge import judge
+from pytest_layerparity.compare.parts import direction_part
 from pytest_layerparity.compare.routing import RoutingAgreement
 from pytest_layerparity.compare.shares import error_shares
 from pytest_layerparity.compare.verdict import Check
