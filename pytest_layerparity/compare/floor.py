@@ -40,12 +40,21 @@ MOVE_PREFIX = FLOOR_PREFIX + "move."
 #: (``floor.step.<name>``, one number): what ``compare.sight`` states a test's detection
 #: limits in.
 STEP_PREFIX = FLOOR_PREFIX + "step."
+#: The moves a test's detection limits are stated along and that no check of the verdict
+#: measures (``floor.sight.<kind>``: the attention's output scaled, the norms' epsilon as a
+#: factor), each scaled to the output's norm with its move per unit under ``STEP_PREFIX``.
+SIGHT_PREFIX = FLOOR_PREFIX + "sight."
 
 
 def branch_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The branch outputs a golden holds, by branch name (in the names' order: a failure's table
     and JUnit list them the same way in every run)."""
     return {k[len(BRANCH_PREFIX) :]: v for k, v in sorted(tensors.items()) if k.startswith(BRANCH_PREFIX)}
+
+
+def sight_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The moves a golden holds for the detection limits alone (``SIGHT_PREFIX``), by kind."""
+    return {k[len(SIGHT_PREFIX) :]: v for k, v in tensors.items() if k.startswith(SIGHT_PREFIX)}
 
 
 def branch_moves(tensors: Mapping[str, torch.Tensor], prefix: str = MOVE_PREFIX) -> dict[str, float]:

@@ -25,6 +25,7 @@ from .floor import (
     branch_directions,
     branch_moves,
     floor_stats,
+    sight_directions,
     token_mask,
 )
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
@@ -117,6 +118,7 @@ def judge(
     moves: Mapping[str, float] | None = None,
     golden_flips: Sequence[int] = (),
     steps: Mapping[str, float] | None = None,
+    sights: Mapping[str, torch.Tensor] | None = None,
 ) -> LayerOutcome:
     """Hold ``target`` against ``golden`` (and against the precision floor ``floor``,
     the layer's input ``hidden_in``, the routers' agreement and the layer's noise envelope,
@@ -127,8 +129,9 @@ def judge(
     golden stores (``compare.floor.branch_moves``). ``golden_flips``: tokens whose experts
     the golden chose otherwise than its floor, left out of the statistics against the floor
     (with ``--near-ties strict`` too: there the floor is no measure of the golden's
-    rounding). ``steps``: the moves per unit of their change the golden stores, which the
-    test's detection limits are stated in (:mod:`.sight`)."""
+    rounding). ``sights`` and ``steps``: the moves the golden stores for the detection limits
+    alone and the moves per unit of their change, which the test's detection limits are
+    stated in (:mod:`.sight`)."""
     target_cpu = target.detach().to("cpu")
     if tuple(golden.shape) != tuple(target_cpu.shape):
         raise AssertionError(
@@ -182,6 +185,7 @@ def judge(
             branches=branches,
             steps=steps,
             moves=moves,
+            sights=sights,
             base_name="port" if passed else "reference",
         )
     picture, shares = None, {}
@@ -266,6 +270,7 @@ def judge_golden(
         branches=branch_directions(golden_tensors),
         moves=branch_moves(golden_tensors),
         steps=branch_moves(golden_tensors, STEP_PREFIX),
+        sights=sight_directions(golden_tensors),
         # as the envelope's runs were judged: an envelope made before the rule has none
         golden_flips=golden_floor_flips(dict(golden_tensors))
         if envelope is None or envelope.golden_flips is not None

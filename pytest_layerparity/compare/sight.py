@@ -2,17 +2,19 @@
 smallest size of it that the test's own checks fail on (its detection limit).
 
 A kind of error moves the layer's output along a stored direction by an amount that grows
-with its size: the attention's or the MLP's contribution scaled (along the branch's own
-output; what the next branch makes of the change is left out), the attention scores scaled (a
-softmax temperature; along the temperature's direction, per unit of scale by
-``floor.step.attention_temperature``), GELU's other form (its stored move). The norms'
-epsilon is not stated: its direction is taken at a step set by the layer's input, far outside
-the linear range of a norm whose input varies much less (a q/k norm, a post-norm: on Gemma 3
-the stated epsilon read 1,000 times the one caught). Every statistic the verdict judges is
-linear in the size or the square root of a quadratic in it, so one pass over the output gives
-each statistic at any size; the verdict's own :func:`~.verdict.evaluate` then says, at each
-size tried, whether the test would fail. The limit is found on each side (raised and lowered)
-by growing the size and bisecting the step that first fails.
+with its size: the attention's output scaled (``floor.sight.attention_scale``: the layer's
+move measured at extraction, what the MLP after it answers and a post-norm undoes included;
+older goldens: along the branch's own output), the MLP's output scaled (along the branch's own
+output), the attention scores scaled (a softmax temperature; along the temperature's
+direction), every norm's epsilon multiplied (``floor.sight.norm_epsilon``, measured at
+x10: small beside any norm's input variance, where the verdict's own epsilon direction, its
+step set by the layer's input, is far outside a q/k norm's or a post-norm's linear range),
+GELU's other form (its stored move); each per unit of its size by ``floor.step.<name>``.
+Every statistic the verdict judges is linear in the size or the square root of a quadratic in
+it, so one pass over the output gives each statistic at any size; the verdict's own
+:func:`~.verdict.evaluate` then says, at each size tried, whether the test would fail. The
+limit is found on each side (raised and lowered; the epsilon raised) by growing the size and
+bisecting the step that first fails.
 
 The port under test is the base: what it already errs is in the statistics, so a pass states
 what this port's test could have caught beyond its own error. A test that fails states what a
@@ -40,19 +42,22 @@ if TYPE_CHECKING:
     from .metrics import Metrics
 
 #: The kinds a test states its limits for, in the order the text names them, each with the
-#: words of a change of size ``x`` (a fraction).
-KINDS = ("attention_scale", "mlp_scale", "temperature", "gelu_form")
+#: words of a change of size ``x`` (a fraction; the epsilon's a factor less one).
+KINDS = ("attention_scale", "mlp_scale", "temperature", "norm_epsilon", "gelu_form")
 WORDS = {
     "attention_scale": "attention output",
     "mlp_scale": "MLP output",
     "temperature": "attention scores' scale",
+    "norm_epsilon": "norm epsilon",
     "gelu_form": "GELU's other form",
 }
-#: The largest size looked for: a scale or temperature off by the whole of itself.
-LARGEST = 1.0
-#: From this size on a kind counts as out of the test's sight: larger than such a port bug
-#: is (a scale or temperature read wrong by a tenth).
-OUT_OF_SIGHT = 0.1
+#: The largest size looked for: a scale or temperature off by the whole of itself, an epsilon
+#: a million times the model's.
+LARGEST = {"norm_epsilon": 1e6}
+#: From these sizes on a kind counts as out of the test's sight: larger than such a port bug
+#: is (a scale or temperature read wrong by a tenth, an epsilon read 100 times too large).
+OUT_OF_SIGHT = {"norm_epsilon": 100.0}
+SCALE_OUT_OF_SIGHT = 0.1
 #: A branch's scale is stated only where the branches' outputs add up to the layer's own
 #: contribution within this share of it (the stored directions are rounded to the golden's
 #: dtype): a post-norm layer normalises each branch's output before adding it, so a scale of
@@ -80,8 +85,9 @@ class Limit:
 
     @property
     def both_ways(self) -> float | None:
-        """The size from which a change either way is caught."""
-        if self.kind == "gelu_form":
+        """The size from which a change either way is caught (the epsilon's: raised, as a
+        factor over the model's)."""
+        if self.kind in ("norm_epsilon", "gelu_form"):
             return self.high
         if self.low is None or self.high is None:
             return None
@@ -90,7 +96,8 @@ class Limit:
     @property
     def in_sight(self) -> bool:
         found = self.both_ways
-        return found is not None and (self.kind == "gelu_form" or found < OUT_OF_SIGHT)
+        limit = OUT_OF_SIGHT.get(self.kind, SCALE_OUT_OF_SIGHT)
+        return found is not None and (self.kind == "gelu_form" or found < limit)
 
     def describe(self) -> str:
         found = self.both_ways
@@ -98,13 +105,17 @@ class Limit:
             return ""
         if self.kind == "gelu_form":
             return WORDS[self.kind]
+        if self.kind == "norm_epsilon":
+            return f"{WORDS[self.kind]} x{found:.3g}"
         return f"{WORDS[self.kind]} +-{100 * found:.2g}%"
 
     def missed(self) -> str:
         """The words of what the test does not see of this kind."""
         if self.kind == "gelu_form":
             return WORDS[self.kind]
-        return f"{WORDS[self.kind]} within +-{OUT_OF_SIGHT:.0%}"
+        if self.kind == "norm_epsilon":
+            return f"{WORDS[self.kind]} below x{OUT_OF_SIGHT[self.kind]:g}"
+        return f"{WORDS[self.kind]} within +-{SCALE_OUT_OF_SIGHT:.0%}"
 
 
 @dataclass(frozen=True)
@@ -167,11 +178,16 @@ class _Pass:
 
 
 def kind_moves(
-    branches: Mapping[str, torch.Tensor], steps: Mapping[str, float], moves: Mapping[str, float]
-) -> dict[str, tuple[torch.Tensor, float]]:
+    branches: Mapping[str, torch.Tensor],
+    sights: Mapping[str, torch.Tensor],
+    steps: Mapping[str, float],
+    moves: Mapping[str, float],
+) -> tuple[dict[str, tuple[torch.Tensor, float]], set[str]]:
     """Per kind, the stored tensor its move lies along and the move per unit of the kind's
     size as a multiple of it (a raised temperature scales the scores up: the other way from
-    the stored softer step). A kind without a stored direction is left out."""
+    the stored softer step), and the kinds taken along a branch's own output (stated only where
+    the branches add up to the layer's contribution). A kind without a stored direction is
+    left out."""
     found: dict[str, tuple[torch.Tensor, float]] = {}
     for name, tensor in branches.items():
         part = direction_part(name)
@@ -179,11 +195,16 @@ def kind_moves(
             found["attention_scale"] = (tensor, 1.0)
         elif part == "mlp" and name != "gelu_form" and "mlp_scale" not in found:
             found["mlp_scale"] = (tensor, 1.0)
+    along_branches = set(found)
+    for kind in ("attention_scale", "norm_epsilon"):  # measured at extraction: the layer's own move
+        if kind in sights and kind in steps:
+            found[kind] = (sights[kind], steps[kind])
+            along_branches.discard(kind)
     if "attention_temperature" in branches and "attention_temperature" in steps:
         found["temperature"] = (branches["attention_temperature"], -steps["attention_temperature"])
     if "gelu_form" in branches and "gelu_form" in moves:
         found["gelu_form"] = (branches["gelu_form"], moves["gelu_form"])
-    return found
+    return found, along_branches
 
 
 def _one_pass(
@@ -260,6 +281,7 @@ def sight(
     branches: Mapping[str, torch.Tensor] | None = None,
     steps: Mapping[str, float] | None = None,
     moves: Mapping[str, float] | None = None,
+    sights: Mapping[str, torch.Tensor] | None = None,
     base_name: str = "port",
 ) -> Sight | None:
     """The detection limits of a test whose output ``base`` (the port's, or the golden for a
@@ -268,7 +290,7 @@ def sight(
     same settings and ``limits``) fails on. None where the golden stores no direction."""
     from .verdict import evaluate
 
-    kinds = kind_moves(branches or {}, steps or {}, moves or {})
+    kinds, along_branches = kind_moves(branches or {}, sights or {}, steps or {}, moves or {})
     if not kinds or base_stats.golden_error <= 0:
         return None
     found = _one_pass(golden, base, reference, hidden_in, keep, branches or {}, kinds)
@@ -314,7 +336,7 @@ def sight(
     additive = found.uu > 0 and found.unexplained_sq <= ADDITIVE**2 * found.uu
     out = []
     for kind in KINDS:
-        if kind not in kinds or (kind in ("attention_scale", "mlp_scale") and not additive):
+        if kind not in kinds or (kind in along_branches and not additive):
             continue
         if kind == "gelu_form":
             check = failing_check(kind, 1.0)
@@ -322,9 +344,14 @@ def sight(
             continue
         move = float(torch.cat(found.move_sq[kind]).sum()) ** 0.5
         start = FIRST_MOVE * golden_error / move if move > 0 else math.inf
-        high, check = _smallest(lambda x, kind=kind: failing_check(kind, x), start, LARGEST)
-        lowered, _ = _smallest(lambda x, kind=kind: failing_check(kind, -x), start, LARGEST)
-        low = -lowered if lowered is not None else None
+        largest = LARGEST.get(kind, 1.0)
+        high, check = _smallest(lambda x, kind=kind: failing_check(kind, x), start, largest)
+        low = None
+        if kind == "norm_epsilon":
+            high = 1 + high if high is not None else None  # a factor over the model's epsilon
+        else:
+            lowered, _ = _smallest(lambda x, kind=kind: failing_check(kind, -x), start, largest)
+            low = -lowered if lowered is not None else None
         out.append(Limit(kind, low, high, check))
     return Sight(tuple(out), base_name, dtype)
 

@@ -158,6 +158,66 @@ def norm_epsilon_direction(
     return _per_unit(moved, out, max_output_cosine, NORM_EPSILON_STEP * spread)
 
 
+#: The attention's output scaled (``floor.sight.attention_scale``): what the layer's output
+#: does when its attention branch's output is scaled by ``1 + BRANCH_SCALE_STEP``: the
+#: branch's own output and what the rest of the layer makes of it (the MLP after it answers;
+#: a post-norm undoes it). ``compare.sight`` states a test's limit for the kind along it.
+ATTENTION_SCALE = "attention_scale"
+BRANCH_SCALE_STEP = 1e-3
+#: The norms' epsilon as a factor (``floor.sight.norm_epsilon``): what the layer's output does
+#: when every norm's epsilon is ``1 + EPSILON_FACTOR_STEP`` times its own (x10: a port that
+#: reads 1e-5 for 1e-6), a change small beside the variance of any norm's input, so the move
+#: is linear in it (``NORM_EPSILON_STEP``, the verdict's direction, is set by the layer's
+#: input and is not, for a q/k norm or a post-norm).
+NORM_EPSILON_FACTOR = "norm_epsilon"
+EPSILON_FACTOR_STEP = 9.0
+
+
+@contextmanager
+def scaled_output(module: torch.nn.Module, factor: float) -> Iterator[None]:
+    """While active, ``module``'s output (its first tensor) is ``factor`` times what it computes."""
+
+    def hook(_module: Any, _args: Any, output: Any) -> Any:
+        if isinstance(output, (tuple, list)) and output:
+            return type(output)((output[0] * factor, *output[1:]))
+        return output * factor
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def branch_scale_direction(
+    module: torch.nn.Module, run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
+) -> Stepped | None:
+    """How the layer's output ``out`` moves with the branch ``module``'s output scaled
+    (:data:`BRANCH_SCALE_STEP`): ``run()`` so, as :func:`_per_unit` (per unit of scale)."""
+    with scaled_output(module, 1 + BRANCH_SCALE_STEP):
+        moved = run()
+    return _per_unit(moved, out, max_output_cosine, BRANCH_SCALE_STEP)
+
+
+def epsilon_factor_direction(
+    layer: torch.nn.Module, run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
+) -> Stepped | None:
+    """How the layer's output ``out`` moves with every norm's epsilon (:func:`norm_epsilons`)
+    ``1 + EPSILON_FACTOR_STEP`` times its own: ``run()`` so, as :func:`_per_unit` (per unit of
+    the factor less one); None where the layer has no such norm."""
+    norms = norm_epsilons(layer)
+    if not norms:
+        return None
+    for module, attribute, value in norms:
+        setattr(module, attribute, value * (1 + EPSILON_FACTOR_STEP))
+    try:
+        moved = run()
+    finally:
+        for module, attribute, value in norms:
+            setattr(module, attribute, value)
+    return _per_unit(moved, out, max_output_cosine, EPSILON_FACTOR_STEP)
+
+
 def _gelu_form(module: torch.nn.Module) -> str | None:
     """The ``approximate`` of the GELU form ``module`` computes ("none": erf's, "tanh"), or
     None where it is no GELU of a known form."""

@@ -16,7 +16,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing, floor_routing
-from ..compare.floor import BRANCH_PREFIX, MOVE_PREFIX, STEP_PREFIX
+from ..compare.floor import BRANCH_PREFIX, MOVE_PREFIX, SIGHT_PREFIX, STEP_PREFIX
+from ..compare.parts import direction_part
 from ..store.callspec import (
     appended_kv,
     cache_argument,
@@ -158,9 +159,13 @@ class FloorEvaluator:
         import torch
 
         from .directions import (
+            ATTENTION_SCALE,
             GELU_FORM_BRANCH,
             NORM_EPSILON_BRANCH,
+            NORM_EPSILON_FACTOR,
             TEMPERATURE_BRANCH,
+            branch_scale_direction,
+            epsilon_factor_direction,
             gelu_form_direction,
             norm_epsilon_direction,
             temperature_direction,
@@ -195,6 +200,7 @@ class FloorEvaluator:
         hidden_in = upcast.get(hidden_input_name(spec))
         for name, branch in contribution_branches(branches, out, hidden_in).items():  # directions: golden's dtype
             found[BRANCH_PREFIX + name] = branch.to("cpu", self.golden_dtype)
+        attention = next((name for name in branches if direction_part(name) == "attention"), None)
         del branches
         if extras:
 
@@ -214,6 +220,15 @@ class FloorEvaluator:
                     found[STEP_PREFIX + name] = torch.tensor(stepped[1], dtype=torch.float32)
 
             keep_stepped(TEMPERATURE_BRANCH, temperature_direction(again, out, MAX_BRANCH_OUTPUT_COSINE))
+            # moves no check measures, for the detection limits alone (compare.sight)
+            sights = [(NORM_EPSILON_FACTOR, epsilon_factor_direction(layer, again, out, MAX_BRANCH_OUTPUT_COSINE))]
+            if attention is not None:
+                module = layer.get_submodule(attention)
+                sights.append((ATTENTION_SCALE, branch_scale_direction(module, again, out, MAX_BRANCH_OUTPUT_COSINE)))
+            for name, stepped in sights:
+                if stepped is not None:
+                    found[SIGHT_PREFIX + name] = stepped[0].to("cpu", self.golden_dtype)
+                    found[STEP_PREFIX + name] = torch.tensor(stepped[1], dtype=torch.float32)
             # the epsilon's step is set by the layer's input, far outside a q/k norm's or a
             # post-norm's linear range on a trained model: its direction only, no size per unit
             epsilon = norm_epsilon_direction(layer, hidden_in, again, out, MAX_BRANCH_OUTPUT_COSINE)

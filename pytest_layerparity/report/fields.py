@@ -40,6 +40,7 @@ FIELDS: tuple[Field, ...] = (
     Field("detection_attention_scale", csv=True),
     Field("detection_mlp_scale", csv=True),
     Field("detection_temperature", csv=True),
+    Field("detection_norm_epsilon", csv=True),
     Field("detection_gelu_form"),
     Field("detection_text"),
     # mixture-of-experts routing

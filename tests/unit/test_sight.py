@@ -12,6 +12,8 @@ from pytest_layerparity.compare.judge import judge
 from pytest_layerparity.options import make_settings
 
 TEMPERATURE_STEP = 40.0  # the output's move per unit of the scores' scale, as a multiple of the direction
+EPSILON_STEP = 2e-4  # per unit of the epsilon's factor less one
+ATTENTION_STEP = 1.1  # the measured move of the attention's scale, per unit, over its stored direction
 
 
 def layer(tokens: int = 24, width: int = 64, attention_size: float = 0.5, post_norm: bool = False):
@@ -42,7 +44,19 @@ def layer(tokens: int = 24, width: int = 64, attention_size: float = 0.5, post_n
     return x, ref, golden, directions, port
 
 
-def judged(golden, target, ref, x, directions, steps=True):
+def sights(directions) -> dict:
+    """The moves measured at extraction for the limits alone: the attention's scale (its own
+    output and what the MLP answers, scaled to the output's norm as stored) and the epsilon's."""
+    g = torch.Generator().manual_seed(5)
+    answer = 0.3 * torch.randn(directions["self_attn"].shape, generator=g, dtype=torch.float64)
+    attention = directions["self_attn"].double() + answer
+    return {
+        "attention_scale": attention.to(torch.bfloat16),
+        "norm_epsilon": torch.randn(directions["mlp"].shape, generator=g).to(torch.bfloat16),
+    }
+
+
+def judged(golden, target, ref, x, directions, steps=True, measured=False):
     return judge(
         0,
         golden,
@@ -52,12 +66,23 @@ def judged(golden, target, ref, x, directions, steps=True):
         floor=ref.float(),
         hidden_in=x.to(torch.bfloat16),
         branches=directions,
-        steps={"attention_temperature": TEMPERATURE_STEP} if steps else None,
+        steps={
+            "attention_temperature": TEMPERATURE_STEP,
+            "attention_scale": ATTENTION_STEP,
+            "norm_epsilon": EPSILON_STEP,
+        }
+        if steps
+        else None,
+        sights=sights(directions) if measured else None,
     )
 
 
-def moved(kind: str, directions, size: float) -> torch.Tensor:
+def moved(kind: str, directions, size: float, measured: bool = False) -> torch.Tensor:
     """What a change of ``kind`` of ``size`` adds to the output (the sight's own model of it)."""
+    if measured and kind in ("attention_scale", "norm_epsilon"):
+        return (
+            size * sights(directions)[kind].double() * (ATTENTION_STEP if kind == "attention_scale" else EPSILON_STEP)
+        )
     if kind == "attention_scale":
         return size * directions["self_attn"].double()
     if kind == "mlp_scale":
@@ -66,18 +91,30 @@ def moved(kind: str, directions, size: float) -> torch.Tensor:
     return -size * TEMPERATURE_STEP * directions["attention_temperature"].double()
 
 
-@pytest.mark.parametrize("kind", ["attention_scale", "mlp_scale", "temperature"])
-def test_each_limit_is_where_the_verdict_starts_to_fail(kind):
+@pytest.mark.parametrize(
+    ("kind", "measured"),
+    [
+        ("attention_scale", False),
+        ("attention_scale", True),
+        ("mlp_scale", False),
+        ("temperature", False),
+        ("norm_epsilon", True),
+    ],
+)
+def test_each_limit_is_where_the_verdict_starts_to_fail(kind, measured):
     """Just below the stated size the verdict on the changed output passes, just above it
-    fails; for a scale or temperature on both sides."""
+    fails; for a scale or temperature on both sides, for the epsilon (a factor) raised. With
+    the moves measured at extraction the attention's scale and the epsilon are taken along
+    them."""
     x, ref, golden, directions, port = layer()
-    outcome = judged(golden, port, ref, x, directions)
+    outcome = judged(golden, port, ref, x, directions, measured=measured)
     assert outcome.passed and outcome.sight is not None and outcome.sight.base == "port"
     limit = outcome.sight.by_kind()[kind]
-    for size in (limit.high, limit.low):
+    sides = [limit.high - 1] if kind == "norm_epsilon" else [limit.high, limit.low]
+    for size in sides:
         assert size is not None
-        assert judged(golden, port + moved(kind, directions, 0.97 * size), ref, x, directions).passed
-        failed = judged(golden, port + moved(kind, directions, 1.03 * size), ref, x, directions)
+        assert judged(golden, port + moved(kind, directions, 0.97 * size, measured), ref, x, directions).passed
+        failed = judged(golden, port + moved(kind, directions, 1.03 * size, measured), ref, x, directions)
         assert not failed.passed
     assert limit.check in {c.name for c in failed.checks if not c.ok}
 
@@ -117,3 +154,5 @@ def test_a_post_norm_layer_states_no_branch_scale():
     before it is added), a scale of them moves nothing: only the other kinds are stated."""
     x, ref, golden, directions, port = layer(post_norm=True)
     assert set(judged(golden, port, ref, x, directions).sight.by_kind()) == {"temperature"}
+    measured = judged(golden, port, ref, x, directions, measured=True).sight.by_kind()
+    assert set(measured) == {"attention_scale", "temperature", "norm_epsilon"}  # measured: no sum needed
