@@ -5,6 +5,7 @@ half passes."""
 
 from __future__ import annotations
 
+import csv
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -42,7 +43,7 @@ def extracted(pytester):
 
 
 def test_a_pass_states_what_it_could_see_and_the_limit_holds_both_ways(extracted):
-    result = extracted.runpytest("--target", "cpu", "--layers", "2", "--junitxml=out.xml")
+    result = extracted.runpytest("--target", "cpu", "--layers", "2", "--junitxml=out.xml", "--parity-report", "report")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         [
@@ -57,6 +58,10 @@ def test_a_pass_states_what_it_could_see_and_the_limit_holds_both_ways(extracted
         assert 0 < float(props[f"detection_{kind}"]) < 0.1, kind
     assert float(props["detection_norm_epsilon"]) > 100  # bfloat16 cannot see an epsilon read 100 times too large
     assert props["detection_text"].startswith("sees attention output +-")
+    with open(extracted.path / "report" / "report.csv", newline="") as handle:
+        row = next(csv.DictReader(handle))
+    assert float(row["detection_attention_scale"]) == pytest.approx(float(props["detection_attention_scale"]))
+    assert "detection_attention_scale" in (extracted.path / "report" / "report.html").read_text()
     limit = float(props["detection_attention_scale"])
     for factor, fails in ((1 + limit / 2, False), (1 - limit / 2, False), (1 + 2 * limit, True), (1 - 2 * limit, True)):
         extracted.makeconftest(SCALED_ATTENTION.format(factor=factor))
