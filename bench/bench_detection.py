@@ -37,7 +37,7 @@ from scratch import work_folder
 
 from pytest_layerparity.compare.floor import branch_directions
 from pytest_layerparity.compare.parts import direction_part
-from pytest_layerparity.reference.directions import SofterAttention, norm_epsilons
+from pytest_layerparity.reference.directions import SofterAttention, norm_epsilons, output_scaler
 from pytest_layerparity.selection import decode_key, layer_key
 from pytest_layerparity.store.golden import GoldenStore
 
@@ -60,12 +60,7 @@ def plant(kind: str, size: float, branch: str | None):
     """A port with ``kind`` off by ``size`` (a fraction; for the epsilon, the factor less one)."""
 
     def scale_output(layer, config):
-        module = layer.get_submodule(branch)
-
-        def hook(_module, _args, out):
-            return (out[0] * (1 + size), *out[1:]) if isinstance(out, tuple) else out * (1 + size)
-
-        module.register_forward_hook(hook)
+        layer.get_submodule(branch).register_forward_hook(output_scaler(1 + size))
         return layer
 
     def sharper(layer, config):

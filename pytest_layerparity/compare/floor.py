@@ -237,6 +237,14 @@ def _wide(rows: torch.Tensor, device: torch.device, keep: torch.Tensor | None) -
     return rows if keep is None else rows[keep]
 
 
+def token_floor(err_g: torch.Tensor, ref_sq: float) -> tuple[torch.Tensor, float]:
+    """The per-token noise each token's error is measured in (the golden's own error per token,
+    floored at its median so that a token the golden happened to round well does not make a
+    ratio from nothing), and the least error counted (``ref_sq``: the floor's squared norm)."""
+    tiny = 1e-12 * ref_sq**0.5 + 1e-300
+    return torch.maximum(err_g, err_g.median()).clamp_min(tiny), tiny
+
+
 def floor_stats(
     golden: torch.Tensor,
     target: torch.Tensor,
@@ -254,11 +262,10 @@ def floor_stats(
     if tokens == 0:
         return FloorStats(0.0, 0.0, -1, 0.0, 0.0, None, 0)
     err_g, err_t = torch.cat(sums.err_g), torch.cat(sums.err_t)
-    tiny = 1e-12 * sums.ref_sq**0.5 + 1e-300
+    floor, tiny = token_floor(err_g, sums.ref_sq)
     golden_error = float(err_g.norm())
     target_error = float(err_t.norm())
     ratio = target_error / (golden_error + tiny)
-    floor = torch.maximum(err_g, err_g.median()).clamp_min(tiny)
     per_token = err_t / floor
     worst = int(per_token.argmax())
     delta_cos = z_t = z_g = None

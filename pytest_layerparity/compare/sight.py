@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .floor import FloorStats, row_blocks
+from .floor import FloorStats, row_blocks, token_floor
 from .parts import direction_part
 
 if TYPE_CHECKING:
@@ -295,14 +295,15 @@ def sight(
         return None
     found = _one_pass(golden, base, reference, hidden_in, keep, branches or {}, kinds)
     err_g = torch.cat(found.err_g)
-    tiny = 1e-12 * found.ref_sq**0.5 + 1e-300
-    per_token_floor = torch.maximum(err_g, err_g.median()).clamp_min(tiny)
+    per_token_floor, tiny = token_floor(err_g, found.ref_sq)
     golden_error = float(err_g.norm())
     err_t_sq = torch.cat(found.err_t_sq)
     scale = (err_g.numel() * golden.shape[-1]) ** 0.5 / golden_error
+    along_tokens = {kind: torch.cat(parts) for kind, parts in found.along.items()}
+    move_tokens = {kind: torch.cat(parts) for kind, parts in found.move_sq.items()}
 
     def stats_at(kind: str, x: float) -> tuple[FloorStats, float]:
-        along, move_sq = torch.cat(found.along[kind]), torch.cat(found.move_sq[kind])
+        along, move_sq = along_tokens[kind], move_tokens[kind]
         per_token_sq = (err_t_sq + 2 * x * along + x * x * move_sq).clamp_min(0)
         per_token = per_token_sq.sqrt() / per_token_floor
         worst = int(per_token.argmax())
@@ -342,7 +343,7 @@ def sight(
             check = failing_check(kind, 1.0)
             out.append(Limit(kind, None, 1.0 if check else None, check or ""))
             continue
-        move = float(torch.cat(found.move_sq[kind]).sum()) ** 0.5
+        move = float(move_tokens[kind].sum()) ** 0.5
         start = FIRST_MOVE * golden_error / move if move > 0 else math.inf
         largest = LARGEST.get(kind, 1.0)
         high, check = _smallest(lambda x, kind=kind: failing_check(kind, x), start, largest)

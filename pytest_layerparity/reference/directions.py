@@ -7,6 +7,7 @@ output along that direction, and along no branch's output."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -83,17 +84,22 @@ def norm_epsilons(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, fl
 
 
 @contextmanager
-def raised_norm_epsilon(layer: torch.nn.Module, step: float) -> Iterator[int]:
-    """While active, the epsilon of every norm in ``layer`` (:func:`norm_epsilons`) is ``step``
-    higher; yields how many norms that is, and puts each epsilon back."""
-    raised = norm_epsilons(layer)
-    for module, attribute, value in raised:
-        setattr(module, attribute, value + step)
+def changed_norm_epsilon(layer: torch.nn.Module, change: Callable[[float], float]) -> Iterator[int]:
+    """While active, the epsilon of every norm in ``layer`` (:func:`norm_epsilons`) is
+    ``change`` of its own; yields how many norms that is, and puts each epsilon back."""
+    norms = norm_epsilons(layer)
+    for module, attribute, value in norms:
+        setattr(module, attribute, change(value))
     try:
-        yield len(raised)
+        yield len(norms)
     finally:
-        for module, attribute, value in raised:
+        for module, attribute, value in norms:
             setattr(module, attribute, value)
+
+
+def raised_norm_epsilon(layer: torch.nn.Module, step: float) -> contextlib.AbstractContextManager[int]:
+    """:func:`changed_norm_epsilon`, every epsilon ``step`` higher."""
+    return changed_norm_epsilon(layer, lambda value: value + step)
 
 
 def _move(moved: torch.Tensor, out: torch.Tensor, max_output_cosine: float) -> tuple[torch.Tensor, float] | None:
@@ -173,16 +179,22 @@ NORM_EPSILON_FACTOR = "norm_epsilon"
 EPSILON_FACTOR_STEP = 9.0
 
 
-@contextmanager
-def scaled_output(module: torch.nn.Module, factor: float) -> Iterator[None]:
-    """While active, ``module``'s output (its first tensor) is ``factor`` times what it computes."""
+def output_scaler(factor: float) -> Callable[[Any, Any, Any], Any]:
+    """A forward hook that makes a module's output (its first tensor) ``factor`` times what it
+    computes."""
 
     def hook(_module: Any, _args: Any, output: Any) -> Any:
         if isinstance(output, (tuple, list)) and output:
             return type(output)((output[0] * factor, *output[1:]))
         return output * factor
 
-    handle = module.register_forward_hook(hook)
+    return hook
+
+
+@contextmanager
+def scaled_output(module: torch.nn.Module, factor: float) -> Iterator[None]:
+    """While active, ``module``'s output (its first tensor) is ``factor`` times what it computes."""
+    handle = module.register_forward_hook(output_scaler(factor))
     try:
         yield
     finally:
@@ -205,16 +217,10 @@ def epsilon_factor_direction(
     """How the layer's output ``out`` moves with every norm's epsilon (:func:`norm_epsilons`)
     ``1 + EPSILON_FACTOR_STEP`` times its own: ``run()`` so, as :func:`_per_unit` (per unit of
     the factor less one); None where the layer has no such norm."""
-    norms = norm_epsilons(layer)
-    if not norms:
-        return None
-    for module, attribute, value in norms:
-        setattr(module, attribute, value * (1 + EPSILON_FACTOR_STEP))
-    try:
+    with changed_norm_epsilon(layer, lambda value: value * (1 + EPSILON_FACTOR_STEP)) as norms:
+        if not norms:
+            return None
         moved = run()
-    finally:
-        for module, attribute, value in norms:
-            setattr(module, attribute, value)
     return _per_unit(moved, out, max_output_cosine, EPSILON_FACTOR_STEP)
 
 
