@@ -89,6 +89,10 @@ FOURTH_ROUND_MODELS = ("gemma2",)
 # Held out until the twenty-ninth session: GPT-OSS (sliding window, attention sinks, a softmax
 # router), Qwen3 (q/k norms), Mistral (sliding window); their first run is the one reported.
 FIFTH_ROUND_MODELS = ("gpt_oss", "qwen3", "mistral")
+# Held out until the thirty-fifth session's diagnosis rules were final: OLMo-2 (norms after
+# each branch), StableLM (LayerNorm biases, q/k/v biases), Phi-3 (fused projections), Cohere
+# (parallel attention and MLP); their first run is the one reported.
+SIXTH_ROUND_MODELS = ("olmo2", "stablelm", "phi3", "cohere")
 DECODE_STEPS = 2
 
 
@@ -125,7 +129,7 @@ def trained_minilm() -> Path | None:
 
 
 #: The models by the name --models takes (the trained MiniLM runs with two prompts).
-MODEL_GROUPS = (*DECODERS, *FIFTH_ROUND_MODELS, "bert", "minilm")
+MODEL_GROUPS = (*DECODERS, *FIFTH_ROUND_MODELS, *SIXTH_ROUND_MODELS, "bert", "minilm")
 
 
 def widths(kind: str, hidden: int) -> dict:
@@ -321,7 +325,7 @@ def attention_scale_wrong(layer, config):
 def kv_heads_misgrouped(layer, config):
     attn = _find(layer, "self_attn")
     kv = getattr(config, "num_key_value_heads", None)
-    if attn is None or not kv or kv < 2 or kv == config.num_attention_heads:
+    if attn is None or not hasattr(attn, "k_proj") or not kv or kv < 2 or kv == config.num_attention_heads:
         return None
     d = _head_dim(config)
     order = torch.arange(kv).roll(1)
@@ -856,6 +860,8 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             if name in FOURTH_ROUND_MODELS
             else "evaluation 5"
             if name in FIFTH_ROUND_MODELS
+            else "evaluation 6"
+            if name in SIXTH_ROUND_MODELS
             else "evaluation"
         )
         count = len(session(model, work / "probe", extra).model.layer_list[1])
@@ -994,6 +1000,15 @@ def report(tallies: dict, args: argparse.Namespace, label: str, elapsed: float) 
         print(f"{'models':<13} {'bug kinds':<12} {'caught':>7} {'named':>6}")
         for (split, bug_split), (n, right) in sorted(named.items()):
             print(f"{split:<13} {bug_split:<12} {n:>7} {right:>6}  ({100 * right / n:.0f}%)")
+        by_models: dict[str, list[int]] = {}
+        for (split, _), (n, right) in named.items():
+            total = by_models.setdefault(split, [0, 0])
+            total[0], total[1] = total[0] + n, total[1] + right
+        held = [sum(v[i] for k, v in by_models.items() if k != "calibration") for i in (0, 1)]
+        for split, (n, right) in sorted(by_models.items()):
+            print(f"  {split} models, every bug kind: {right} of {n} ({100 * right / n:.1f}%)")
+        if held[0]:
+            print(f"  held-out models together: {held[1]} of {held[0]} ({100 * held[1] / held[0]:.1f}%)")
         for line in tallies.get("misdiagnosed", []):
             print(f"  misdiagnosed: {line}")
     if chained:

@@ -15,6 +15,11 @@ The evidence, strongest first:
   scaled projection moves the output along its branch's output, a temperature or epsilon error
   along its own direction, so each is explained almost wholly by one; an error of another
   form (swapped rotary halves, swapped projections) is explained partly, and the line says so.
+  A norm's weight (``floor.cause.norm_weight.*``: its output scaled) scales the input of the
+  branch after it, so any error made inside that branch lies partly along it too: it is
+  named only where it explains the error surely and more than every other direction does.
+  Each attention head's own part of the output (``floor.heads``, sketched) is one more
+  direction of the attention.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .parts import direction_part
+from .parts import NORM_WEIGHT_PREFIX, direction_part
 
 if TYPE_CHECKING:
     from .judge import LayerOutcome
@@ -42,9 +47,13 @@ PARTS = {
 SURE = 0.5
 #: Below this share, no stored direction explains the error.
 UNEXPLAINED = 0.1
-#: From this share of the written values' error along themselves, they are the golden's
-#: scaled: values replaced by other, unrelated ones (heads mixed up) read 0.5.
+#: From this share of the written values' error along themselves (token by token), they are
+#: the golden's scaled: values replaced by other, unrelated ones (heads mixed up) read 0.5.
 SCALED = 0.9
+#: How much more of the error a norm's weight must explain than any other direction to be
+#: named (a branch scaled in its input and in its output move its output almost alike: the
+#: calibration models' wrong post-attention norm weight explains 4-9% more than the MLP).
+WEIGHT_MARGIN = 1.02
 
 
 @dataclass(frozen=True)
@@ -63,14 +72,24 @@ def _failed(outcome: LayerOutcome, *names: str) -> bool:
     return any(not c.ok and c.name.startswith(names) for c in outcome.checks)
 
 
+def _ranked(error_shares: dict[str, float]) -> list[tuple[float, str]]:
+    """The directions of a known part by the share of the error they explain, largest first;
+    the norms' weights' only where the largest of them explains it surely and passes
+    :data:`WEIGHT_MARGIN`."""
+    ranked = sorted(((share, name) for name, share in error_shares.items() if direction_part(name)), reverse=True)
+    weights = [entry for entry in ranked if entry[1].startswith(NORM_WEIGHT_PREFIX)]
+    others = [entry for entry in ranked if not entry[1].startswith(NORM_WEIGHT_PREFIX)]
+    if weights and weights[0][0] >= SURE and weights[0][0] > WEIGHT_MARGIN * (others[0][0] if others else 0.0):
+        return [weights[0], *others]
+    return others
+
+
 def diagnose(outcome: LayerOutcome) -> Diagnosis | None:
     """The likeliest part for a failing ``outcome`` (None for a passing one, or one without
     evidence: no floor, no directions, no cache)."""
     if outcome.passed:
         return None
-    shares = sorted(
-        ((share, name) for name, share in outcome.error_shares.items() if direction_part(name)), reverse=True
-    )
+    shares = _ranked(outcome.error_shares)
     best = shares[0] if shares else None
     keys = _failed(outcome, "prompt_keys", "new_keys", "prompt_kv", "kv_cache")
     values = _failed(outcome, "prompt_values", "new_values", "prompt_kv", "kv_cache")
@@ -81,8 +100,8 @@ def diagnose(outcome: LayerOutcome) -> Diagnosis | None:
         return Diagnosis(
             "norm",
             "likely",
-            f"the values it wrote are the golden's scaled ({scaled:.0%} of their error along them): the attention's "
-            "input is scaled, as a norm's epsilon or weight scales it",
+            f"the values it wrote are the golden's scaled token by token ({scaled:.0%} of their error along them): "
+            "the attention's input is scaled, as a norm's epsilon or weight scales it",
         )
     if values and (best is None or best[0] < 0.9):
         written = "the keys and the values" if keys else "the values"

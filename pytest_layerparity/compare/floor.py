@@ -44,6 +44,13 @@ STEP_PREFIX = FLOOR_PREFIX + "step."
 #: measures (``floor.sight.<kind>``: the attention's output scaled, the norms' epsilon as a
 #: factor), each scaled to the output's norm with its move per unit under ``STEP_PREFIX``.
 SIGHT_PREFIX = FLOOR_PREFIX + "sight."
+#: The moves a golden holds for the diagnosis alone (``floor.cause.<kind>``: each norm's
+#: weight, the norms' biases), scaled to the output's norm: what a failing test's error is
+#: held against to name its cause (``compare.diagnosis``), no check's direction.
+CAUSE_PREFIX = FLOOR_PREFIX + "cause."
+#: Each attention head's own part of the output, sketched (``floor.heads``: one row per head,
+#: ``compare.sketch``), for the diagnosis alone.
+HEADS_KEY = FLOOR_PREFIX + "heads"
 
 
 def branch_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -55,6 +62,11 @@ def branch_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
 def sight_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The moves a golden holds for the detection limits alone (``SIGHT_PREFIX``), by kind."""
     return {k[len(SIGHT_PREFIX) :]: v for k, v in tensors.items() if k.startswith(SIGHT_PREFIX)}
+
+
+def cause_directions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The moves a golden holds for the diagnosis alone (``CAUSE_PREFIX``), by kind."""
+    return {k[len(CAUSE_PREFIX) :]: v for k, v in tensors.items() if k.startswith(CAUSE_PREFIX)}
 
 
 def branch_moves(tensors: Mapping[str, torch.Tensor], prefix: str = MOVE_PREFIX) -> dict[str, float]:

@@ -20,10 +20,12 @@ import torch
 from .envelope import Envelope, EnvelopeLimits
 from .floor import (
     FLOOR_KEY,
+    HEADS_KEY,
     STEP_PREFIX,
     FloorStats,
     branch_directions,
     branch_moves,
+    cause_directions,
     floor_stats,
     sight_directions,
     token_mask,
@@ -33,6 +35,7 @@ from .picture import FailurePicture, failure_picture
 from .routing import RoutingAgreement, agreement, golden_floor_flips, router_names
 from .shares import error_shares
 from .sight import Sight, sight
+from .sketch import head_shares
 from .verdict import Check, evaluate, kernel_lean, policy_in_force
 
 if TYPE_CHECKING:
@@ -119,6 +122,8 @@ def judge(
     golden_flips: Sequence[int] = (),
     steps: Mapping[str, float] | None = None,
     sights: Mapping[str, torch.Tensor] | None = None,
+    causes: Mapping[str, torch.Tensor] | None = None,
+    heads: torch.Tensor | None = None,
 ) -> LayerOutcome:
     """Hold ``target`` against ``golden`` (and against the precision floor ``floor``,
     the layer's input ``hidden_in``, the routers' agreement and the layer's noise envelope,
@@ -131,7 +136,9 @@ def judge(
     (with ``--near-ties strict`` too: there the floor is no measure of the golden's
     rounding). ``sights`` and ``steps``: the moves the golden stores for the detection limits
     alone and the moves per unit of their change, which the test's detection limits are
-    stated in (:mod:`.sight`)."""
+    stated in (:mod:`.sight`). ``causes``: the moves the golden stores for the diagnosis
+    alone, which a failure's error is measured along beside the branches', and ``heads`` each
+    attention head's sketched part of the output (``compare.sketch``)."""
     target_cpu = target.detach().to("cpu")
     if tuple(golden.shape) != tuple(target_cpu.shape):
         raise AssertionError(
@@ -192,7 +199,8 @@ def judge(
     if not all(check.ok for check in checks):
         if stats is not None and floor is not None:
             picture = failure_picture(golden, target_cpu, floor, keep)
-        shares = error_shares(golden, target_cpu, branches or {}, keep)
+        shares = error_shares(golden, target_cpu, {**(branches or {}), **(causes or {})}, keep)
+        shares.update(head_shares(golden, target_cpu, heads, keep))
     return LayerOutcome(
         layer=layer,
         metrics=metrics,
@@ -271,6 +279,8 @@ def judge_golden(
         moves=branch_moves(golden_tensors),
         steps=branch_moves(golden_tensors, STEP_PREFIX),
         sights=sight_directions(golden_tensors),
+        causes=cause_directions(golden_tensors),
+        heads=golden_tensors.get(HEADS_KEY),
         # as the envelope's runs were judged: an envelope made before the rule has none
         golden_flips=golden_floor_flips(dict(golden_tensors))
         if envelope is None or envelope.golden_flips is not None

@@ -32,14 +32,25 @@ def error_shares(
 
 
 def self_share(golden: torch.Tensor | None, target: torch.Tensor) -> float | None:
-    """The share of ``target - golden`` along ``golden`` itself (its squared cosine with it):
-    near 1 where the target is the golden scaled. None where they cannot be compared."""
+    """The share of ``target - golden`` that is the golden scaled token by token (each
+    token's part of it along that token's golden: its squared cosine, summed over tokens and
+    weighed by the token's error): near 1 where the target is the golden scaled, by one factor
+    or by one per token (a norm's factor). Tokens run along the second-to-last dimension of a
+    cache's (batch, heads, tokens, head width) layout, each token's heads together. None
+    where they cannot be compared."""
     if golden is None or tuple(golden.shape) != tuple(target.shape):
         return None
-    g = golden.detach().to("cpu", torch.float64).flatten()
-    error = target.detach().to("cpu", torch.float64).flatten() - g
-    sizes = float(error.norm()) * float(g.norm())
-    return (float(error @ g) / sizes) ** 2 if sizes > 0 else None
+    g = golden.detach().to("cpu", torch.float64)
+    error = target.detach().to("cpu", torch.float64) - g
+    if g.dim() >= 3:  # (..., heads, tokens, width) -> (tokens, heads * width)
+        g, error = (t.transpose(-3, -2).reshape(-1, t.shape[-3] * t.shape[-1]) for t in (g, error))
+    else:
+        g, error = g.reshape(1, -1), error.reshape(1, -1)
+    size, sizes = float(error.norm()) ** 2, g.norm(dim=-1) ** 2
+    if size == 0:
+        return None
+    along = torch.where(sizes > 0, (error * g).sum(-1) ** 2 / sizes.clamp(min=torch.finfo(torch.float64).tiny), 0.0)
+    return float(along.sum()) / size
 
 
 def written_shares(golden: Mapping[str, torch.Tensor], written: tuple[torch.Tensor, ...]) -> dict[str, float]:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..compare.parts import NORM_WEIGHT_PREFIX
 from .tokens import is_norm
 
 #: The attention's temperature (``floor.branch.attention_temperature``): what the layer's
@@ -266,3 +267,110 @@ def gelu_form_direction(
             return None
         moved = run()
     return _move(moved, out, max_output_cosine)
+
+
+#: Each norm's weight (``floor.cause.norm_weight.<norm>``, ``NORM_WEIGHT_PREFIX``): what the layer's output does when
+#: one norm's output is scaled by ``1 + BRANCH_SCALE_STEP``, as a weight read otherwise (the
+#: ``(1 + w)`` convention twice, a weight left at one) scales it. Before a branch it scales
+#: the branch's input, not its output: the MLP answers a wrong post-attention norm otherwise
+#: than a wrong MLP. The diagnosis alone reads them (``compare.diagnosis``).
+#: The norms' biases (``floor.cause.norm_bias``): what the layer's output does when every
+#: norm's bias is ``1 - BRANCH_SCALE_STEP`` times its own (a converter that loads a LayerNorm's
+#: weight and leaves its bias at zero moves the output along it, far from any branch's).
+NORM_BIAS_CAUSE = "norm_bias"
+
+
+def _scaled_moves(
+    modules: list[tuple[str, torch.nn.Module]],
+    run: Callable[[], torch.Tensor],
+    out: torch.Tensor,
+    max_output_cosine: float,
+) -> dict[str, torch.Tensor]:
+    """:func:`_move` of the layer's output ``out`` with each of ``modules``' output scaled by
+    ``1 + BRANCH_SCALE_STEP`` in turn, by the name given (none where the move is nil or along
+    the output itself)."""
+    found = {}
+    for name, module in modules:
+        with scaled_output(module, 1 + BRANCH_SCALE_STEP):
+            moved = _move(run(), out, max_output_cosine)
+        if moved is not None:
+            found[name] = moved[0]
+    return found
+
+
+def norm_weight_directions(
+    layer: torch.nn.Module, run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
+) -> dict[str, torch.Tensor]:
+    """:func:`_scaled_moves` of each norm, by ``NORM_WEIGHT_PREFIX`` and the norm's name (none
+    for a last norm: its move is the output's own scale)."""
+    norms = [(NORM_WEIGHT_PREFIX + n, m) for n, m in layer.named_modules() if n and is_norm(n.rsplit(".", 1)[-1], m)]
+    return _scaled_moves(norms, run, out, max_output_cosine)
+
+
+def norm_bias_direction(
+    layer: torch.nn.Module, run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
+) -> torch.Tensor | None:
+    """:func:`_move` of the layer's output ``out`` with every norm's bias lowered by
+    ``BRANCH_SCALE_STEP`` of itself (taken off each norm's output, in the pass's own
+    arithmetic: a 16-bit weight would round the step away); None where no norm has a bias."""
+    norms = [
+        module
+        for name, module in layer.named_modules()
+        if name and is_norm(name.rsplit(".", 1)[-1], module) and isinstance(getattr(module, "bias", None), torch.Tensor)
+    ]
+    if not norms:
+        return None
+
+    def lowered(module: torch.nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output - BRANCH_SCALE_STEP * module.bias.to(output.dtype)
+
+    handles = [module.register_forward_hook(lowered) for module in norms]
+    try:
+        moved = _move(run(), out, max_output_cosine)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return None if moved is None else moved[0]
+
+
+#: An attention inside a branch (``floor.cause.inner_attention.<module>``): what the layer's
+#: output does when the output of an attention module nested in one of its children is
+#: scaled by ``1 + BRANCH_SCALE_STEP``, as in a post-norm encoder, whose attention branch ends
+#: in its norm (its own move is that norm's weight). A head dropped or a projection read wrong
+#: there moves the output partly along it.
+INNER_ATTENTION_PREFIX = "inner_attention."
+
+
+def inner_attention_directions(
+    layer: torch.nn.Module, run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
+) -> dict[str, torch.Tensor]:
+    """:func:`_scaled_moves` of each nested attention (a module below the layer's children
+    whose class is an ``*Attention``), by ``INNER_ATTENTION_PREFIX`` and its name."""
+    nested = [
+        (INNER_ATTENTION_PREFIX + n, m)
+        for n, m in layer.named_modules()
+        if "." in n and type(m).__name__.endswith("Attention")
+    ]
+    return _scaled_moves(nested, run, out, max_output_cosine)
+
+
+#: A move for the diagnosis alone is kept only where it differs from every stored direction:
+#: its squared cosine with each below this (a q/k norm's weight moves the output as the
+#: attention's temperature does: no error reads more along one than along the other).
+DISTINCT_COSINE2 = 0.99
+
+
+def distinct_moves(moves: dict[str, torch.Tensor], stored: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``moves`` whose squared cosine with each ``stored`` direction (of their shape) is
+    below :data:`DISTINCT_COSINE2`."""
+
+    def cosine2(a: torch.Tensor, b: torch.Tensor) -> float:
+        a, b = a.detach().to("cpu", torch.float64).flatten(), b.detach().to("cpu", torch.float64).flatten()
+        sizes = float(a.norm()) * float(b.norm())
+        return (float(a @ b) / sizes) ** 2 if sizes > 0 else 0.0
+
+    return {
+        name: move
+        for name, move in moves.items()
+        if all(s.shape != move.shape or cosine2(move, s) < DISTINCT_COSINE2 for s in stored)
+    }

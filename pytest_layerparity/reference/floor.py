@@ -16,7 +16,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from ..capture.routing import capture_routing, floor_routing
-from ..compare.floor import BRANCH_PREFIX, MOVE_PREFIX, SIGHT_PREFIX, STEP_PREFIX
+from ..compare.floor import BRANCH_PREFIX, CAUSE_PREFIX, HEADS_KEY, MOVE_PREFIX, SIGHT_PREFIX, STEP_PREFIX
 from ..compare.parts import direction_part
 from ..store.callspec import (
     appended_kv,
@@ -158,18 +158,25 @@ class FloorEvaluator:
         appended keys and values are not captured)."""
         import torch
 
+        from ..compare.sketch import unit_sketches
         from .directions import (
             ATTENTION_SCALE,
             GELU_FORM_BRANCH,
+            NORM_BIAS_CAUSE,
             NORM_EPSILON_BRANCH,
             NORM_EPSILON_FACTOR,
             TEMPERATURE_BRANCH,
             branch_scale_direction,
+            distinct_moves,
             epsilon_factor_direction,
             gelu_form_direction,
+            inner_attention_directions,
+            norm_bias_direction,
             norm_epsilon_direction,
+            norm_weight_directions,
             temperature_direction,
         )
+        from .heads import capture_heads, head_parts
         from .tokens import in_token_blocks
         from .wider import WiderArithmetic
 
@@ -194,9 +201,19 @@ class FloorEvaluator:
 
         routing: dict[str, torch.Tensor] = {}
         branches: dict[str, torch.Tensor] = {}
-        captures = (capture_routing(layer, self.model.top_k, routing), capture_branches(layer, branches))
+        heads: dict[str, Any] = {}
+        attention_child = next((c for n, c in layer.named_children() if direction_part(n) == "attention"), None)
+        captures = (
+            capture_routing(layer, self.model.top_k, routing),
+            capture_branches(layer, branches),
+            capture_heads(attention_child, heads),
+        )
         out, args, kwargs = forward(*(captures if extras else ()))
         found = floor_routing(routing)
+        parts = head_parts(heads, out.shape)
+        if parts:  # sketched: a few kilobytes per head (compare.sketch)
+            found[HEADS_KEY] = unit_sketches(parts).to(self.golden_dtype)
+        del heads, parts
         hidden_in = upcast.get(hidden_input_name(spec))
         for name, branch in contribution_branches(branches, out, hidden_in).items():  # directions: golden's dtype
             found[BRANCH_PREFIX + name] = branch.to("cpu", self.golden_dtype)
@@ -237,6 +254,14 @@ class FloorEvaluator:
             if gelu is not None:  # the swap is a bug's whole effect: its size kept (compare.verdict.KERNEL_LEAN)
                 keep(GELU_FORM_BRANCH, gelu[0])
                 found[MOVE_PREFIX + GELU_FORM_BRANCH] = torch.tensor(gelu[1], dtype=torch.float32)
+            # moves no check measures, for the diagnosis alone (compare.diagnosis)
+            causes = norm_weight_directions(layer, again, out, MAX_BRANCH_OUTPUT_COSINE)
+            causes[NORM_BIAS_CAUSE] = norm_bias_direction(layer, again, out, MAX_BRANCH_OUTPUT_COSINE)
+            causes.update(inner_attention_directions(layer, again, out, MAX_BRANCH_OUTPUT_COSINE))
+            stored = [v for k, v in found.items() if k.startswith(BRANCH_PREFIX)]
+            kept = distinct_moves({k: v for k, v in causes.items() if v is not None}, stored)
+            for name, direction in kept.items():
+                found[CAUSE_PREFIX + name] = direction.to("cpu", self.golden_dtype)
         appended = appended_kv(args, kwargs, spec, upcast) if extras else None
         if appended is not None:
             found[FLOOR_NEW_KEYS], found[FLOOR_NEW_VALUES] = (t.detach().to("cpu", self.dtype) for t in appended)
