@@ -14,8 +14,9 @@ import torch
 #: The names an attention's output projection goes by (Llama's and most decoders', GPT-NeoX's,
 #: Phi's and BERT's, OPT's, GPT-2's, T5's).
 OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj", "c_proj", "wo")
-#: The attributes an attention keeps its head width in.
-HEAD_WIDTHS = ("head_dim", "head_size", "attention_head_size")
+#: The attributes an attention keeps its head width in, the values' first (an attention whose
+#: queries and keys are wider than its values, as multi-head latent attention's, keeps both).
+HEAD_WIDTHS = ("v_head_dim", "head_dim", "head_size", "attention_head_size")
 
 
 def output_projection(attention: torch.nn.Module) -> tuple[torch.nn.Linear, int] | None:
@@ -24,8 +25,8 @@ def output_projection(attention: torch.nn.Module) -> tuple[torch.nn.Linear, int]
     width = next(
         (
             value
-            for module in attention.modules()
             for attribute in HEAD_WIDTHS
+            for module in attention.modules()
             if isinstance(value := getattr(module, attribute, None), int) and value > 0
         ),
         None,
@@ -74,7 +75,7 @@ def head_parts(captured: dict[str, Any], shape: torch.Size) -> list[torch.Tensor
     of the weight, no bias), in the output's ``shape``; none where nothing was captured or the
     projection's output is not of that shape."""
     context, projection, width = captured.get("context"), captured.get("projection"), captured.get("width")
-    if context is None or projection is None:
+    if context is None or projection is None or context.shape[-1] != projection.in_features:
         return []
     weight = projection.weight.detach().to(context.dtype)
     parts = []

@@ -332,3 +332,19 @@ def test_each_heads_part_is_what_dropping_that_head_takes_away_and_it_is_named_w
     assert found_part.part == "attention" and "attention_head.2 explains" in found_part.evidence
     named = {"attention_head.3": 0.3, "mlp": 0.2}  # one more direction of the attention
     assert diagnose(dataclasses.replace(outcome, error_shares=named)).part == "attention"
+
+
+def test_an_attention_with_wider_queries_than_values_is_split_by_its_values_width():
+    from pytest_layerparity.reference.heads import head_parts, output_projection
+
+    attention = torch.nn.Module()
+    attention.head_dim, attention.v_head_dim = 24, 16  # queries and keys 24 wide, values 16
+    attention.o_proj = torch.nn.Linear(4 * 16, 32, bias=False)
+    projection, width = output_projection(attention)
+    assert projection is attention.o_proj and width == 16
+    context = torch.randn(1, 5, 64)
+    parts = head_parts({"context": context, "projection": projection, "width": width}, torch.Size((1, 5, 32)))
+    assert len(parts) == 4
+    torch.testing.assert_close(sum(parts), attention.o_proj(context).detach())
+    wrong = {"context": torch.randn(1, 5, 48), "projection": projection, "width": width}  # not its input
+    assert head_parts(wrong, torch.Size((1, 5, 32))) == []
