@@ -129,7 +129,11 @@ def trained_minilm() -> Path | None:
 
 
 #: The models by the name --models takes (the trained MiniLM runs with two prompts).
-MODEL_GROUPS = (*DECODERS, *FIFTH_ROUND_MODELS, *SIXTH_ROUND_MODELS, "bert", "minilm")
+# Trained decoders from PyPI (fixtures/trained_models.py: fetched and converted once, cached),
+# their middle layer alone; the verdict's limits were studied on them (bench_trained.py), the
+# diagnosis never: reported apart as "trained".
+TRAINED_DECODERS = ("gemma3_270m", "qwen25_coder_05b")
+MODEL_GROUPS = (*DECODERS, *FIFTH_ROUND_MODELS, *SIXTH_ROUND_MODELS, "bert", "minilm", *TRAINED_DECODERS)
 
 
 def widths(kind: str, hidden: int) -> dict:
@@ -168,6 +172,11 @@ def models(
     ]
     if "bert" in only:
         out.append(("bert", generated_bert(work / "bert", layers, hidden), {"layer_module": "encoder.layer"}))
+    for name in TRAINED_DECODERS:
+        if name in only:
+            from trained_models import ensure
+
+            out.append((name, ensure(name), {}))
     minilm = trained_minilm() if "minilm" in only else False
     if minilm is False:
         return out
@@ -862,11 +871,13 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             if name in FIFTH_ROUND_MODELS
             else "evaluation 6"
             if name in SIXTH_ROUND_MODELS
+            else "trained"
+            if name in TRAINED_DECODERS
             else "evaluation"
         )
         count = len(session(model, work / "probe", extra).model.layer_list[1])
-        layers = list(range(count))
         mid = count // 2
+        layers = [mid] if name in TRAINED_DECODERS else list(range(count))
         for dtype in args.dtypes.split(","):
             store = work / f"{name}-{dtype}".replace(" ", "_")
             seconds = extract(model, store, extra, dtype, layers, args.samples, args.golden_device, args.seq_len)
