@@ -69,13 +69,17 @@ class SofterAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _norms(layer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Every norm in ``layer`` (a module below it named ``*norm`` or of a class ``*Norm``), by
+    name."""
+    return [(n, m) for n, m in layer.named_modules() if n and is_norm(n.rsplit(".", 1)[-1], m)]
+
+
 def norm_epsilons(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, str, float]]:
     """Every norm in ``layer`` (a module named ``*norm`` or of a class ``*Norm``) that keeps its
     epsilon as a number in one of ``EPSILON_ATTRIBUTES``: (the norm, the attribute, the value)."""
     found = []
-    for name, module in layer.named_modules():
-        if not is_norm(name.rsplit(".", 1)[-1], module):
-            continue
+    for _, module in _norms(layer):
         for attribute in EPSILON_ATTRIBUTES:
             value = getattr(module, attribute, None)
             if isinstance(value, float) and not isinstance(value, bool):
@@ -269,11 +273,6 @@ def gelu_form_direction(
     return _move(moved, out, max_output_cosine)
 
 
-#: Each norm's weight (``floor.cause.norm_weight.<norm>``, ``NORM_WEIGHT_PREFIX``): what the layer's output does when
-#: one norm's output is scaled by ``1 + BRANCH_SCALE_STEP``, as a weight read otherwise (the
-#: ``(1 + w)`` convention twice, a weight left at one) scales it. Before a branch it scales
-#: the branch's input, not its output: the MLP answers a wrong post-attention norm otherwise
-#: than a wrong MLP. The diagnosis alone reads them (``compare.diagnosis``).
 #: The norms' biases (``floor.cause.norm_bias``): what the layer's output does when every
 #: norm's bias is ``1 - BRANCH_SCALE_STEP`` times its own (a converter that loads a LayerNorm's
 #: weight and leaves its bias at zero moves the output along it, far from any branch's).
@@ -301,10 +300,13 @@ def _scaled_moves(
 def norm_weight_directions(
     layer: torch.nn.Module, run: Callable[[], torch.Tensor], out: torch.Tensor, max_output_cosine: float
 ) -> dict[str, torch.Tensor]:
-    """:func:`_scaled_moves` of each norm, by ``NORM_WEIGHT_PREFIX`` and the norm's name (none
-    for a last norm: its move is the output's own scale)."""
-    norms = [(NORM_WEIGHT_PREFIX + n, m) for n, m in layer.named_modules() if n and is_norm(n.rsplit(".", 1)[-1], m)]
-    return _scaled_moves(norms, run, out, max_output_cosine)
+    """Each norm's weight (``floor.cause.norm_weight.<norm>``): :func:`_scaled_moves` of each
+    norm, by ``NORM_WEIGHT_PREFIX`` and the norm's name (none for a last norm: its move is the
+    output's own scale). A weight read otherwise (the ``(1 + w)`` convention twice, a weight
+    left at one) scales the norm's output; before a branch that scales the branch's input, not
+    its output: the MLP answers a wrong post-attention norm otherwise than a wrong MLP. The
+    diagnosis alone reads them (``compare.diagnosis``)."""
+    return _scaled_moves([(NORM_WEIGHT_PREFIX + n, m) for n, m in _norms(layer)], run, out, max_output_cosine)
 
 
 def norm_bias_direction(
@@ -313,11 +315,7 @@ def norm_bias_direction(
     """:func:`_move` of the layer's output ``out`` with every norm's bias lowered by
     ``BRANCH_SCALE_STEP`` of itself (taken off each norm's output, in the pass's own
     arithmetic: a 16-bit weight would round the step away); None where no norm has a bias."""
-    norms = [
-        module
-        for name, module in layer.named_modules()
-        if name and is_norm(name.rsplit(".", 1)[-1], module) and isinstance(getattr(module, "bias", None), torch.Tensor)
-    ]
+    norms = [module for _, module in _norms(layer) if isinstance(getattr(module, "bias", None), torch.Tensor)]
     if not norms:
         return None
 
