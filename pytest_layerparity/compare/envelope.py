@@ -112,6 +112,10 @@ class Envelope:
     #: A float16 layer's second family: its runs with every float16 matmul summed in float32
     #: (None where the golden holds none: another dtype, or extracted before there were two).
     float32_sums: Envelope | None = None
+    #: Whether the runs' ratios weigh each element's error by its size
+    #: (``compare.floor.element_sizes``): a target is measured as they were. False for an
+    #: envelope made before (envelope rule 6).
+    relative: bool = False
 
     @property
     def samples(self) -> int:
@@ -137,6 +141,7 @@ class Envelope:
         family = {"float32_sums": self.float32_sums.as_metadata()} if self.float32_sums is not None else {}
         return {
             "method": self.method,
+            **({"relative": True} if self.relative else {}),
             "samples": self.samples,
             "golden_bias": self.golden_bias,
             **{name: [float(v) for v in getattr(self, name)] for name in STATISTICS},
@@ -188,7 +193,11 @@ class Envelope:
             float32_sums = cls.from_metadata(wide) if wide else None
         except ValueError as exc:
             raise ValueError(f"{exc} (its float32_sums family)") from None
+        relative = data.get("relative", False)
+        if not isinstance(relative, bool):
+            raise ValueError(f"malformed noise envelope: relative {relative!r} is not true or false")
         return cls(
+            relative=relative,
             float32_sums=float32_sums,
             golden_flips=tuple(flips) if flips is not None else None,
             golden_bias=golden_bias,

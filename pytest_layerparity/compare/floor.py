@@ -8,6 +8,12 @@ the reference (ratio near 1); a bug adds an error of its own. Per token (rows of
 dimension) the same ratio, with the golden error floored at its median so that a token the
 golden happened to round well does not make a ratio from nothing, shows bugs that touch only
 some tokens and that a tensor-wide norm averages away.
+
+Relative (``relative``, every envelope made since rule 6): each element's error is weighed by
+its size first, ``(x - ref) / max(|ref|, the token's median |ref|)``. A trained model's few
+massive-activation channels, thousands of times the others, otherwise make the norms one or two
+elements' rounding, which legitimate runs draw anew: their noise_ratio then spread 0.5-10 on one
+decode step, and the limits with them.
 """
 
 from __future__ import annotations
@@ -93,6 +99,8 @@ class FloorStats:
     #: per direction whose move the golden stores (``MOVE_PREFIX``): that move along the
     #: direction, in noise units (what a port with the bug reads beyond the floor)
     branch_move: dict[str, float] = field(default_factory=dict)
+    #: whether the two ratios weigh each element's error by its size (:func:`element_sizes`)
+    relative: bool = False
 
     @property
     def contribution_bias(self) -> float | None:
@@ -147,9 +155,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class _Sums:
     """What the statistics need, summed over blocks of tokens (float64)."""
 
-    err_g: list[torch.Tensor]  # per token ||golden - ref||
-    err_t: list[torch.Tensor]  # per token ||target - ref||
+    err_g: list[torch.Tensor]  # per token ||golden - ref|| (weighed: :func:`relative_errors`)
+    err_t: list[torch.Tensor]  # per token ||target - ref|| (weighed alike)
+    relative: bool = False
+    # the norms as they are, where err_g and err_t are weighed
+    raw_g: list[torch.Tensor] = field(default_factory=list)
+    raw_t: list[torch.Tensor] = field(default_factory=list)
     ref_sq: float = 0.0
+    unit_sq: float = 0.0  # ||ref||^2 in err_g's units
     dg_dt: float = 0.0  # (golden - input) . (target - input)
     dg_sq: float = 0.0
     dt_sq: float = 0.0
@@ -170,8 +183,15 @@ class _Sums:
         """One block's sums, each written into one tensor and read back from its device at
         once (one wait, not one a sum; on the CPU no small tensor outlives its sum, which would
         make the next block's temporaries fresh pages)."""
-        self.err_g.append((g - r).norm(dim=-1))
-        self.err_t.append((t - r).norm(dim=-1))
+        eg, et = g - r, t - r
+        if self.relative:
+            self.raw_g.append(eg.norm(dim=-1))
+            self.raw_t.append(et.norm(dim=-1))
+            size = element_sizes(r)
+            eg, et = eg / size, et / size
+            self.unit_sq += float((r / size).square().sum())
+        self.err_g.append(eg.norm(dim=-1))
+        self.err_t.append(et.norm(dim=-1))
         found = torch.empty(1 + 3 * len(branches or {}) + 6 * (x is not None), dtype=g.dtype, device=g.device)
         into = iter(found)
 
@@ -205,6 +225,14 @@ class _Sums:
             self.gr_u += gr_u
 
 
+def element_sizes(ref: torch.Tensor) -> torch.Tensor:
+    """What each element's error is weighed by in relative statistics: the size of the floor
+    there, at least its token's median size (an element near zero is rounded as its token's
+    other terms were, not to its own tiny size), never zero (rows [tokens, width])."""
+    size = ref.abs()
+    return torch.maximum(size, size.median(dim=-1, keepdim=True).values).clamp_min(torch.finfo(ref.dtype).tiny)
+
+
 def statistics_device(*devices: torch.device | str) -> torch.device:
     """Where the float64 statistics of tensors on ``devices`` are computed: the first of them
     that is an accelerator of ``metrics.STATISTICS_DEVICES`` (a GPU's float64 sums are fast,
@@ -223,17 +251,19 @@ def _sums(
     hidden_in: torch.Tensor | None,
     keep_tokens: torch.Tensor | None,
     directions: Mapping[str, torch.Tensor] | None = None,
+    relative: bool = False,
 ) -> tuple[_Sums, int, int]:
     """The sums over the kept tokens, a block of tokens at a time in float64 (never a
     float64 copy of the whole tensors) on :func:`statistics_device`; with the number of
-    tokens and of elements kept."""
+    tokens and of elements kept. ``relative``: the errors' norms weighed element by element
+    (:func:`element_sizes`)."""
     g, t, r = _rows(golden), _rows(target), _rows(reference)
     x = _rows(hidden_in) if hidden_in is not None and hidden_in.shape == golden.shape else None
     v = {name: _rows(d) for name, d in (directions or {}).items() if d.shape == golden.shape}
     device = statistics_device(*(a.device for a in (g, t, r, x) if a is not None))
     if keep_tokens is not None:
         keep_tokens = keep_tokens.to(device)
-    sums = _Sums([], [])
+    sums = _Sums([], [], relative)
     kept = 0
     for block in row_blocks(g, BLOCK_ELEMENTS):
         rows = keep_tokens[block] if keep_tokens is not None else None
@@ -265,20 +295,24 @@ def floor_stats(
     keep_tokens: torch.Tensor | None = None,
     directions: Mapping[str, torch.Tensor] | None = None,
     moves: Mapping[str, float] | None = None,
+    relative: bool = False,
 ) -> FloorStats:
     """The statistics against the floor ``reference``, over tokens (optionally only the
     ``keep_tokens`` boolean mask); ``directions``: the branches' outputs (by name) whose
     ``branch_bias`` is measured too; ``moves``: the sizes of those whose move the golden
-    stores (:func:`branch_moves`)."""
-    sums, tokens, elements = _sums(golden, target, reference, hidden_in, keep_tokens, directions)
+    stores (:func:`branch_moves`); ``relative``: ``noise_ratio`` and ``token_noise_ratio``
+    on errors weighed element by element (:func:`element_sizes`; the rest is unweighed)."""
+    sums, tokens, elements = _sums(golden, target, reference, hidden_in, keep_tokens, directions, relative)
     if tokens == 0:
         return FloorStats(0.0, 0.0, -1, 0.0, 0.0, None, 0)
     err_g, err_t = torch.cat(sums.err_g), torch.cat(sums.err_t)
-    floor, tiny = token_floor(err_g, sums.ref_sq)
+    floor, tiny = token_floor(err_g, sums.unit_sq if relative else sums.ref_sq)
+    ratio = float(err_t.norm()) / (float(err_g.norm()) + tiny)
+    per_token = err_t / floor
+    if relative:
+        err_g, err_t = torch.cat(sums.raw_g), torch.cat(sums.raw_t)
     golden_error = float(err_g.norm())
     target_error = float(err_t.norm())
-    ratio = target_error / (golden_error + tiny)
-    per_token = err_t / floor
     worst = int(per_token.argmax())
     delta_cos = z_t = z_g = None
     has_input = hidden_in is not None and hidden_in.shape == golden.shape
@@ -316,4 +350,5 @@ def floor_stats(
         branch_z,
         golden_branch_z,
         branch_move,
+        relative,
     )

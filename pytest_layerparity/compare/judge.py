@@ -166,8 +166,9 @@ def judge(
         rows_g, rows_t = golden.reshape(-1, golden.shape[-1]), target_cpu.reshape(-1, golden.shape[-1])
         verdict_cosine = compare_tensors(rows_g[keep], rows_t[keep]).cosine_similarity
     stats = None
+    relative = envelope is not None and envelope.relative  # measured as the envelope's runs were
     if floor is not None and tuple(floor.shape) == tuple(golden.shape):
-        stats = floor_stats(golden, target_cpu, floor, hidden_in, keep, branches, moves)
+        stats = floor_stats(golden, target_cpu, floor, hidden_in, keep, branches, moves, relative)
     limits = None
     if envelope is not None and stats is not None:
         limits = envelope.limits(settings.false_alarm_rate, kernel_lean(stats, dtype))
@@ -177,7 +178,7 @@ def judge(
         passed = all(check.ok for check in checks)  # else: what a port as exact as the reference shows
         base, base_stats = (target_cpu, stats) if passed else (golden, None)
         if base_stats is None:
-            base_stats = floor_stats(golden, golden, floor, hidden_in, keep, branches, moves)
+            base_stats = floor_stats(golden, golden, floor, hidden_in, keep, branches, moves, relative)
         seen = sight(
             golden,
             base,
@@ -193,6 +194,7 @@ def judge(
             steps=steps,
             moves=moves,
             sights=sights,
+            relative=relative,
             base_name="port" if passed else "reference",
         )
     picture, shares = None, {}

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .floor import FloorStats, row_blocks, token_floor
+from .floor import FloorStats, element_sizes, row_blocks, token_floor
 from .parts import direction_part
 
 if TYPE_CHECKING:
@@ -166,7 +166,8 @@ class _Pass:
     with_direction: dict[str, dict[str, float]]
     golden_dot: dict[str, float]
     base_dot: dict[str, float]
-    ref_sq: float = 0.0
+    ref_sq: float = 0.0  # in the per-token sums' units
+    raw_g_sq: float = 0.0  # ||golden - ref||^2, unweighed: the unit of the biases
     gg: float = 0.0
     gt: float = 0.0
     tt: float = 0.0
@@ -215,8 +216,11 @@ def _one_pass(
     keep: torch.Tensor | None,
     branches: Mapping[str, torch.Tensor],
     kinds: Mapping[str, tuple[torch.Tensor, float]],
+    relative: bool = False,
 ) -> _Pass:
-    """The sums :func:`sight` needs, a block of tokens at a time in float64 on the CPU."""
+    """The sums :func:`sight` needs, a block of tokens at a time in float64 on the CPU; the
+    per-token ones on errors weighed element by element where the verdict's ratios are
+    (``relative``: :func:`.floor.element_sizes`)."""
 
     def rows(x: torch.Tensor) -> torch.Tensor:
         return x.detach().reshape(-1, x.shape[-1]).to("cpu")
@@ -236,10 +240,12 @@ def _one_pass(
             return a[block].to(torch.float64)[kept]
 
         gb, tb, rb = wide(g), wide(t), wide(r)
-        et = tb - rb
-        found.err_g.append((gb - rb).norm(dim=-1))
+        size = element_sizes(rb) if relative else 1.0
+        et = (tb - rb) / size
+        found.err_g.append(((gb - rb) / size).norm(dim=-1))
         found.err_t_sq.append(et.square().sum(-1))
-        found.ref_sq += float(rb.square().sum())
+        found.ref_sq += float((rb / size).square().sum())
+        found.raw_g_sq += float((gb - rb).square().sum())
         found.gg += float(gb.square().sum())
         found.gt += float((gb * tb).sum())
         found.tt += float(tb.square().sum())
@@ -255,8 +261,8 @@ def _one_pass(
             found.dd[name] = found.dd.get(name, 0.0) + float(d.square().sum())
         for kind, v in movers.items():
             vb = wide(v) * kinds[kind][1]
-            found.along[kind].append((et * vb).sum(-1))
-            found.move_sq[kind].append(vb.square().sum(-1))
+            found.along[kind].append((et * vb / size).sum(-1))
+            found.move_sq[kind].append((vb / size).square().sum(-1))
             found.golden_dot[kind] += float((gb * vb).sum())
             found.base_dot[kind] += float((tb * vb).sum())
             if u is not None:
@@ -282,6 +288,7 @@ def sight(
     steps: Mapping[str, float] | None = None,
     moves: Mapping[str, float] | None = None,
     sights: Mapping[str, torch.Tensor] | None = None,
+    relative: bool = False,
     base_name: str = "port",
 ) -> Sight | None:
     """The detection limits of a test whose output ``base`` (the port's, or the golden for a
@@ -293,12 +300,12 @@ def sight(
     kinds, along_branches = kind_moves(branches or {}, sights or {}, steps or {}, moves or {})
     if not kinds or base_stats.golden_error <= 0:
         return None
-    found = _one_pass(golden, base, reference, hidden_in, keep, branches or {}, kinds)
+    found = _one_pass(golden, base, reference, hidden_in, keep, branches or {}, kinds, relative)
     err_g = torch.cat(found.err_g)
     per_token_floor, tiny = token_floor(err_g, found.ref_sq)
     golden_error = float(err_g.norm())
     err_t_sq = torch.cat(found.err_t_sq)
-    scale = (err_g.numel() * golden.shape[-1]) ** 0.5 / golden_error
+    scale = (err_g.numel() * golden.shape[-1]) ** 0.5 / found.raw_g_sq**0.5
     along_tokens = {kind: torch.cat(parts) for kind, parts in found.along.items()}
     move_tokens = {kind: torch.cat(parts) for kind, parts in found.move_sq.items()}
 

@@ -47,8 +47,9 @@ BASE_SEED = 1000
 #: verifies). 2: half the runs' fused float32 attention leaning toward zero (.tensor_cores);
 #: 3: that lean growing with the keys a query sees; 4: a 16-bit result rounded stochastically
 #: from halfway to the reference's result (``perturb.SIXTEEN_BIT_PULL``); 5: half the runs' float32
-#: matmuls lowered as XLA's CPU backend does (``perturb.SEQUENTIAL_SUMS``).
-ENVELOPE_RULE = 5
+#: matmuls lowered as XLA's CPU backend does (``perturb.SEQUENTIAL_SUMS``); 6: the ratios on errors
+#: weighed element by element (``compare.floor.element_sizes``).
+ENVELOPE_RULE = 6
 
 
 @dataclass
@@ -80,14 +81,15 @@ def run_stats(
     branches: Mapping[str, torch.Tensor] | None = None,
 ) -> FloorStats | None:
     """The statistics of one perturbed output ``out`` against ``golden`` and its floor
-    ``reference`` (and along the ``branches``' outputs), tokens ``drop`` left out (those whose
+    ``reference`` (and along the ``branches``' outputs; the ratios relative, as every envelope's
+    since rule 6: ``compare.floor.element_sizes``), tokens ``drop`` left out (those whose
     routing flipped); None when that leaves out every token (a decode step's one token
     flipped): the run says nothing."""
     rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
     drop = drop if golden.dim() > 1 else ()
     if len(set(drop) & set(range(rows))) == rows:
         return None
-    return floor_stats(golden, out, reference, hidden_in, token_mask(rows, drop), branches)
+    return floor_stats(golden, out, reference, hidden_in, token_mask(rows, drop), branches, relative=True)
 
 
 def envelope_from_stats(
@@ -108,7 +110,7 @@ def envelope_from_stats(
         return None
     rows = golden.numel() // golden.shape[-1] if golden.dim() > 1 else 1
     keep = token_mask(rows, golden_flips) if golden_flips else None
-    ref_only = floor_stats(golden, golden, reference, hidden_in, keep, directions=branches)
+    ref_only = floor_stats(golden, golden, reference, hidden_in, keep, directions=branches, relative=True)
     # a branch every run measured (a run that kept no token of it would lack it)
     names = [n for n in ref_only.golden_branch_z if all(n in s.branch_z for s in kept)]
     return Envelope(
@@ -119,6 +121,7 @@ def envelope_from_stats(
         branch_bias={n: tuple(s.branch_bias[n] for s in kept) for n in names},
         golden_branch_bias={n: ref_only.golden_branch_z[n] for n in names},
         golden_flips=tuple(golden_flips) if golden_flips is not None else None,
+        relative=True,
     )
 
 

@@ -46,7 +46,8 @@ def failure_text(outcome: LayerOutcome, where: str, next_command: str) -> str:
         lines.append(
             f"  precision floor: ||golden - ref|| = {noise.golden_error:.4g}, ||target - ref|| = "
             f"{noise.target_error:.4g}; "
-            f"worst token {noise.worst_token} at {noise.token_noise_ratio:.3g}x its floor"
+            + ("the ratios weigh each element's error by its size; " if noise.relative else "")
+            + f"worst token {noise.worst_token} at {noise.token_noise_ratio:.3g}x its floor"
             + (
                 f"; cosine of the layer's own contribution (output - input) {noise.delta_cosine:.6f}"
                 if noise.delta_cosine is not None

@@ -165,7 +165,7 @@ def other_roundings(ref, count, seed=100, noise=1e-3):
 def test_runs_of_the_same_size_of_noise_make_an_envelope_near_one():
     x, ref, golden = layer_like()
     env = envelope_from_runs(golden, other_roundings(ref, 12), ref, x)
-    assert env.samples == 12
+    assert env.samples == 12 and env.relative
     assert all(0.7 < r < 1.4 for r in env.noise_ratio)
     assert all(abs(b) < 5 for b in env.contribution_bias)
     assert env.golden_bias == pytest.approx(
@@ -427,6 +427,17 @@ def test_the_golden_flips_round_trip_and_a_malformed_list_is_refused():
     for broken in ("3", [1.5], [True], {"a": 1}):
         with pytest.raises(ValueError, match="golden_flips"):
             Envelope.from_metadata({**old, "golden_flips": broken})
+
+
+def test_relative_ratios_round_trip_and_an_older_envelope_reads_as_absolute():
+    """Runs measured with each element's error weighed by its size say so (a target is then
+    measured alike); an envelope made before reads back as absolute, its nested family too."""
+    made = replace(envelope(), relative=True, float32_sums=replace(envelope(), relative=True))
+    assert Envelope.from_metadata(made.as_metadata()) == made
+    old = envelope().as_metadata()
+    assert "relative" not in old and not Envelope.from_metadata(old).relative
+    with pytest.raises(ValueError, match="relative"):
+        Envelope.from_metadata({**old, "relative": "yes"})
 
 
 def test_a_decode_steps_runs_go_together_their_past_counted_at_a_share():

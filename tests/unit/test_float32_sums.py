@@ -73,6 +73,7 @@ def test_a_float16_envelope_holds_runs_summing_in_float32_that_err_less():
     env = _family_envelope(torch.float16)
     wide = env.float32_sums
     assert wide is not None and wide.samples == env.samples == 4 and wide.method == FLOAT32_SUMS
+    assert env.relative and wide.relative  # both families' ratios weigh each element's error
     assert wide.float32_sums is None
     # the float16 sums of 1024 and 4096 products err several times one rounding of the float32 sum
     assert statistics.median(env.noise_ratio) > 2 * statistics.median(wide.noise_ratio)

@@ -210,6 +210,72 @@ def test_kept_tokens_leave_the_others_out():
     assert (none.tokens, none.noise_ratio, none.worst_token) == (0, 0.0, -1)
 
 
+def massive_channel_layer(seed: int = 0, tokens: int = 16, width: int = 64):
+    """(input, reference, bfloat16 golden) of a layer whose channel 0 is about 3,000 times the
+    others in the residual stream it adds to (a trained model's massive activation), and a
+    correct port that rounds only that channel to its other neighbour."""
+    x, ref, _ = layer_like(seed, tokens, width)
+    shift = 3010.0 + 0.5 * ref[:, 0].abs().clamp_max(1) - ref[:, 0]  # between 3008 and 3024, bfloat16 neighbours
+    x[:, 0] += shift
+    ref[:, 0] += shift
+    golden = ref.to(torch.bfloat16).double()
+    port = golden.clone()
+    up = torch.nextafter(golden[:, 0].bfloat16(), torch.tensor(torch.inf, dtype=torch.bfloat16)).double()
+    down = torch.nextafter(golden[:, 0].bfloat16(), torch.tensor(-torch.inf, dtype=torch.bfloat16)).double()
+    port[:, 0] = torch.where(golden[:, 0] > ref[:, 0], down, up)  # the other side of the exact value
+    return x, ref, golden, port
+
+
+def test_relative_ratios_are_not_one_massive_channels_rounding():
+    """The absolute ratio is the massive channel's rounding alone; weighed by each element's
+    size it counts as one of 64 channels, as large as the golden's own error in the others."""
+    x, ref, golden, port = massive_channel_layer()
+    absolute = floor_stats(golden, port, ref, x)
+    relative = floor_stats(golden, port, ref, x, relative=True)
+    assert absolute.noise_ratio > 1.5 and absolute.token_noise_ratio > 1.5
+    assert relative.noise_ratio < 1.2 and relative.token_noise_ratio < 2
+    assert relative.relative and not absolute.relative
+    # the biases and the norms a failure prints are not weighed
+    assert relative.golden_error == pytest.approx(absolute.golden_error)
+    assert relative.target_error == pytest.approx(absolute.target_error)
+    assert relative.contribution_z == pytest.approx(absolute.contribution_z)
+    assert floor_stats(golden, golden, ref, x, relative=True).noise_ratio == pytest.approx(1.0)
+
+
+def test_relative_ratios_still_see_an_error_of_the_small_channels():
+    x, ref, golden, _ = massive_channel_layer()
+    target = golden.clone()
+    target[:, 1:] += 0.01 * (ref[:, 1:] - x[:, 1:])  # 1% of the contribution where it is small
+    assert (
+        floor_stats(golden, target, ref, x, relative=True).noise_ratio
+        > 3 * floor_stats(golden, target, ref, x).noise_ratio
+    )
+
+
+def test_an_element_near_zero_is_weighed_by_its_tokens_median():
+    from pytest_layerparity.compare.floor import element_sizes
+
+    ref = torch.tensor([[1e-9, 2.0, -3.0, 4.0, 0.0]], dtype=torch.float64)
+    assert element_sizes(ref).tolist() == [[2.0, 2.0, 3.0, 4.0, 2.0]]
+    assert bool((element_sizes(torch.zeros(2, 3, dtype=torch.float64)) > 0).all())
+
+
+def test_the_judge_measures_a_target_as_its_envelope_measured_the_runs():
+    from dataclasses import replace
+
+    from pytest_layerparity.compare.envelope import Envelope
+
+    x, ref, golden, port = massive_channel_layer()
+    runs = Envelope((1.0, 1.1, 0.9, 1.05), (1.5, 1.7, 1.4, 1.6), (0.5, -0.5, 0.2, 0.1), 0.0, relative=True)
+    relative = judge(0, golden, port, make_settings(), "bfloat16", floor=ref, hidden_in=x, envelope=runs)
+    absolute = judge(
+        0, golden, port, make_settings(), "bfloat16", floor=ref, hidden_in=x, envelope=replace(runs, relative=False)
+    )
+    assert relative.floor.relative and relative.floor.noise_ratio < 1.2
+    assert not absolute.floor.relative and absolute.floor.noise_ratio > 1.5
+    assert relative.passed and not absolute.passed
+
+
 def test_without_the_input_there_is_no_contribution_statistic():
     _, ref, golden = layer_like()
     stats = floor_stats(golden, golden, ref)

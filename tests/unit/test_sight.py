@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_layerparity.compare.envelope import Envelope
 from pytest_layerparity.compare.floor import STEP_PREFIX, branch_moves
 from pytest_layerparity.compare.judge import judge
 from pytest_layerparity.options import make_settings
@@ -56,7 +57,17 @@ def sights(directions) -> dict:
     }
 
 
-def judged(golden, target, ref, x, directions, steps=True, measured=False):
+#: A layer's envelope whose runs' ratios were weighed element by element (envelope rule 6).
+RELATIVE_RUNS = Envelope(
+    (1.0, 1.1, 0.9, 1.05, 0.95, 1.02),
+    (1.5, 1.7, 1.4, 1.6, 1.5, 1.45),
+    (0.5, -0.5, 0.2, 0.1, 0.0, -0.3),
+    0.0,
+    relative=True,
+)
+
+
+def judged(golden, target, ref, x, directions, steps=True, measured=False, envelope=None):
     return judge(
         0,
         golden,
@@ -74,6 +85,7 @@ def judged(golden, target, ref, x, directions, steps=True, measured=False):
         if steps
         else None,
         sights=sights(directions) if measured else None,
+        envelope=envelope,
     )
 
 
@@ -92,31 +104,38 @@ def moved(kind: str, directions, size: float, measured: bool = False) -> torch.T
 
 
 @pytest.mark.parametrize(
-    ("kind", "measured"),
+    ("kind", "measured", "envelope"),
     [
-        ("attention_scale", False),
-        ("attention_scale", True),
-        ("mlp_scale", False),
-        ("temperature", False),
-        ("norm_epsilon", True),
+        ("attention_scale", False, None),
+        ("attention_scale", True, None),
+        ("mlp_scale", False, None),
+        ("temperature", False, None),
+        ("norm_epsilon", True, None),
+        ("attention_scale", True, RELATIVE_RUNS),
+        ("mlp_scale", False, RELATIVE_RUNS),
+        ("temperature", False, RELATIVE_RUNS),
     ],
 )
-def test_each_limit_is_where_the_verdict_starts_to_fail(kind, measured):
+def test_each_limit_is_where_the_verdict_starts_to_fail(kind, measured, envelope):
     """Just below the stated size the verdict on the changed output passes, just above it
     fails; for a scale or temperature on both sides, for the epsilon (a factor) raised. With
     the moves measured at extraction the attention's scale and the epsilon are taken along
-    them."""
+    them; with an envelope whose ratios are relative, in the ratios' weighed units."""
     x, ref, golden, directions, port = layer()
-    outcome = judged(golden, port, ref, x, directions, measured=measured)
+    outcome = judged(golden, port, ref, x, directions, measured=measured, envelope=envelope)
     assert outcome.passed and outcome.sight is not None and outcome.sight.base == "port"
     limit = outcome.sight.by_kind()[kind]
     sides = [limit.high - 1] if kind == "norm_epsilon" else [limit.high, limit.low]
+    failing = set()  # each side's first failing check: the limit names one of them
     for size in sides:
         assert size is not None
-        assert judged(golden, port + moved(kind, directions, 0.97 * size, measured), ref, x, directions).passed
-        failed = judged(golden, port + moved(kind, directions, 1.03 * size, measured), ref, x, directions)
+        below = port + moved(kind, directions, 0.97 * size, measured)
+        assert judged(golden, below, ref, x, directions, envelope=envelope).passed
+        above = port + moved(kind, directions, 1.03 * size, measured)
+        failed = judged(golden, above, ref, x, directions, envelope=envelope)
         assert not failed.passed
-    assert limit.check in {c.name for c in failed.checks if not c.ok}
+        failing |= {c.name for c in failed.checks if not c.ok}
+    assert limit.check in failing
 
 
 def test_the_line_names_what_is_seen_and_what_is_not():
