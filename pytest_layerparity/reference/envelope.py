@@ -48,8 +48,9 @@ BASE_SEED = 1000
 #: 3: that lean growing with the keys a query sees; 4: a 16-bit result rounded stochastically
 #: from halfway to the reference's result (``perturb.SIXTEEN_BIT_PULL``); 5: half the runs' float32
 #: matmuls lowered as XLA's CPU backend does (``perturb.SEQUENTIAL_SUMS``); 6: the ratios on errors
-#: weighed element by element (``compare.floor.element_sizes``).
-ENVELOPE_RULE = 6
+#: weighed element by element (``compare.floor.element_sizes``); 7: half the runs' 16-bit fused
+#: attention computed as eager attention (``algorithms.eager_attention``).
+ENVELOPE_RULE = 7
 
 
 @dataclass

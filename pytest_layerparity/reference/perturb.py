@@ -38,7 +38,9 @@ which results a correct port's kernels legitimately give):
   apart), every 16-bit matmul with a bias rounds its product before adding the bias
   (``PRODUCT_ROUNDED_ADDMM``), as XLA's dot-then-add does (its double rounding's lean
   included); in half the runs (drawn apart), a fused float32 attention's results lean toward
-  zero, as tensor cores return them (:mod:`.tensor_cores`). A backend lowers all such
+  zero, as tensor cores return them (:mod:`.tensor_cores`), and a fused 16-bit attention is
+  computed as transformers' eager attention computes it, its scores and probabilities rounded
+  to the dtype (:func:`.algorithms.eager_attention`). A backend lowers all such
   ops one way: a run takes an alternative for all or none;
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
   (``SIXTEEN_BIT_ACCUMULATION``), as tensor cores' float16-accumulate mode and XLA's CPU
@@ -74,12 +76,14 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .algorithms import (
     DECOMPOSED_OPS,
+    EAGER_ATTENTION,
     OWN_DTYPE_NORM_LEAN,
     OWN_DTYPE_NORMS,
     PRODUCT_ROUNDED_ADDMM,
     VARIANCE_OPS,
     WIDE_STATISTICS_NORMS,
     addmm_product,
+    eager_attention,
     layer_norm_in_own_dtype,
     one_pass_var_mean,
     topk_ties_broken,
@@ -343,15 +347,36 @@ class PerturbedArithmetic(TorchDispatchMode):
 
     def _attention(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A fused attention op, perturbed; in the runs that take it (half), a float32 one as
-        tensor cores return it (:func:`.tensor_cores.with_tensor_core_rows`)."""
+        tensor cores return it (:func:`.tensor_cores.with_tensor_core_rows`), and in the runs
+        that take that (half, drawn apart) a 16-bit one as transformers' eager attention
+        computes it (:func:`.algorithms.eager_attention`)."""
         rows, device = (args[0].shape[0] if args[0].dim() > 2 else 0), args[0].device  # the query's
-        float32 = self.mode != "random" and all(a.dtype == torch.float32 for a in args[:3]) and rows % self.samples == 0
-        exact = self._wider_results(func, args, kwargs) if float32 and rows else None  # once, for both ways
+        apart = self.mode != "random" and rows and rows % self.samples == 0  # one run's rows apart from another's
+        float32 = apart and all(a.dtype == torch.float32 for a in args[:3])
+        exact = self._wider_results(func, args, kwargs) if float32 else None  # once, for both ways
         result = self._perturbed(func, args, kwargs, exact)
+        if apart and args[0].dtype in EAGER_ATTENTION:
+            return self._eager_rows(func, args, kwargs, result, rows)
         if exact is None:
             return result
         keep = self._pick(with_tensor_core_rows, device).repeat_interleave(rows // self.samples)
         return with_tensor_core_rows(func, args, kwargs, result, exact[0], keep, self._generator(device))
+
+    def _eager_rows(self, func: Any, args: tuple, kwargs: dict, result: Any, rows: int) -> Any:
+        """``result`` of the fused attention op with the rows of the runs that take it computed
+        as eager attention computes them, each of its ops perturbed (rows that overflow so keep
+        the fused result)."""
+        keep = self._pick(eager_attention, args[0].device).repeat_interleave(rows // self.samples)
+        if not keep.any():
+            return result
+        taken = keep.nonzero().squeeze(1)
+        with self:
+            eager = eager_attention(func, args, kwargs, taken)
+        if eager is None:
+            return result
+        first = result[0] if isinstance(result, tuple) else result
+        output = first.index_copy(0, taken, eager.to(first.dtype))
+        return (output, *result[1:]) if isinstance(result, tuple) else output
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``var`` or ``var_mean`` (any overload) computed by :func:`one_pass_var_mean`, its

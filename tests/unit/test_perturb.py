@@ -977,3 +977,57 @@ def test_keyed_draws_are_the_same_drawn_in_blocks(monkeypatch):
             outs.append(torch.nn.functional.gelu(x))
             outs.append(torch.nn.functional.gelu(x.t()))  # a strided operand
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+
+
+def _sharp_attention(runs: int, dtype: torch.dtype, size: float = 3.0, kv_heads: int = 2):
+    """Queries, keys and values of ``runs`` stacked runs whose scores are large (a sharp
+    softmax, where rounding the scores to 16 bits moves the output most)."""
+    g = torch.Generator().manual_seed(8)
+    q = size * torch.randn(1, 4, 24, 32, generator=g)
+    k, v = (size * torch.randn(1, kv_heads, 24, 32, generator=g) for _ in range(2))
+    return tuple(t.expand(runs, -1, -1, -1).to(dtype).contiguous() for t in (q, k, v))
+
+
+def _eager(q, k, v):
+    """transformers' eager attention, causal, grouped heads repeated."""
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_half_the_runs_of_a_sixteen_bit_attention_compute_it_as_eager_attention(kv_heads):
+    """Each run either rounds the fused kernel's result (scores held in float32) or computes the
+    attention as transformers' eager attention does, scores and probabilities in bfloat16, each
+    rounded another way: on sharp scores its error against the exact attention is of the eager
+    attention's size, several times the fused kernel's."""
+    from pytest_layerparity.reference.algorithms import eager_attention
+
+    runs = 8
+    q, k, v = _sharp_attention(runs, torch.bfloat16, kv_heads=kv_heads)
+    gqa = kv_heads != q.shape[1]
+    with PerturbedArithmetic(1000, samples=runs) as run:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    picked = run._picks[(eager_attention.__code__, q.device)]
+    assert 0 < int(picked.sum()) < runs
+    fused = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(), is_causal=True, enable_gqa=gqa
+    )
+    eager_error = float((_eager(q, k, v)[0].double() - fused[0]).norm())
+    for i in range(runs):
+        error = float((out[i].double() - fused[i]).norm())
+        assert (0.7 * eager_error < error < 3 * eager_error) if picked[i] else (error < 0.5 * eager_error), i
+
+
+def test_an_eager_attention_that_overflows_keeps_the_fused_result():
+    """float16 scores past 65504 are no rounding: those runs keep the fused kernel's output."""
+    runs = 4
+    q, k, v = _sharp_attention(runs, torch.float16, size=100.0, kv_heads=4)
+    from pytest_layerparity.reference.algorithms import eager_attention
+
+    with PerturbedArithmetic(1000, samples=runs) as run:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert run._picks[(eager_attention.__code__, q.device)].any()
+    assert torch.isfinite(out).all()
+    assert not torch.isfinite(torch.matmul(q, k.transpose(-2, -1))).all()  # the eager scores do overflow
