@@ -61,6 +61,21 @@ def test_the_ratio_limit_is_the_log_normal_prediction_limit():
     assert limits.max_noise_ratio > max(env.noise_ratio)
 
 
+def test_a_relative_envelopes_ratio_limit_stays_within_twice_what_its_runs_reached():
+    """Runs mixing two alternatives (half near 1, half near 3) stretch a log-normal's spread
+    far past every run; an envelope since rule 6 holds the limit at twice the largest run, and
+    one whose fit stays below that keeps the fit. Older envelopes keep the fit alone."""
+    from pytest_layerparity.compare.envelope import REACHED_FACTOR
+
+    mixed = envelope(ratios=(1.0, 3.0, 1.1, 2.9, 0.9, 3.1), tokens=(2.0, 2.2, 1.8, 2.1, 2.0, 2.1), biases=(0,) * 6)
+    fitted = mixed.limits(1e-3).max_noise_ratio
+    assert fitted > 10
+    relative = replace(mixed, relative=True).limits(1e-3)
+    assert relative.max_noise_ratio == pytest.approx(REACHED_FACTOR * 3.1)
+    assert relative.max_token_noise_ratio == pytest.approx(mixed.limits(1e-3).max_token_noise_ratio)  # below 4.4
+    assert relative.max_token_noise_ratio < REACHED_FACTOR * 2.2
+
+
 def test_the_bias_range_spans_zero_the_runs_mean_and_the_golden():
     limits = envelope(biases=(10.0, 10.5, 9.5, 10.0), golden=-3.0).limits(1e-3)
     half = t_quantile(1 - 1e-3 / 6, 3) * MIN_BIAS_SD * math.sqrt(1.25)  # the runs' spread is below one unit
