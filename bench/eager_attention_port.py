@@ -1,7 +1,7 @@
 """A correct port of another kind for bench_trained.py, which copies it in as a conftest.py: the
 model's own layer with transformers' eager attention (scores and probabilities in the golden's
-dtype) where the golden ran the fused kernel, a causal attention's mask built where the golden
-call passes none (the fused kernel's is_causal)."""
+dtype) where the golden ran the fused kernel; the golden call's mask is in the fused kernel's
+form (a boolean one made additive, a causal attention's built where the call passes none)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from transformers import AttentionInterface
 
 def _eager_causal(module, query, key, value, attention_mask, **kwargs):
     modeling = importlib.import_module(type(module).__module__)
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # the fused kernel's form: True sees
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min
+        )
     if attention_mask is None and query.shape[-2] > 1 and getattr(module, "is_causal", False):
         q, k = query.shape[-2], key.shape[-2]
         seen = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(diagonal=k - q)
