@@ -155,7 +155,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class _Sums:
     """What the statistics need, summed over blocks of tokens (float64)."""
 
-    err_g: list[torch.Tensor]  # per token ||golden - ref|| (weighed: :func:`relative_errors`)
+    err_g: list[torch.Tensor]  # per token ||golden - ref|| (weighed where relative: :func:`element_sizes`)
     err_t: list[torch.Tensor]  # per token ||target - ref|| (weighed alike)
     relative: bool = False
     # the norms as they are, where err_g and err_t are weighed
