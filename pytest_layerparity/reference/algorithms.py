@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .wider import _named_arguments
+from .wider import _named_arguments, causal_seen
 
 
 def _decomposed_ops() -> dict[Any, Any]:
@@ -259,8 +259,7 @@ def eager_attention(func: Any, args: tuple, kwargs: dict, rows: torch.Tensor) ->
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     if named.get("is_causal", False):
         length, source = scores.shape[-2:]
-        seen = torch.arange(source, device=scores.device) <= torch.arange(length, device=scores.device)[:, None]
-        scores = scores.masked_fill(~seen, float("-inf"))
+        scores = scores.masked_fill(~causal_seen(0, length, source, scores.device), float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), value)
     return out if bool(torch.isfinite(out).all()) else None
 

@@ -99,6 +99,7 @@ from .wider import (
     attention_reference,
     exact_fast_matmul,
     widened_matmul,
+    with_rows,
 )
 
 MODES = ("jitter", "stochastic", "random")
@@ -372,11 +373,7 @@ class PerturbedArithmetic(TorchDispatchMode):
         taken = keep.nonzero().squeeze(1)
         with self:
             eager = eager_attention(func, args, kwargs, taken)
-        if eager is None:
-            return result
-        first = result[0] if isinstance(result, tuple) else result
-        output = first.index_copy(0, taken, eager.to(first.dtype))
-        return (output, *result[1:]) if isinstance(result, tuple) else output
+        return result if eager is None else with_rows(result, taken, eager)
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """``var`` or ``var_mean`` (any overload) computed by :func:`one_pass_var_mean`, its

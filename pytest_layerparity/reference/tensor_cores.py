@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .wider import _named_arguments
+from .wider import _named_arguments, causal_seen, with_rows
 
 #: How far, on average, a fused float32 attention on tensor cores moves the results of a row
 #: that sees ``FULL_LEAN_KEYS`` or more keys toward zero, in ulps of each: about the largest
@@ -80,7 +80,7 @@ def seen_keys(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     if named.get("is_causal", False):
         if through is None:
             return torch.arange(1, queries + 1, device=query.device).clamp_max_(keys)
-        through = through & torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril_()
+        through = through & causal_seen(0, queries, keys, query.device)
     if through is None:
         return torch.full((queries,), keys, dtype=torch.int64, device=query.device)
     return through.sum(-1)
@@ -118,6 +118,4 @@ def with_tensor_core_rows(
     first = result[0] if isinstance(result, tuple) else result
     lean = lean_ulps(seen_keys(func, args, kwargs))[..., None]
     lean = lean.expand(*first.shape[:-1], 1)[rows] if lean.dim() == first.dim() else lean
-    kept = first[rows]
-    output = first.index_copy(0, rows, torch.where(lean > 0, leaned(wide[rows], generator, lean), kept))
-    return (output, *result[1:]) if isinstance(result, tuple) else output
+    return with_rows(result, rows, torch.where(lean > 0, leaned(wide[rows], generator, lean), first[rows]))

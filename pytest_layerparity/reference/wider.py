@@ -159,8 +159,8 @@ def attention_reference(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     for start in range(0, length, step):
         stop = min(start + step, length)
         rows = mask[..., start:stop, :] if mask is not None and mask.shape[-2] == length else mask
-        if causal:  # top-left aligned, as the op's is_causal: query i sees keys 0..i
-            seen = torch.arange(source, device=query.device) <= torch.arange(start, stop, device=query.device)[:, None]
+        if causal:
+            seen = causal_seen(start, stop, source, query.device)
             # additive, as the op takes its mask (the front end turns a boolean one into this)
             hidden = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill(~seen, float("-inf"))
             rows = hidden if rows is None else rows + hidden
@@ -179,6 +179,21 @@ def attention_reference(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         out = write_block(out, output, -2, start, length)
         del output
     return out
+
+
+def causal_seen(start: int, stop: int, keys: int, device: torch.device) -> torch.Tensor:
+    """Which of ``keys`` keys each of the queries ``start`` to ``stop`` sees in a causal fused
+    attention, top-left aligned as the op's ``is_causal``: query i sees keys 0 to i (a boolean
+    [stop - start, keys])."""
+    return torch.arange(keys, device=device) <= torch.arange(start, stop, device=device)[:, None]
+
+
+def with_rows(result: Any, rows: torch.Tensor, values: torch.Tensor) -> Any:
+    """``result`` of a fused attention op (its output first, or the output alone) with the
+    output's rows ``rows`` (indices into its first dimension) replaced by ``values``."""
+    first = result[0] if isinstance(result, tuple) else result
+    output = first.index_copy(0, rows, values.to(first.dtype))
+    return (output, *result[1:]) if isinstance(result, tuple) else output
 
 
 def query_block(length: int, head_dim: int, source: int) -> int:
