@@ -241,8 +241,7 @@ def eager_attention(func: Any, args: tuple, kwargs: dict, rows: torch.Tensor) ->
     ``rows`` (indices into the query's first dimension), computed as transformers' eager
     attention computes it: ``softmax((q @ k^T) * scale + mask, float32)`` rounded to the
     dtype, times the values; a causal call's queries top-left aligned (query i sees keys 0 to
-    i), as the op's ``is_causal``; grouped key heads repeated. Called under the perturbation,
-    each of its ops is rounded another legitimate way. None where it overflows (an overflow
+    i), as the op's ``is_causal``; grouped key heads repeated. None where it overflows (an overflow
     is no rounding: those rows keep the fused kernel's result)."""
     named = _named_arguments(func, args, kwargs)
     query, key, value = (named[n] for n in ("query", "key", "value"))

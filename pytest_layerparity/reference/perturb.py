@@ -40,7 +40,7 @@ which results a correct port's kernels legitimately give):
   included); in half the runs (drawn apart), a fused float32 attention's results lean toward
   zero, as tensor cores return them (:mod:`.tensor_cores`), and a fused 16-bit attention is
   computed as transformers' eager attention computes it, its scores and probabilities rounded
-  to the dtype (:func:`.algorithms.eager_attention`). A backend lowers all such
+  to nearest in the dtype (:func:`.algorithms.eager_attention`). A backend lowers all such
   ops one way: a run takes an alternative for all or none;
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
   (``SIXTEEN_BIT_ACCUMULATION``), as tensor cores' float16-accumulate mode and XLA's CPU
@@ -365,14 +365,14 @@ class PerturbedArithmetic(TorchDispatchMode):
 
     def _eager_rows(self, func: Any, args: tuple, kwargs: dict, result: Any, rows: int) -> Any:
         """``result`` of the fused attention op with the rows of the runs that take it computed
-        as eager attention computes them, each of its ops perturbed (rows that overflow so keep
-        the fused result)."""
+        as eager attention computes them, unperturbed: each of its ops rounds to nearest, as
+        every eager port's does (its sums in float32 err far less than that rounding; rows
+        that overflow so keep the fused result)."""
         keep = self._pick(eager_attention, args[0].device).repeat_interleave(rows // self.samples)
         if not keep.any():
             return result
         taken = keep.nonzero().squeeze(1)
-        with self:
-            eager = eager_attention(func, args, kwargs, taken)
+        eager = eager_attention(func, args, kwargs, taken)
         return result if eager is None else with_rows(result, taken, eager)
 
     def _one_pass_variance(self, func: Any, args: tuple, kwargs: dict) -> Any:
