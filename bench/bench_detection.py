@@ -37,7 +37,7 @@ from scratch import work_folder
 
 from pytest_layerparity.compare.floor import branch_directions
 from pytest_layerparity.compare.parts import direction_part
-from pytest_layerparity.reference.directions import SofterAttention, norm_epsilons, output_scaler
+from pytest_layerparity.noise.directions import SofterAttention, norm_epsilons, output_scaler
 from pytest_layerparity.selection import decode_key, layer_key
 from pytest_layerparity.store.golden import GoldenStore
 

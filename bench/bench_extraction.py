@@ -8,13 +8,13 @@ Model loading and the one-time import of ``torch._dynamo`` (which the first pert
 would pay) are timed separately and left out of every ratio. One process, on the CPU or
 (``--device cuda``) the model and the goldens' runs on the GPU; ``--ieee-matmul`` times the
 perturbed runs' wide matmuls of 16-bit operands in IEEE float32, as before they were computed
-in 16-bit arithmetic that holds such operands exactly (reference/wider.py's
+in 16-bit arithmetic that holds such operands exactly (noise/wider.py's
 exact_fast_matmul: TF32 on CUDA, oneDNN's bfloat16 mode on the CPU). ``--no-perturbation``
 runs the envelopes' runs in the model's own arithmetic (their limits then mean nothing): the
 least that many runs cost. ``--logits-topk 0``
 extracts no whole-model golden (``layerparity_logits_topk = 0``), and so no whole-model
 envelope: per-layer verdicts alone. ``--one-at-a-time`` runs each call's perturbed runs one
-after the other, as the CPU does for a long call (reference/batching.py), to time what running
+after the other, as the CPU does for a long call (noise/batching.py), to time what running
 them together as one batch saves on an accelerator. ``--model-runs N`` makes the whole model's
 envelope of N perturbed runs instead of the plugin's rule (half a layer's and one). The
 extraction with the floor is also shown in parts: the floor's passes, the layers' envelopes,
@@ -53,8 +53,8 @@ settings = make_settings
 #: The parts of the extraction with the floor timed apart: (label, module, owner's name or None,
 #: function). Each is timed where it is called, so a part inside another is not counted twice.
 PHASES = (
-    ("the precision floor's passes", "pytest_layerparity.reference.floor", "FloorEvaluator", "evaluate"),
-    ("the layers' envelopes (K runs a call)", "pytest_layerparity.reference.envelope", "PerturbedRunner", "envelope"),
+    ("the precision floor's passes", "pytest_layerparity.noise.wide_pass", "FloorEvaluator", "evaluate"),
+    ("the layers' envelopes (K runs a call)", "pytest_layerparity.noise.perturbed_runs", "PerturbedRunner", "envelope"),
     ("the whole model's envelope", "pytest_layerparity.reference.extract", None, "whole_model_envelope"),
 )
 
@@ -169,7 +169,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.no_perturbation:
-        from pytest_layerparity.reference.perturb import PerturbedArithmetic
+        from pytest_layerparity.noise.perturb import PerturbedArithmetic
 
         PerturbedArithmetic.__torch_dispatch__ = lambda _self, func, _types, args=(), kwargs=None: func(
             *args, **(kwargs or {})
@@ -179,7 +179,9 @@ def main() -> None:
 
         extract.model_envelope_samples = lambda _samples: args.model_runs
     if args.one_at_a_time:
-        from pytest_layerparity.reference import batching, envelope, plan
+        from pytest_layerparity.noise import batching
+        from pytest_layerparity.noise import perturbed_runs as envelope
+        from pytest_layerparity.reference import plan
 
         for module in (batching, envelope, plan):
             module.samples_per_forward = lambda *_args, **_kw: 1
@@ -188,7 +190,7 @@ def main() -> None:
     if args.ieee_matmul:
         import contextlib
 
-        from pytest_layerparity.reference import perturb
+        from pytest_layerparity.noise import perturb
 
         perturb.exact_fast_matmul = lambda *_: contextlib.nullcontext()
     from tiny_models import make

@@ -105,7 +105,7 @@ AFTER_LAST_LAYER = {
 def judged_with(ks: list[int], session, entry, change) -> dict[int, bool]:
     """The whole-model test judged at each K, the target's model (the model's own, as the
     target runs it) with ``change`` made to it after it is built."""
-    from pytest_layerparity.target import model as target_model
+    from pytest_layerparity.model import steps as target_model
 
     original = target_model.hf_step
 
@@ -128,9 +128,9 @@ def embedded_seeds(ks: list[int], seeds: int) -> None:
     from transformers import AutoModelForCausalLM
 
     from pytest_layerparity.compare.logits import judge_logits
-    from pytest_layerparity.reference import envelope as reference_envelope
+    from pytest_layerparity.model.steps import hf_step, teacher_forced
+    from pytest_layerparity.noise import perturbed_runs as reference_envelope
     from pytest_layerparity.reference.extract import whole_model_envelope
-    from pytest_layerparity.target.model import hf_step, teacher_forced
 
     model_dir = ROOT / "fixtures" / "minimax_m2_tiny"
     golden = GoldenStore(ROOT / "fixtures" / "goldens" / "minimax_m2_tiny").load(MODEL_LOGITS_KEY).tensors

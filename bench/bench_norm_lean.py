@@ -25,7 +25,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch
 
-from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+from pytest_layerparity.noise.algorithms import layer_norm_in_own_dtype
 
 UNIT = 2.0**-11
 

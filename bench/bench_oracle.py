@@ -48,7 +48,7 @@ from scratch import work_folder
 
 from pytest_layerparity.compare.envelope import t_quantile
 from pytest_layerparity.compare.floor import FLOOR_KEY, branch_directions
-from pytest_layerparity.reference.envelope import PerturbedRunner
+from pytest_layerparity.noise.perturbed_runs import PerturbedRunner
 from pytest_layerparity.selection import decode_key
 from pytest_layerparity.store.golden import GoldenStore
 

@@ -206,8 +206,8 @@ def probe(args: list[str], work: Path) -> tuple[float, float, float]:
 
 def bound(model: Path, seq: int, extra: list[str]) -> float:
     """Twice the largest layer in the run's dtype plus one layer's activations (GB)."""
+    from pytest_layerparity.model.source import ModelSource
     from pytest_layerparity.reference.plan import layer_activations, make_plan
-    from pytest_layerparity.reference.source import ModelSource
 
     dtype = extra[extra.index("--dtype") + 1] if "--dtype" in extra else "bfloat16"
     source = ModelSource(model)

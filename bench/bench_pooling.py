@@ -28,7 +28,7 @@ import torch
 from scratch import work_folder
 
 from pytest_layerparity.compare.floor import FLOOR_KEY
-from pytest_layerparity.reference.envelope import PerturbedRunner
+from pytest_layerparity.noise.perturbed_runs import PerturbedRunner
 from pytest_layerparity.selection import decode_key
 from pytest_layerparity.store.callspec import hidden_input_name
 

@@ -75,7 +75,7 @@ def main() -> None:
     model16 = checkpoint(work, 16)
     size = sum(p.stat().st_size for p in model16.glob("*.safetensors")) / 1e9
     layer = sum(p.stat().st_size for p in model16.glob("*.safetensors"))  # refined below
-    from pytest_layerparity.reference.checkpoint import Checkpoint
+    from pytest_layerparity.model.checkpoint import Checkpoint
     from pytest_layerparity.reference.plan import checkpoint_sizes
 
     ck = Checkpoint.open(model16)

@@ -3,7 +3,7 @@ lean (the mean of each output's error times its sign, in float32 ulps of the lar
 negative: toward zero), the median of each output's move toward zero in ulps of its own, and
 the error's size (its root mean square, in ulps of the largest output), for the CPU's flash
 kernel, the math attention in float32, what half the perturbed runs take
-(reference/tensor_cores.py's ``leaned`` by each query's keys, from the exact attention; a
+(noise/tensor_cores.py's ``leaned`` by each query's keys, from the exact attention; a
 query of too few keys to lean rounded to nearest) and, where CUDA is there,
 CUDA's memory-efficient and math kernels.
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pytest_layerparity.reference.tensor_cores import float32_ulp, lean_ulps, leaned
+from pytest_layerparity.noise.tensor_cores import float32_ulp, lean_ulps, leaned
 
 
 def measure(out: torch.Tensor, exact: torch.Tensor) -> tuple[float, float, float]:

@@ -398,7 +398,7 @@ def gelu_variant_swapped(layer, config):
     it uses the approximation."""
     from transformers.activations import ACT2FN
 
-    from pytest_layerparity.reference.directions import ERF_GELUS, TANH_GELUS
+    from pytest_layerparity.noise.directions import ERF_GELUS, TANH_GELUS
 
     for module in layer.modules():
         for attr in ("act", "act_fn", "activation_fn", "intermediate_act_fn"):
@@ -815,7 +815,7 @@ def _sum_rows(rows: list, width: int) -> dict:
 def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
     """Every case of ``groups`` in this process: the tallies, as plain lists (JSON)."""
     if args.envelope_seed is not None:
-        from pytest_layerparity.reference import envelope
+        from pytest_layerparity.noise import perturbed_runs as envelope
 
         envelope.BASE_SEED = args.envelope_seed
     target = args.port_target

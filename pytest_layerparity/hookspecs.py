@@ -28,7 +28,7 @@ def pytest_layerparity_build_target_layer(layer_idx: int, reference_layer: Any, 
 @pytest.hookspec(firstresult=True)
 def pytest_layerparity_build_target_model(model_config: Any, device: Any, settings: Any) -> Any:
     """Return the whole model under test on ``device``, as a step function
-    ``step(input_ids, past) -> (logits, past)`` (see ``pytest_layerparity.target.model``):
+    ``step(input_ids, past) -> (logits, past)`` (see ``pytest_layerparity.model.steps``):
     called with the prompt's token ids and ``past=None``, then with each decode token
     ([batch, 1]) and the ``past`` it returned last (your own KV cache state), returning the
     next-token logits of every position it was given. ``settings`` are the session's options.

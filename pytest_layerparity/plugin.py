@@ -61,8 +61,9 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
     quiet_secondary_rank(config)
     if not config.getoption("layerparity_plan", False):
         return None
-    from .reference.devices import resolve_golden_device
-    from .reference.model import ModelError, capped_attention
+    from .errors import ModelError
+    from .model.build import capped_attention
+    from .model.devices import resolve_golden_device
     from .reference.plan import RunOptions
     from .reference.plan_text import plan_lines
     from .session import LayerParitySession
@@ -102,7 +103,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if settings.mode in ("extract", "verify"):
         keep_xla_out()
-        from .reference.memory import bound_reference_memory
+        from .model.memory import bound_reference_memory
 
         bound_reference_memory()
     nxdi_builder = None  # --port nxdi --target neuron: a conftest's builder in place of NxDI's (no SDK needed)
@@ -151,8 +152,8 @@ def _check_installed(settings: Settings, sdk_builds: bool = True) -> None:
 
 def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any = None) -> LayerParitySession:
     """The session, with everything that can be refused before a test runs checked."""
+    from .errors import ModelError
     from .reference.inputs import check_prompt
-    from .reference.model import ModelError
     from .reference.support import (
         check_attention_mode,
         check_checkpoint_names,
@@ -179,7 +180,7 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
     )
     session.progress = for_pytest(config)
     if conftest_builds_layer(config):
-        from .target.contract import hook_location
+        from .replay.contract import hook_location
 
         impls = config.pluginmanager.hook.pytest_layerparity_build_target_layer.get_hookimpls()
         session.hook_where = hook_location(impls[-1].function)  # the one called first (firstresult)
@@ -290,7 +291,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         return (yield)
     except Exception as exc:
         nxdi = sys.modules.get("pytest_layerparity.ports.nxdi")
-        contract = sys.modules.get("pytest_layerparity.target.contract")
+        contract = sys.modules.get("pytest_layerparity.replay.contract")
         if contract is not None and isinstance(exc, contract.ContractError):
             message = _breach_text(item, exc)
         elif nxdi is not None and isinstance(exc, nxdi.PortError):

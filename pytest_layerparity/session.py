@@ -13,9 +13,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .model.build import checkpoint_dtype
+from .model.source import ModelSource, model_dir_of
 from .options import Settings, is_url
-from .reference.model import checkpoint_dtype
-from .reference.source import ModelSource, model_dir_of
 from .report.progress import SILENT, Progress
 from .selection import (
     LayerRange,
@@ -35,11 +35,11 @@ from .store.identity import check_store_matches
 if TYPE_CHECKING:
     from .backends.base import Backend
     from .compare.judge import LayerOutcome
+    from .noise.wide_pass import FloorEvaluator
     from .ports.nxdi import NxdiPort
     from .reference.binding import WeightsBinding
     from .reference.extract import ReferenceSide
-    from .reference.floor import FloorEvaluator
-    from .target.runner import BuildHook, TargetSide
+    from .replay.runner import BuildHook, TargetSide
 
 
 def uncalled_layers(session: LayerParitySession) -> dict[int, str]:
@@ -51,8 +51,9 @@ def uncalled_layers(session: LayerParitySession) -> dict[int, str]:
 def store_extraction_flags(settings: Settings, store: GoldenStore) -> tuple[str, ...]:
     """The flags of the extraction a suggested command repeats: this run's own when it
     extracts, else the store's (so the command writes goldens the store takes)."""
+    from .errors import ModelError
+    from .model.build import read_config_json
     from .reference.inputs import input_description
-    from .reference.model import ModelError, read_config_json
 
     s = settings
     try:
@@ -138,7 +139,7 @@ class LayerParitySession:
 
             backend = backend_class(s.target_name or "cpu")
             if backend.lazy and self.port is None:
-                from .target.experts import experts_for_goldens
+                from .replay.experts import experts_for_goldens
 
                 experts, self.experts_choice = experts_for_goldens(
                     self.store.read_manifest() or {}, s, model_dir_of(s.model), backend.free_memory()
@@ -276,8 +277,8 @@ class LayerParitySession:
     def target(self) -> TargetSide:
         import torch
 
-        from .reference.envelope import PerturbedRunner
-        from .target.runner import TargetSide
+        from .noise.perturbed_runs import PerturbedRunner
+        from .replay.runner import TargetSide
 
         return TargetSide(
             self.settings,
@@ -305,7 +306,7 @@ class LayerParitySession:
         """The precision floor's evaluator, one for both sides (its skeleton built once)."""
         import torch
 
-        from .reference.floor import FloorEvaluator
+        from .noise.wide_pass import FloorEvaluator
 
         return FloorEvaluator(self.model, getattr(torch, self.dtype_name))
 
@@ -379,8 +380,8 @@ class LayerParitySession:
 
     def bisect(self, layers: list[int]) -> tuple[int | None, list[tuple[int, bool]]]:
         """The first layer whose chained output (from the golden input of ``layers[0]``)
-        leaves tolerance, in O(log n) chained range runs; see :func:`target.chains.bisect`."""
-        from .target.chains import bisect
+        leaves tolerance, in O(log n) chained range runs; see :func:`replay.chains.bisect`."""
+        from .replay.chains import bisect
 
         # every layer of the prefix: a layer's own (local) check fails only at that layer, and
         # "some layer failed" grows with the prefix, as bisection needs

@@ -65,7 +65,7 @@ class XlaBackend(Backend):
         before it is set up."""
         if os.environ.get("PJRT_DEVICE", "CPU") != "CPU":
             return None
-        from ..reference.devices import free_memory
+        from ..model.devices import free_memory
 
         return free_memory()["cpu"]
 

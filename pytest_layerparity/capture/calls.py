@@ -35,7 +35,7 @@ def capture_calls(modules: Mapping[int, torch.nn.Module], sink: Callable[[int, C
     def pre_hook(index: int):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             if index in seen:
-                from ..reference.model import ModelError
+                from ..errors import ModelError
 
                 raise ModelError(
                     f"layer {index} ran more than once in one forward pass (a model that loops over some of its "

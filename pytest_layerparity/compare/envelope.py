@@ -2,7 +2,7 @@
 of that layer, and the limits a target is held to.
 
 At extraction the layer is run K times under Monte Carlo arithmetic (every rounded result
-perturbed within its rounding error, see ``reference.perturb``); each run is a legitimate
+perturbed within its rounding error, see ``noise.perturb``); each run is a legitimate
 implementation of the layer, and its statistics against the golden and the precision floor
 (``noise_ratio``, ``token_noise_ratio``, ``contribution_bias``) are one sample of what a
 correct port may show. The golden stores the samples; the verdict holds the target to
@@ -114,7 +114,7 @@ class Envelope:
     branch_bias: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     golden_branch_bias: Mapping[str, float] = field(default_factory=dict)
     #: Tokens every run's statistics left out because the golden's experts there differ from
-    #: its floor's (``compare.routing.golden_floor_flips``); None for an envelope made before
+    #: its floor's (``compare.routing_agreement.golden_floor_flips``); None for an envelope made before
     #: they were (a target is then judged on every token, as its runs were).
     golden_flips: tuple[int, ...] | None = None
     #: A float16 layer's second family: its runs with every float16 matmul summed in float32

@@ -34,7 +34,7 @@ FLOOR_PREFIX = "floor."
 FLOOR_KEY = FLOOR_PREFIX + "output"
 #: The output of each of the layer's branches (``floor.branch.<child>``: a child module whose
 #: output is a part of the layer's contribution, such as its attention and its MLP:
-#: ``reference.floor.contribution_branches``) in the floor's pass, stored in the golden's
+#: ``noise.wide_pass.contribution_branches``) in the floor's pass, stored in the golden's
 #: dtype: the directions ``branch_bias`` measures the target's error along.
 BRANCH_PREFIX = FLOOR_PREFIX + "branch."
 #: Where a direction's move is itself a bug's whole effect (GELU's other form: the swap), its

@@ -32,7 +32,7 @@ from .floor import (
 )
 from .metrics import Metrics, compare_tensors, min_passing_tolerance
 from .picture import FailurePicture, failure_picture
-from .routing import RoutingAgreement, agreement, golden_floor_flips, router_names
+from .routing_agreement import RoutingAgreement, agreement, golden_floor_flips, router_names
 from .shares import error_shares
 from .sight import Sight, sight
 from .sketch import head_shares

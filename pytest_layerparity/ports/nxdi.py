@@ -46,7 +46,7 @@ from .kv_layout import KvLayout
 from .model_tags import layer_config, make_layer
 
 if TYPE_CHECKING:
-    from ..reference.source import ModelSource
+    from ..model.source import ModelSource
     from .compiled import CompiledPrograms
 
 #: NxDI's application class of each architecture whose decoder layer has been run here
@@ -107,7 +107,7 @@ def hf_config_for_nxdi(config_json: dict[str, Any]) -> Any:
     modeling class is imported)."""
     from transformers import AutoConfig, PretrainedConfig
 
-    from ..reference.model import transformers_4_names
+    from ..model.build import transformers_4_names
 
     fields = {**config_json, **transformers_4_names(config_json)}
     model_type = fields.pop("model_type", None)

@@ -1,4 +1,3 @@
-"""Stage 1, the reference side: the model folder (:mod:`.source`: its config and skeleton,
-:mod:`.model`; its weights, :mod:`.checkpoint`), its placement and memory plan
-(:mod:`.placement`, :mod:`.plan`, :mod:`.streaming`, :mod:`.memory`, :mod:`.audit`), the golden
-input (:mod:`.inputs`), the precision floor (:mod:`.floor`) and the extraction (:mod:`.extract`)."""
+"""The extraction: the model placed and its memory planned (:mod:`.placement`, :mod:`.plan`,
+:mod:`.audit`), the golden input (:mod:`.inputs`), the goldens written (:mod:`.extract`) and
+bound to the weights they were made from (:mod:`.binding`)."""

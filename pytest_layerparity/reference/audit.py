@@ -55,7 +55,7 @@ def mixed_dtype_failure(model: Any, requested: Any, keep: Any = ()) -> Iterator[
     """The model's own forward failing on mixed dtypes becomes a ModelError naming the tensors
     it holds in another dtype than ``requested`` (those not kept so on purpose, ``keep``): the
     model as transformers builds it does not run in that dtype. Any other error passes."""
-    from .model import ModelError
+    from ..errors import ModelError
 
     try:
         yield

@@ -7,16 +7,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ..errors import ModelError
+from ..model.fingerprint import WEIGHTS_FIELD
 from ..selection import layer_key, layer_spec
 from ..store.identity import check_weights_match, recorded_weights
-from .fingerprint import WEIGHTS_FIELD
-from .model import ModelError
 
 if TYPE_CHECKING:
     import torch
 
+    from ..model.source import ModelSource
     from ..store.golden import GoldenStore
-    from .source import ModelSource
 
 
 class WeightsBinding:

@@ -17,9 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..capture.calls import called_layers, capture_calls
-from ..capture.routing import capture_routing
+from ..capture.router_hooks import capture_routing
 from ..compare.floor import FLOOR_KEY
 from ..compare.judge import LayerOutcome, judge_golden
+from ..errors import ModelError
+from ..model.build import build_skeleton, find_layer_list, layer_count_from_config
+from ..model.devices import resolve_golden_device
+from ..model.fingerprint import WEIGHTS_FIELD
+from ..model.memory import give_back_memory
+from ..model.source import ModelSource
+from ..noise.perturbed_runs import ENVELOPE_RULE, PerturbedRunner
+from ..noise.wide_pass import FloorEvaluator
 from ..report.progress import SILENT, Progress
 from ..selection import decode_key, layer_key
 from ..store import promptkv
@@ -44,17 +52,10 @@ from ..store.golden import (
 )
 from ..store.identity import EXTRACTION_KEYS, recorded_weights
 from .audit import dtype_audit, mixed_dtype_failure
-from .devices import resolve_golden_device
-from .envelope import ENVELOPE_RULE, PerturbedRunner
-from .fingerprint import WEIGHTS_FIELD
-from .floor import FloorEvaluator
 from .inputs import input_description, make_input_ids, stored_input_shape
-from .memory import give_back_memory
-from .model import ModelError, build_skeleton, find_layer_list, layer_count_from_config
 from .overflow import Measured, Overflow, OverflowWatch, ReferenceOverflow, StopForward, output_overflow, overflow_text
 from .placement import choose_device_map, input_device, load_whole_model, placement_summary
 from .prompt_cache import filled, filling, prompt_cache, unknown_with_cache, with_or_without
-from .source import ModelSource
 from .spill import SpilledCalls, SpilledKV, mapped_empty
 
 if TYPE_CHECKING:
@@ -62,9 +63,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from ..compare.logits import ModelEnvelope
+    from ..model.steps import StepFn
+    from ..model.streaming import Unit
     from ..options import Settings
-    from ..target.model import StepFn
-    from .streaming import Unit
 
 
 class UncalledLayer(Exception):
@@ -218,7 +219,7 @@ class ReferenceSide:
                 stack.callback(bar.close)
                 stack.enter_context(torch.no_grad())
                 if streaming:
-                    from .streaming import streamed
+                    from ..model.streaming import streamed
 
                     stack.enter_context(
                         streamed(
@@ -357,7 +358,7 @@ class ReferenceSide:
         ``watch`` notes each step's layer outputs."""
         import torch
 
-        from ..target.model import step_input_ids
+        from ..model.steps import step_input_ids
 
         def spilling() -> contextlib.AbstractContextManager[None]:
             return kv.hooks(layer_list) if kv is not None else contextlib.nullcontext()
@@ -423,7 +424,7 @@ class ReferenceSide:
         import torch
 
         from ..compare.logits import compact_logits
-        from ..target.model import hf_step
+        from ..model.steps import hf_step
 
         logits = torch.cat([run.model_io["logits"].float(), *(t.float() for t in run.decode_logits)], dim=1)
         golden = compact_logits(logits, self.settings.logits_topk)
@@ -474,7 +475,7 @@ class ReferenceSide:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.no_grad())
             if streaming:
-                from .streaming import streamed
+                from ..model.streaming import streamed
 
                 empty = functools.partial(mapped_empty, self.store.root)
                 device = other.golden_device
@@ -744,10 +745,10 @@ def whole_model_envelope(
     (``batching.samples_per_forward``: the model computes them apart; half as many after the
     device's memory runs out); ``done(n)`` after each batch of ``n`` runs."""
     from ..compare.logits import LogitsStats, ModelEnvelope, logits_stats
-    from ..target.model import teacher_forced
-    from .batching import in_batches, samples_per_forward
-    from .envelope import BASE_SEED
-    from .perturb import PerturbedArithmetic
+    from ..model.steps import teacher_forced
+    from ..noise.batching import in_batches, samples_per_forward
+    from ..noise.perturb import PerturbedArithmetic
+    from ..noise.perturbed_runs import BASE_SEED
 
     ids, decode_ids = golden["input_ids"], golden.get("decode_ids")
     batch = ids.shape[0]

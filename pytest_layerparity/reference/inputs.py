@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .model import ModelError
+from ..errors import ModelError
 
 if TYPE_CHECKING:
     import torch

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..model.build import model_class_for, own_config
+from ..model.devices import free_memory
+from ..model.source import ModelSource
 from ..options import parse_max_memory
-from .devices import free_memory
-from .model import model_class_for, own_config
 from .plan import Plan, make_plan
-from .source import ModelSource
 
 if TYPE_CHECKING:
     import torch

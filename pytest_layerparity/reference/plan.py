@@ -13,15 +13,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..model.build import LAYER_LIST_CANDIDATES, hidden_size_from_config
+from ..model.checkpoint import Checkpoint, split_by_conversion
+from ..model.source import ModelSource, checkpoint_conversions
+from ..model.streaming import ROW_BLOCK_FRACTION
+from ..noise.batching import PAST_SHARE, samples_per_forward
+from ..noise.rounding import ROUNDING_BLOCK
+from ..noise.tokens import block_rows
+from ..noise.wider import WIDEN_BLOCK, query_block
 from ..store.tensorfile import SAFETENSORS_ITEMSIZE, SAFETENSORS_TORCH_DTYPE
-from .batching import PAST_SHARE, samples_per_forward
-from .checkpoint import Checkpoint, split_by_conversion
-from .model import LAYER_LIST_CANDIDATES, hidden_size_from_config
-from .rounding import ROUNDING_BLOCK
-from .source import ModelSource, checkpoint_conversions
-from .streaming import ROW_BLOCK_FRACTION
-from .tokens import block_rows
-from .wider import WIDEN_BLOCK, query_block
 
 # -- checkpoint sizes from headers -------------------------------------------------------------
 
@@ -313,11 +313,11 @@ FORWARD = "the reference forward"
 GOLDENS = "each layer's goldens"
 FLOOR_OUTPUT = "the floor's output (the envelope's runs are held against it)"
 BRANCH_OUTPUTS = "the directions branch_bias is measured along (the branches', two of arithmetic; golden's dtype)"
-#: Branches of a decoder layer the plan counts (``reference.floor.capture_branches``): its
+#: Branches of a decoder layer the plan counts (``noise.wide_pass.capture_branches``): its
 #: attention and its MLP or mixture of experts, kept in the floor's dtype through its pass.
 BRANCHES = 2
 #: The directions a golden stores: the branches', the attention temperature's and the norms'
-#: epsilon's (``reference.directions``: each pass of its own holds one output beside the
+#: epsilon's (``noise.directions``: each pass of its own holds one output beside the
 #: floor's, less than the branches the first pass holds).
 DIRECTIONS = BRANCHES + 2
 RUN_OUTPUT = "the output of the perturbed runs that go together (their statistics taken, they go)"

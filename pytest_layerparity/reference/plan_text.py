@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .devices import free_memory
+from ..model.devices import free_memory
+from ..model.source import ModelSource
 from .plan import RUN_OVERHEAD, RunOptions, make_plan, stream_extraction_needs
-from .source import ModelSource
 
 
 def imported_code_bytes(model: ModelSource) -> int:
@@ -22,7 +22,7 @@ def imported_code_bytes(model: ModelSource) -> int:
         import accelerate  # noqa: F401
         import transformers.core_model_loading  # noqa: F401  (the loader a layer loads through)
 
-        from .model import model_class_for
+        from ..model.build import model_class_for
 
         model_class_for(model.hf_config, model.trust_remote_code)
     except Exception:  # a model whose code cannot be imported here: nothing counted

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ModelError
 from ..selection import layer_spec
 from ..store.callspec import EMPTY_CACHE_LAYER, UnstorableCache, cache_argument, check_storable
-from .model import ModelError
 
 if TYPE_CHECKING:
-    from .source import ModelSource
+    from ..model.source import ModelSource
 
 #: Layer kinds (a config's ``layer_types``) without attention, which transformers gives an empty
 #: cache entry: their decode step is their one-token call, with no cache to replay.

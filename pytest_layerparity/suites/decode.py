@@ -8,8 +8,8 @@ import pytest
 
 from ..report.properties import properties
 from ..report.text import failure_text
-from ..target.control import control_note, recorded
 from . import record_outcome
+from .control import control_note, recorded
 
 CASES = "layers"
 
@@ -61,7 +61,7 @@ def test_layer_decode_parity(layerparity_case, layerparity_session, layerparity_
         control = recorded(layerparity_record, control_note(session, layerparity_case, failing))
         texts += [control] if control else []
         if session.port is not None and session.port.sharded:
-            from ..target.unsharded import unsharded_note
+            from .unsharded import unsharded_note
 
             keyword = f"test_layer_decode_parity and layer_{layerparity_case}"
             texts.append(unsharded_note(session, layerparity_case, keyword))

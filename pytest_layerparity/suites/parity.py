@@ -6,8 +6,8 @@ import pytest
 
 from ..report.properties import properties
 from ..report.text import failure_text
-from ..target.control import control_note, recorded
 from . import record_outcome
+from .control import control_note, recorded
 
 CASES = "layers"
 
@@ -26,7 +26,7 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
         control = recorded(layerparity_record, control_note(session, layerparity_case))
         text += "\n" + control if control else ""
         if session.port is not None and session.port.sharded:
-            from ..target.unsharded import unsharded_note
+            from .unsharded import unsharded_note
 
             text += "\n" + unsharded_note(session, layerparity_case, f"test_layer_parity and layer_{layerparity_case}")
         if session.settings.op_compare and session.port is not None and session.port.compiled is not None:
@@ -35,13 +35,13 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
                 "port's sub-blocks eagerly with: pytest --port nxdi --target cpu --op-compare"
             )
         elif session.settings.op_compare and session.port is not None:
-            from ..target.blocks import block_compare
+            from ..replay.blocks import block_compare
 
             blocks = block_compare(session.target, layerparity_case)
             layerparity_record("first_differing_block", blocks.first_differing or "none")
             text += "\n" + blocks.text()
         elif session.settings.op_compare:
-            from ..target.op_compare import op_compare, op_compare_dir
+            from ..replay.op_compare import op_compare, op_compare_dir
 
             out_dir = op_compare_dir(session.settings, session.rootpath) / f"layer_{layerparity_case}"
             finding = op_compare(session.target, layerparity_case, out_dir)

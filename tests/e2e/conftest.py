@@ -36,8 +36,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from transformers.utils import logging as hf_logging
 
     import pytest_layerparity.session  # noqa: F401
-    from pytest_layerparity.reference import extract, model  # noqa: F401
-    from pytest_layerparity.target import runner  # noqa: F401
+    from pytest_layerparity.model import build as model
+    from pytest_layerparity.reference import extract  # noqa: F401
+    from pytest_layerparity.replay import runner  # noqa: F401
 
     hf_logging.disable_progress_bar()
     try:

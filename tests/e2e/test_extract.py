@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from support import DEFAULT_MODEL, ROOT, printed_before_summary
 
-from pytest_layerparity.reference.envelope import ENVELOPE_RULE
+from pytest_layerparity.noise.perturbed_runs import ENVELOPE_RULE
 
 sys.path.insert(0, str(ROOT / "fixtures"))  # tiny_models
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from support import DEFAULT_MODEL, ROOT
 
-from pytest_layerparity.reference.memory import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, bound_reference_memory
+from pytest_layerparity.model.memory import KERNEL_CACHE_ENTRIES, KERNEL_CACHE_VARIABLES, bound_reference_memory
 from pytest_layerparity.reference.spill import SpilledCalls
 from pytest_layerparity.store.callspec import CallRecord
 
@@ -46,7 +46,7 @@ def test_spill_folders_of_dead_processes_are_removed_and_live_ones_kept(tmp_path
 KERNEL_CACHE_PROBE = """
 import ctypes, sys
 if sys.argv[1] == "bound":
-    from pytest_layerparity.reference.memory import bound_reference_memory
+    from pytest_layerparity.model.memory import bound_reference_memory
     bound_reference_memory()
 import torch
 class Info(ctypes.Structure):
@@ -117,8 +117,8 @@ def test_the_plan_counts_what_loading_a_layer_of_experts_stored_one_by_one_holds
     still held), and once the layer is loaded."""
     from tiny_models import make
 
+    from pytest_layerparity.model.source import ModelSource
     from pytest_layerparity.reference.plan import make_plan
-    from pytest_layerparity.reference.source import ModelSource
 
     shape = {"hidden_size": 256, "intermediate_size": 512, "num_local_experts": 8, "vocab_size": 512}
     source = ModelSource(make("mixtral", tmp_path / "mixtral", num_layers=1, shard_size="64MB", **shape))
@@ -157,8 +157,8 @@ def test_the_plan_counts_what_loading_a_layer_of_experts_stored_one_by_one_holds
 ATTENTION_HEAP_PROBE = """
 import os
 import torch
-from pytest_layerparity.reference.memory import bound_reference_memory
-from pytest_layerparity.reference.wider import attention_reference
+from pytest_layerparity.model.memory import bound_reference_memory
+from pytest_layerparity.noise.wider import attention_reference
 bound_reference_memory()  # the allocator's settings of a reference run
 torch.set_num_threads(1)  # one heap: other threads' arenas grow as their timing falls
 page = os.sysconf("SC_PAGE_SIZE")
@@ -257,8 +257,8 @@ def test_the_plan_counts_what_transformers_experts_hold(kind, low, high):
 def test_a_layer_without_converted_tensors_loads_in_its_own_size(tmp_path):
     from tiny_models import make
 
+    from pytest_layerparity.model.source import ModelSource
     from pytest_layerparity.reference.plan import make_plan
-    from pytest_layerparity.reference.source import ModelSource
 
     source = ModelSource(make("llama", tmp_path / "llama", num_layers=1))
     assert make_plan(source, "bfloat16", 1, 8).load_extra == 0  # each tensor read as a map, copied once
@@ -268,7 +268,7 @@ def test_a_layer_without_converted_tensors_loads_in_its_own_size(tmp_path):
 CODE_PROBE = """
 import re, sys
 import torch, transformers
-from pytest_layerparity.reference.source import ModelSource
+from pytest_layerparity.model.source import ModelSource
 from pytest_layerparity.reference.plan_text import plan_lines
 lines = plan_lines(ModelSource(sys.argv[1]), "bfloat16", 1, 8, "cpu")
 print(re.search(r"code and accelerate.*: ([\\d.]+) MB", "\\n".join(lines)).group(1))

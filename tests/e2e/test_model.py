@@ -10,7 +10,7 @@ PLANTED = """
 import torch
 from transformers import AutoModelForCausalLM
 
-from pytest_layerparity.target.model import hf_step
+from pytest_layerparity.model.steps import hf_step
 
 def pytest_layerparity_build_target_model(model_config, device, settings):
     model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.bfloat16)

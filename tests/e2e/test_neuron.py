@@ -395,8 +395,8 @@ def test_example_gives_the_released_checkpoints_names_back(example):
     import torch
     from safetensors import safe_open
 
-    from pytest_layerparity.reference import checkpoint
-    from pytest_layerparity.reference import model as modeling
+    from pytest_layerparity.model import build as modeling
+    from pytest_layerparity.model import checkpoint
 
     config = modeling.load_hf_config(DEFAULT_MODEL)
     skeleton = modeling.build_skeleton(config, torch.float32)

@@ -144,7 +144,7 @@ def test_a_control_that_cannot_run_on_the_device_says_so_and_the_port_still_fail
     project.makeconftest(
         PLANT_EPSILON
         + """
-from pytest_layerparity.target.runner import TargetSide
+from pytest_layerparity.replay.runner import TargetSide
 
 @pytest.fixture(autouse=True)
 def no_own_layer_on_the_device(monkeypatch):  # undone after each test: pytester runs in this process

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 from support import DEFAULT_GOLDENS, DEFAULT_MODEL
 
-from pytest_layerparity.reference.model import config_sha256, read_config_json
+from pytest_layerparity.model.build import config_sha256, read_config_json
 from pytest_layerparity.store import golden, tensorfile
 from pytest_layerparity.store.golden import GoldenError, GoldenStore
 

@@ -50,7 +50,7 @@ def test_header_names_the_placement(pytester):
 
 def test_single_layer_test_opens_only_the_shards_of_that_layer(pytester):
     """Layer 2's test reads its shards only: every other shard may be missing."""
-    from pytest_layerparity.reference.checkpoint import Checkpoint
+    from pytest_layerparity.model.checkpoint import Checkpoint
 
     model = pytester.path / "model"
     shutil.copytree(DEFAULT_MODEL, model)

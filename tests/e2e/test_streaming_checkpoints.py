@@ -1,4 +1,4 @@
-"""Checkpoints read from disk (reference.checkpoint.Checkpoint, and the plan's reading of them),
+"""Checkpoints read from disk (model.checkpoint.Checkpoint, and the plan's reading of them),
 each on a checkpoint written for it: rows read where the header places them, tensors read as
 private maps of their shard, a cut or unreadable shard named, and the plan's block of the head
 or tied weights (moved from unit/test_streaming.py, which reads the embedded model alone)."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from support import DEFAULT_MODEL as MODEL
 
-from pytest_layerparity.reference import streaming
-from pytest_layerparity.reference.checkpoint import Checkpoint
-from pytest_layerparity.reference.source import ModelSource
+from pytest_layerparity.model import streaming
+from pytest_layerparity.model.checkpoint import Checkpoint
+from pytest_layerparity.model.source import ModelSource
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -46,7 +46,7 @@ def test_the_plan_counts_a_block_of_the_head_or_tied_weights_whole(tmp_path, mon
 def test_rows_are_read_where_the_header_places_them_and_a_cut_shard_is_named(tmp_path):
     from safetensors.torch import save_file
 
-    from pytest_layerparity.reference.model import ModelError
+    from pytest_layerparity.errors import ModelError
 
     tensors = {
         "a": torch.arange(40, dtype=torch.float32).reshape(10, 4),
@@ -68,7 +68,7 @@ def test_rows_are_read_where_the_header_places_them_and_a_cut_shard_is_named(tmp
 def test_a_checkpoints_tensors_are_read_as_private_maps_of_their_shard(tmp_path, mapped_from_a_file):
     from safetensors.torch import save_file
 
-    from pytest_layerparity.reference.model import ModelError
+    from pytest_layerparity.errors import ModelError
 
     g = torch.Generator().manual_seed(4)
     tensors = {

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_layerparity.reference.model import ModelError
+from pytest_layerparity.errors import ModelError
 
 
 def test_a_cache_entry_the_modeling_module_defines_is_refused_up_front():
@@ -37,7 +37,7 @@ def _checkpoint(folder, model_type: str, keys: list[str]):
     import torch
     from safetensors.torch import save_file
 
-    from pytest_layerparity.reference.checkpoint import Checkpoint
+    from pytest_layerparity.model.checkpoint import Checkpoint
 
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["LlamaForCausalLM"]}))

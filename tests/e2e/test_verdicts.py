@@ -246,7 +246,7 @@ def test_reports_csv_html_and_offline_compare(pytester, bf16_store):
 
 
 def test_routing_agreement_tells_near_ties_from_flips():
-    from pytest_layerparity.compare.routing import agreement
+    from pytest_layerparity.compare.routing_agreement import agreement
 
     golden = {
         "routing.gate.indices": torch.tensor([[0, 1], [2, 3], [0, 3]]),

@@ -39,4 +39,4 @@ def pytest_configure(config: pytest.Config) -> None:
         for spec in nxdi.APPLICATIONS.values():
             nxdi.import_application(None, spec)
     import pytest_layerparity.session  # noqa: F401
-    from pytest_layerparity.target import runner  # noqa: F401
+    from pytest_layerparity.replay import runner  # noqa: F401

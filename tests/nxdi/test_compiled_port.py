@@ -231,8 +231,8 @@ def test_a_decode_step_in_the_static_kv_cache_computes_what_the_unpadded_one_doe
     given its past padded to the KV cache's length (garbage in the padding, masked out) returns
     the unpadded call's output and new keys and values, to float rounding (measured: float32
     within 1e-6, bfloat16 equal)."""
+    from pytest_layerparity.model.source import ModelSource
     from pytest_layerparity.ports.nxdi import NxdiPort, nxd_warnings_quiet, static_kv_cache
-    from pytest_layerparity.reference.source import ModelSource
 
     torch.manual_seed(0)
     port = NxdiPort(lambda: ModelSource(checkpoint(name)))

@@ -18,6 +18,25 @@ MAX_README_LINES = 400
 MAX_LINES = 400
 #: How a module's docstring says why it is longer than MAX_LINES: a line that starts with it.
 LONG_BECAUSE = "Long because"
+#: The package's floors, bottom first: a module imports from its own folder (or module) and from
+#: lower floors, never from its floor's other folders or from above. Each folder or top-level
+#: module of the package stands on one.
+FLOORS = (
+    ("", "errors", "options", "selection", "state", "hookspecs", "ops"),  # "": the package's __init__
+    ("compare", "distributed"),  # judging; the process group
+    ("report", "store"),
+    ("capture",),
+    ("model",),  # loading the model
+    ("noise",),  # the simulated noise, its runs and wider passes
+    ("reference", "backends"),  # the extraction; the target devices
+    ("ports",),
+    ("replay",),  # the target side: the layer under test on the device
+    ("session",),
+    ("suites", "offline", "option_uses"),
+    ("plugin", "__main__"),
+)
+#: At most this share of the package's lines in one folder.
+MAX_FOLDER_SHARE = 0.2
 
 
 def module_name(path: Path) -> str:
@@ -98,13 +117,57 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_import_graph_is_read_right():
     graph = import_graph()
     assert "pytest_layerparity.compare.judge" in graph["pytest_layerparity.offline"]
-    assert "pytest_layerparity.target.runner" in graph["pytest_layerparity.session"]  # a TYPE_CHECKING import
-    assert "pytest_layerparity.reference.streaming" in graph["pytest_layerparity.reference.extract"]  # in a function
+    assert "pytest_layerparity.replay.runner" in graph["pytest_layerparity.session"]  # a TYPE_CHECKING import
+    assert "pytest_layerparity.model.streaming" in graph["pytest_layerparity.reference.extract"]  # in a function
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
 def test_no_import_loop():
     assert cycles(import_graph()) == []
+
+
+def floor_of(module: str) -> tuple[str, int]:
+    """The folder (or top-level module) of a package module, and its floor."""
+    part = module.removeprefix("pytest_layerparity").lstrip(".").split(".")[0]
+    floors = [i for i, names in enumerate(FLOORS) if part in names]
+    assert floors, f"{module}: {part!r} stands on no floor (add it to FLOORS)"
+    return part, floors[0]
+
+
+def test_no_import_up_a_floor():
+    upward = []
+    for name, targets in import_graph().items():
+        part, floor = floor_of(name)
+        for target in sorted(targets):
+            other, other_floor = floor_of(target)
+            if other != part and other_floor >= floor:
+                upward.append(f"{name} -> {target}")
+    assert upward == []
+
+
+def test_floors_are_read_right():
+    assert floor_of("pytest_layerparity.noise.perturb") == ("noise", 5)
+    assert floor_of("pytest_layerparity.errors")[1] < floor_of("pytest_layerparity.capture.calls")[1]
+
+
+def test_no_folder_over_a_fifth_of_the_package():
+    lines = {name: len(path.read_text().splitlines()) for name, path in package_modules().items()}
+    total = sum(lines.values())
+    folders: dict[str, int] = {}
+    for name, count in lines.items():
+        if (PACKAGE / name.split(".")[1]).is_dir() if "." in name else False:
+            folders[name.split(".")[1]] = folders.get(name.split(".")[1], 0) + count
+    assert max(folders.values()) > 0
+    big = {folder: f"{count / total:.0%}" for folder, count in folders.items() if count > MAX_FOLDER_SHARE * total}
+    assert big == {}
+
+
+def test_no_name_used_for_two_modules():
+    seen: dict[str, list[str]] = {}
+    for name, path in package_modules().items():
+        if path.name != "__init__.py":
+            seen.setdefault(path.stem, []).append(name)
+    assert {stem: names for stem, names in seen.items() if len(names) > 1} == {}
 
 
 def test_no_class_over_25_methods():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pytest_layerparity.errors import ModelError
 from pytest_layerparity.reference.audit import mixed_dtype_failure
-from pytest_layerparity.reference.model import ModelError
 
 
 class Positions(torch.nn.Module):

@@ -12,8 +12,8 @@ from test_judge import layer_like
 from pytest_layerparity.compare.envelope import Envelope, t_quantile
 from pytest_layerparity.compare.floor import BRANCH_PREFIX, MOVE_PREFIX, branch_directions, branch_moves, floor_stats
 from pytest_layerparity.compare.judge import judge, judge_golden
+from pytest_layerparity.noise.wide_pass import capture_branches
 from pytest_layerparity.options import make_settings
-from pytest_layerparity.reference.floor import capture_branches
 
 
 def branch(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -264,7 +264,7 @@ def test_junit_carries_each_branchs_bias_and_range():
 
 
 def test_a_branch_counts_where_it_is_part_of_the_contribution_and_not_the_output_itself():
-    from pytest_layerparity.reference.floor import contribution_branches
+    from pytest_layerparity.noise.wide_pass import contribution_branches
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 16, generator=g, dtype=torch.float64)
@@ -304,8 +304,8 @@ def test_a_chains_floor_step_gives_the_same_output_without_the_extras():
     and captures nothing beside it; with them, the routers and branches are there."""
     from pathlib import Path
 
-    from pytest_layerparity.reference.floor import FloorEvaluator
-    from pytest_layerparity.reference.source import ModelSource
+    from pytest_layerparity.model.source import ModelSource
+    from pytest_layerparity.noise.wide_pass import FloorEvaluator
     from pytest_layerparity.store.golden import GoldenStore
 
     fixtures = Path(__file__).resolve().parents[2] / "fixtures"
@@ -320,7 +320,7 @@ def test_a_chains_floor_step_gives_the_same_output_without_the_extras():
 
 
 def test_softer_attention_scales_every_attentions_scores_and_no_routers():
-    from pytest_layerparity.reference.directions import SofterAttention
+    from pytest_layerparity.noise.directions import SofterAttention
 
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
@@ -344,9 +344,9 @@ def test_the_floors_pass_finds_the_attention_temperatures_direction_on_prompts_a
     judge), on the prompt and on a decode step, whose appended keys stay the first pass's."""
     from pathlib import Path
 
-    from pytest_layerparity.reference.directions import TEMPERATURE_BRANCH, SofterAttention, temperature_direction
-    from pytest_layerparity.reference.floor import FLOOR_NEW_KEYS, FloorEvaluator
-    from pytest_layerparity.reference.source import ModelSource
+    from pytest_layerparity.model.source import ModelSource
+    from pytest_layerparity.noise.directions import TEMPERATURE_BRANCH, SofterAttention, temperature_direction
+    from pytest_layerparity.noise.wide_pass import FLOOR_NEW_KEYS, FloorEvaluator
     from pytest_layerparity.store.golden import GoldenStore
 
     fixtures = Path(__file__).resolve().parents[2] / "fixtures"
@@ -370,7 +370,7 @@ def test_the_floors_pass_finds_the_attention_temperatures_direction_on_prompts_a
 
 
 def test_raised_norm_epsilon_raises_every_norms_epsilon_in_the_layer_and_puts_it_back():
-    from pytest_layerparity.reference.directions import raised_norm_epsilon
+    from pytest_layerparity.noise.directions import raised_norm_epsilon
 
     class RMSNorm(torch.nn.Module):
         def __init__(self) -> None:
@@ -397,9 +397,9 @@ def test_the_floors_pass_finds_the_norms_epsilon_direction_on_prompts_and_decode
     without norms has none."""
     from pathlib import Path
 
-    from pytest_layerparity.reference.directions import NORM_EPSILON_BRANCH, norm_epsilon_direction
-    from pytest_layerparity.reference.floor import FloorEvaluator
-    from pytest_layerparity.reference.source import ModelSource
+    from pytest_layerparity.model.source import ModelSource
+    from pytest_layerparity.noise.directions import NORM_EPSILON_BRANCH, norm_epsilon_direction
+    from pytest_layerparity.noise.wide_pass import FloorEvaluator
     from pytest_layerparity.store.golden import GoldenStore
 
     fixtures = Path(__file__).resolve().parents[2] / "fixtures"
@@ -431,7 +431,7 @@ def test_other_gelu_form_swaps_each_gelu_and_gives_each_its_forward_back():
     again, and a forward an instance had of its own (a hook's) is the one it gets back."""
     from transformers.activations import ACT2FN
 
-    from pytest_layerparity.reference.directions import other_gelu_form
+    from pytest_layerparity.noise.directions import other_gelu_form
 
     x = torch.linspace(-4, 4, 101, dtype=torch.float64)
     erf, tanh = torch.nn.functional.gelu(x), torch.nn.functional.gelu(x, approximate="tanh")
@@ -460,7 +460,7 @@ def test_the_gelu_form_direction_is_what_reading_the_other_hidden_act_does():
     without GELU has none."""
     from transformers.activations import ACT2FN
 
-    from pytest_layerparity.reference.directions import gelu_form_direction
+    from pytest_layerparity.noise.directions import gelu_form_direction
 
     g = torch.Generator().manual_seed(3)
     up, down = torch.nn.Linear(16, 64).double(), torch.nn.Linear(64, 16).double()

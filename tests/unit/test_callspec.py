@@ -74,7 +74,7 @@ def test_hooks_are_removed_when_the_forward_raises():
 def test_a_layer_run_twice_in_one_capture_is_refused():
     """A recurrent-depth model (transformers' Dory) runs some layers more than once per forward
     pass: a golden holds one call per layer, so the second run is refused, never overwritten."""
-    from pytest_layerparity.reference.model import ModelError
+    from pytest_layerparity.errors import ModelError
 
     layer, pair = Layer(), (torch.ones(1, 2), torch.zeros(1, 2))
     with pytest.raises(ModelError, match="layer 3 ran more than once in one forward pass"):
@@ -375,7 +375,7 @@ def test_a_linear_attention_entry_is_stored_as_its_states_and_replayed_with_copi
 
 
 def test_stacked_runs_of_a_linear_attention_step_take_the_states_of_each_sample():
-    from pytest_layerparity.reference.batching import stacked_call
+    from pytest_layerparity.noise.batching import stacked_call
 
     cache = _linear_cache("LinearAttentionLayer", 0)
     mixer = _LinearMixer(0)

@@ -1,4 +1,4 @@
-"""Bisection to the first diverging layer (target.chains.bisect), against a fake chain."""
+"""Bisection to the first diverging layer (replay.chains.bisect), against a fake chain."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from pytest_layerparity.target.chains import bisect
+from pytest_layerparity.replay.chains import bisect
 
 
 @pytest.mark.parametrize("n", range(1, 18))

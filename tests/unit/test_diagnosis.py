@@ -11,7 +11,7 @@ import torch
 from pytest_layerparity.compare.diagnosis import PARTS, diagnose
 from pytest_layerparity.compare.judge import judge
 from pytest_layerparity.compare.parts import direction_part
-from pytest_layerparity.compare.routing import RoutingAgreement
+from pytest_layerparity.compare.routing_agreement import RoutingAgreement
 from pytest_layerparity.compare.shares import error_shares
 from pytest_layerparity.compare.verdict import Check
 from pytest_layerparity.options import make_settings
@@ -151,9 +151,9 @@ def test_a_wrong_post_attention_norm_weight_reads_as_the_norm_and_a_scaled_mlp_a
     from pathlib import Path
 
     from pytest_layerparity.compare.floor import BRANCH_PREFIX, CAUSE_PREFIX
-    from pytest_layerparity.reference.directions import scaled_output
-    from pytest_layerparity.reference.floor import FloorEvaluator
-    from pytest_layerparity.reference.source import ModelSource
+    from pytest_layerparity.model.source import ModelSource
+    from pytest_layerparity.noise.directions import scaled_output
+    from pytest_layerparity.noise.wide_pass import FloorEvaluator
     from pytest_layerparity.store.golden import GoldenStore
 
     fixtures = Path(__file__).resolve().parents[2] / "fixtures"
@@ -182,7 +182,7 @@ def test_a_wrong_post_attention_norm_weight_reads_as_the_norm_and_a_scaled_mlp_a
 
 
 def test_the_norms_bias_move_is_what_a_dropped_layernorm_bias_does_and_the_bias_is_put_back():
-    from pytest_layerparity.reference.directions import norm_bias_direction, norm_weight_directions
+    from pytest_layerparity.noise.directions import norm_bias_direction, norm_weight_directions
 
     g = torch.Generator().manual_seed(5)
 
@@ -238,7 +238,7 @@ def test_a_post_norm_encoders_nested_attention_gets_a_move_of_its_own_and_redund
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertLayer
 
-    from pytest_layerparity.reference.directions import distinct_moves, inner_attention_directions
+    from pytest_layerparity.noise.directions import distinct_moves, inner_attention_directions
 
     torch.manual_seed(0)
     config = BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0)
@@ -296,9 +296,9 @@ def test_each_heads_part_is_what_dropping_that_head_takes_away_and_it_is_named_w
     from pathlib import Path
 
     from pytest_layerparity.compare.floor import HEADS_KEY
-    from pytest_layerparity.reference.floor import FloorEvaluator
-    from pytest_layerparity.reference.heads import capture_heads, head_parts
-    from pytest_layerparity.reference.source import ModelSource
+    from pytest_layerparity.model.source import ModelSource
+    from pytest_layerparity.noise.heads import capture_heads, head_parts
+    from pytest_layerparity.noise.wide_pass import FloorEvaluator
     from pytest_layerparity.store.golden import GoldenStore
 
     fixtures = Path(__file__).resolve().parents[2] / "fixtures"
@@ -335,7 +335,7 @@ def test_each_heads_part_is_what_dropping_that_head_takes_away_and_it_is_named_w
 
 
 def test_an_attention_with_wider_queries_than_values_is_split_by_its_values_width():
-    from pytest_layerparity.reference.heads import head_parts, output_projection
+    from pytest_layerparity.noise.heads import head_parts, output_projection
 
     attention = torch.nn.Module()
     attention.head_dim, attention.v_head_dim = 24, 16  # queries and keys 24 wide, values 16

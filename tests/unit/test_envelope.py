@@ -1,6 +1,6 @@
 """Table tests of the noise envelope (compare.envelope), the verdict held against it
 (compare.verdict, compare.judge) and the envelope measured from perturbed runs
-(reference.envelope.envelope_from_runs). Hand-made numbers and small tensors; no model."""
+(noise.perturbed_runs.envelope_from_runs). Hand-made numbers and small tensors; no model."""
 
 from __future__ import annotations
 
@@ -18,16 +18,16 @@ from pytest_layerparity.compare.floor import FloorStats
 from pytest_layerparity.compare.judge import judge
 from pytest_layerparity.compare.metrics import Metrics
 from pytest_layerparity.compare.verdict import evaluate
-from pytest_layerparity.options import make_settings
-from pytest_layerparity.reference import envelope as reference_envelope
-from pytest_layerparity.reference.batching import runs_apart
-from pytest_layerparity.reference.envelope import (
+from pytest_layerparity.noise import perturbed_runs as reference_envelope
+from pytest_layerparity.noise.batching import runs_apart
+from pytest_layerparity.noise.perturb import PerturbedArithmetic
+from pytest_layerparity.noise.perturbed_runs import (
     BASE_SEED,
     PerturbedRun,
     PerturbedRunner,
     envelope_from_runs,
 )
-from pytest_layerparity.reference.perturb import PerturbedArithmetic
+from pytest_layerparity.options import make_settings
 from pytest_layerparity.report.properties import properties
 from pytest_layerparity.report.text import failure_text
 
@@ -318,7 +318,7 @@ class _SmallDevice(_Block):
 
 
 def test_on_an_accelerator_every_run_goes_together_or_as_many_as_its_memory_holds(monkeypatch):
-    from pytest_layerparity.reference.batching import samples_per_forward
+    from pytest_layerparity.noise.batching import samples_per_forward
 
     assert samples_per_forward(12, 4096, "cuda:0") == 12  # each op's launches paid once for all
     assert samples_per_forward(12, 4096, "cpu") == 1 and samples_per_forward(12, 32, "cpu") == 12
@@ -461,7 +461,7 @@ def test_a_decode_steps_runs_go_together_their_past_counted_at_a_share():
     from transformers.cache_utils import DynamicCache
 
     from pytest_layerparity.capture.calls import capture_calls
-    from pytest_layerparity.reference.batching import PAST_SHARE, call_tokens, samples_per_forward
+    from pytest_layerparity.noise.batching import PAST_SHARE, call_tokens, samples_per_forward
 
     layer, cache, records = _CachedBlock().bfloat16(), DynamicCache(), {}
     past = torch.randn(1, 1, 512, 16, generator=torch.Generator().manual_seed(3)).bfloat16()

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_layerparity.target.experts import gathered_bytes, lazy_experts
+from pytest_layerparity.replay.experts import gathered_bytes, lazy_experts
 
 MOE = {"hidden_size": 64, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 32}
 

@@ -19,12 +19,12 @@ from pytest_layerparity.backends.neuron import CompiledProgramsBackend, NeuronBa
 from pytest_layerparity.backends.xla import XlaBackend
 from pytest_layerparity.compare.envelope import FLOAT32_SUMS, Envelope
 from pytest_layerparity.compare.judge import judge
+from pytest_layerparity.noise.perturb import PerturbedArithmetic
+from pytest_layerparity.noise.perturbed_runs import PerturbedRunner
 from pytest_layerparity.options import make_settings
-from pytest_layerparity.reference.envelope import PerturbedRunner
-from pytest_layerparity.reference.perturb import PerturbedArithmetic
+from pytest_layerparity.replay.runner import TargetSide
 from pytest_layerparity.report.properties import properties
 from pytest_layerparity.store.golden import GoldenEntry
-from pytest_layerparity.target.runner import TargetSide
 
 
 def envelope(scale: float = 1.0) -> Envelope:

@@ -375,7 +375,7 @@ def test_a_chains_flip_within_the_perturbed_chains_drift_is_a_near_tie():
     """In a chain the router's input has drifted: a flip whose exact margin is beyond four
     times the golden's own rounding of the scores, but within four times what the perturbed
     chains moved them, is a near tie; the drift of a chain that moved no score changes nothing."""
-    from pytest_layerparity.compare.routing import agreement, fold_drift
+    from pytest_layerparity.compare.routing_agreement import agreement, fold_drift
 
     _, ref, output = layer_like(tokens=3, width=8)
     golden = golden_tensors(output, ref)
@@ -397,7 +397,7 @@ def test_a_chains_flip_within_the_perturbed_chains_drift_is_a_near_tie():
 def test_candidates_masked_out_are_no_flip():
     """A causal indexer's early queries have fewer candidates than its top-k: which of the
     masked-out (-inf) ones a top-k takes is no choice at all; a real choice still counts."""
-    from pytest_layerparity.compare.routing import agreement
+    from pytest_layerparity.compare.routing_agreement import agreement
 
     inf = float("-inf")
     scores = torch.tensor([[1.0, inf, inf, inf], [1.0, 2.0, inf, inf], [1.0, 2.0, 3.0, 4.0]])
@@ -590,7 +590,7 @@ def test_floor_stats_of_cuda_tensors_are_taken_there_and_equal_the_cpus(monkeypa
 def test_a_sparse_attention_indexer_is_recorded_one_row_per_query():
     """An ``indexer`` returns only the key positions each query attends to ([batch, queries,
     top-k]); its scores are what it handed to torch.topk."""
-    from pytest_layerparity.capture.routing import capture_routing
+    from pytest_layerparity.capture.router_hooks import capture_routing
 
     class Indexer(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -618,7 +618,7 @@ def test_a_sparse_attention_indexer_is_recorded_one_row_per_query():
 def test_a_call_whose_every_token_routed_apart_on_a_near_tie_is_judged_nothing_and_says_so():
     """A decode step's one token routed to other experts on a near tie: the verdict leaves it
     out, which leaves nothing to judge: the outcome says so rather than passing on nothing."""
-    from pytest_layerparity.compare.routing import RoutingAgreement
+    from pytest_layerparity.compare.routing_agreement import RoutingAgreement
 
     x, ref, golden = layer_like(tokens=1)
     tie = RoutingAgreement("mlp.gate", 1, 0.0, 1, 1, (0,), (0,))
@@ -649,7 +649,7 @@ def test_tokens_whose_golden_experts_differ_from_the_floors_are_found():
     """The floor's exact scores pick other experts than the golden did at token 1 alone (a
     near tie the golden broke the other way); a router whose choice is not the plain top-k of
     its scores (most tokens differ), or a call of one token, names none."""
-    from pytest_layerparity.compare.routing import golden_floor_flips
+    from pytest_layerparity.compare.routing_agreement import golden_floor_flips
 
     floor = torch.tensor([[3.0, 2.0, 0.0, 0.0], [0.0, 1.0, 2.0, 1.0 + 1e-4], [2.0, 0.0, 0.0, 1.0]])
     tensors = {

@@ -254,7 +254,7 @@ def test_the_whole_models_envelope_takes_another_choice_among_equal_top_k_candid
 
 
 def test_the_whole_models_runs_go_together_as_many_as_the_devices_memory_holds(monkeypatch):
-    from pytest_layerparity.reference import batching
+    from pytest_layerparity.noise import batching
     from pytest_layerparity.reference.extract import whole_model_envelope
 
     prompt = torch.arange(1, 9).reshape(1, 8)

@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from pytest_layerparity.reference import perturb, rounding, wider
+from pytest_layerparity.noise import perturb, rounding, wider
+from pytest_layerparity.noise.wider import WiderArithmetic, query_block
 from pytest_layerparity.reference.plan import (
     BRANCH_OUTPUTS,
     FLOOR_OUTPUT,
@@ -29,7 +30,6 @@ from pytest_layerparity.reference.plan import (
     widest_weight,
 )
 from pytest_layerparity.reference.spill import SpilledCalls
-from pytest_layerparity.reference.wider import WiderArithmetic, query_block
 from pytest_layerparity.store.callspec import CallRecord
 from pytest_layerparity.store.golden import all_finite_by_sum, check_finite
 

@@ -1,4 +1,4 @@
-"""Monte Carlo arithmetic (reference.perturb): each mode perturbs what rounds, within the
+"""Monte Carlo arithmetic (noise.perturb): each mode perturbs what rounds, within the
 bounds it promises, leaves exact ops alone and applies an in-place op once."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_layerparity.reference import draws, rounding
-from pytest_layerparity.reference.algorithms import one_pass_var_mean
-from pytest_layerparity.reference.perturb import BLOCKED_SUM_SCALE, PerturbedArithmetic
-from pytest_layerparity.reference.rounding import another_rounding, sequential_sum_error_std, stochastic_round
-from pytest_layerparity.reference.wider import attention_reference, exact_fast_matmul, query_block
+from pytest_layerparity.noise import draws, rounding
+from pytest_layerparity.noise.algorithms import one_pass_var_mean
+from pytest_layerparity.noise.perturb import BLOCKED_SUM_SCALE, PerturbedArithmetic
+from pytest_layerparity.noise.rounding import another_rounding, sequential_sum_error_std, stochastic_round
+from pytest_layerparity.noise.wider import attention_reference, exact_fast_matmul, query_block
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -318,7 +318,7 @@ def test_fused_attention_is_referenced_by_the_math_attention_one_precision_wider
 def test_the_cpu_flash_attention_is_its_own_wider_result(monkeypatch):
     """The CPU flash kernel computes its wider result itself on widened inputs (no math
     attention, no scores held): the perturbation rounds around that result."""
-    from pytest_layerparity.reference import perturb
+    from pytest_layerparity.noise import perturb
 
     def refused(*_):
         raise AssertionError("the math attention was used")
@@ -446,7 +446,7 @@ def test_another_rounding_in_place_draws_what_the_plain_rule_draws(
 def test_wider_arithmetic_widens_a_convolution_that_checks_its_operands_first():
     """A depthwise causal conv1d (Mamba's) on a widened input: the composite checks that its
     input and bias agree before any op runs, so its operands are widened where it is called."""
-    from pytest_layerparity.reference.wider import WiderArithmetic
+    from pytest_layerparity.noise.wider import WiderArithmetic
 
     conv = torch.nn.Conv1d(8, 8, 4, groups=8, padding=3)
     x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -462,7 +462,7 @@ def test_wider_arithmetic_widens_a_convolution_that_checks_its_operands_first():
 def test_wider_arithmetic_makes_a_float_fill_of_the_default_dtype_in_the_wider_one():
     """XGLM masks with ``torch.full((), torch.finfo(weights.dtype).min)``: under the float64
     pass the weights are float64, and float64's min does not fit the float32 default."""
-    from pytest_layerparity.reference.wider import WiderArithmetic
+    from pytest_layerparity.noise.wider import WiderArithmetic
 
     x = torch.randn(3, 4)
     with WiderArithmetic(torch.float64):
@@ -512,7 +512,7 @@ def test_a_sixteen_bit_result_is_its_float32_result_rounded_once():
     perturbation computes anyway (what a kernel that computes in float32 and rounds once
     gives); a float32 op, mixed dtypes, a dtype of the op's own, an in-place or out= variant
     and two results run as they are."""
-    from pytest_layerparity.reference.perturb import _rounded_wide_result
+    from pytest_layerparity.noise.perturb import _rounded_wide_result
 
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
@@ -676,7 +676,7 @@ def test_a_float16_layer_norm_is_computed_in_float16_in_some_runs_alone():
 
 
 def test_layer_norm_in_own_dtype_is_the_layer_norm_within_float16_rounding():
-    from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+    from pytest_layerparity.noise.algorithms import layer_norm_in_own_dtype
 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(16, 32, generator=gen).half()
@@ -692,7 +692,7 @@ def test_layer_norm_in_own_dtype_takes_one_pass_statistics_summed_in_float16():
     """As XLA's batch-norm expansion: on rows whose mean is large against their spread the
     one-pass variance, summed pairwise in float16, cancels: each row's scale error is several
     float16 units (XLA measured 3.8), where a two-pass variance keeps it within one (0.5)."""
-    from pytest_layerparity.reference.algorithms import _pairwise_sum, layer_norm_in_own_dtype
+    from pytest_layerparity.noise.algorithms import _pairwise_sum, layer_norm_in_own_dtype
 
     gen = torch.Generator().manual_seed(2)
     x = (torch.randn(1024, 128, generator=gen, dtype=torch.float64) + 2).half()
@@ -710,7 +710,7 @@ def test_layer_norm_in_own_dtype_keeps_rows_whose_float16_sums_overflow():
     statistics come from wider sums, not a 1/std of 0 that zeroes the row (half the runs of
     such a layer were garbage, and its envelope as wide as garbage); rows within range keep
     their float16 statistics."""
-    from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+    from pytest_layerparity.noise.algorithms import layer_norm_in_own_dtype
 
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(4, 2048, generator=gen)
@@ -730,7 +730,7 @@ def test_layer_norm_in_own_dtype_takes_the_mean_with_one_over_the_width_rounded(
     so the variance comes out that much low on centred rows and every row leans the other way
     by about a quarter unit (torch-xla's float16 LayerNorm of width 768 reads +0.3); a sum
     divided by the width leans by under 0.1."""
-    from pytest_layerparity.reference.algorithms import _windowed_sum, layer_norm_in_own_dtype
+    from pytest_layerparity.noise.algorithms import _windowed_sum, layer_norm_in_own_dtype
 
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2048, 768, generator=gen).half()
@@ -746,8 +746,8 @@ def test_a_float16_reciprocal_square_root_rounds_as_xla_even_in_a_perturbed_run(
     """XLA's float16 rsqrt is a square root and a reciprocal each rounded to float16 (a
     quarter of the inputs one ulp off the correctly rounded result); a perturbed run keeps it
     as it rounds, so rows that share a variance keep its error's sign."""
-    from pytest_layerparity.reference.algorithms import reciprocal_sqrt_rounded_twice
-    from pytest_layerparity.reference.perturb import PerturbedArithmetic
+    from pytest_layerparity.noise.algorithms import reciprocal_sqrt_rounded_twice
+    from pytest_layerparity.noise.perturb import PerturbedArithmetic
 
     bits = torch.arange(0x3C00, 0x4400, dtype=torch.int32).to(torch.int16)  # every float16 in [1, 4)
     x = bits.view(torch.float16)
@@ -763,8 +763,8 @@ def test_a_perturbed_run_keeps_the_float16_norms_statistics_as_xla_rounds_them()
     """Under perturbation the own-dtype layer norm's mean and 1/std are XLA's, the same in
     every run (rows alike then lean alike, as on torch-xla); what follows them is perturbed,
     so the runs' outputs differ."""
-    from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
-    from pytest_layerparity.reference.perturb import PerturbedArithmetic
+    from pytest_layerparity.noise.algorithms import layer_norm_in_own_dtype
+    from pytest_layerparity.noise.perturb import PerturbedArithmetic
 
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(64, 512, generator=gen).half()
@@ -782,7 +782,7 @@ def test_layer_norm_in_own_dtype_leans_by_the_scale_it_is_given():
     """A lean far under one float16 ulp still moves the rows' mean scale by itself: each
     normalised value is scaled before it is rounded, so over many values the roundings carry
     it; without a lean the emulation leans by less than 0.05 units."""
-    from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+    from pytest_layerparity.noise.algorithms import layer_norm_in_own_dtype
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4096, 64, generator=gen).half()
@@ -800,7 +800,7 @@ def test_a_float16_layer_norm_in_its_own_dtype_leans_one_way_per_run():
     """The runs that compute a float16 layer norm in float16 each lean by one scale drawn for
     the run (a backend lowers every norm one way), within OWN_DTYPE_NORM_LEAN units; the runs
     differ."""
-    from pytest_layerparity.reference.algorithms import OWN_DTYPE_NORM_LEAN
+    from pytest_layerparity.noise.algorithms import OWN_DTYPE_NORM_LEAN
 
     mode = _AlwaysOther(seed=5, samples=4)
     x = torch.zeros(8, 3, 16, dtype=torch.float16)
@@ -824,7 +824,7 @@ def test_a_bfloat16_layer_norm_in_its_own_dtype_rounds_three_times_on_float32_st
     """As XLA's lowering: the normalised values from float32 statistics, the scaled ones and
     the shifted ones each rounded to bfloat16 (torch-xla errs 1.7-1.9 times eager there); a
     run that takes it errs more than one that takes the decomposition (rounded once)."""
-    from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+    from pytest_layerparity.noise.algorithms import layer_norm_in_own_dtype
 
     gen = torch.Generator().manual_seed(8)
     x = (2 * torch.randn(256, 512, generator=gen)).bfloat16()
@@ -950,7 +950,7 @@ def test_keyed_draws_of_one_run_follow_the_value():
     """A run alone draws the same at every element holding one value, whole or in blocks, and
     the first of two stacked runs draws as it does alone (its run index is 0); the second
     draws otherwise."""
-    from pytest_layerparity.reference.functions import keyed_halves
+    from pytest_layerparity.noise.functions import keyed_halves
 
     x = torch.randn(4, 250, generator=torch.Generator().manual_seed(11)).bfloat16()
     x[1] = x[0]
@@ -965,7 +965,7 @@ def test_keyed_draws_of_one_run_follow_the_value():
 def test_keyed_draws_are_the_same_drawn_in_blocks(monkeypatch):
     """A pointwise op's draws keyed by value are the same whether its result is rounded whole
     or in blocks (the CPU's blocks keep the temporaries small), for stacked runs too."""
-    from pytest_layerparity.reference.functions import keyed_halves
+    from pytest_layerparity.noise.functions import keyed_halves
 
     x = torch.randn(4, 250, generator=torch.Generator().manual_seed(10)).bfloat16()
     whole = keyed_halves(x, "gelu", 3, samples=2)
@@ -1002,7 +1002,7 @@ def test_half_the_runs_of_a_sixteen_bit_attention_compute_it_as_eager_attention(
     attention as transformers' eager attention does, scores and probabilities rounded to nearest
     in bfloat16, unperturbed: those runs' rows are eager attention's, bit for bit, and the
     others' error against the exact attention is several times smaller."""
-    from pytest_layerparity.reference.algorithms import eager_attention
+    from pytest_layerparity.noise.algorithms import eager_attention
 
     runs = 8
     q, k, v = _sharp_attention(runs, torch.bfloat16, kv_heads=kv_heads)
@@ -1025,7 +1025,7 @@ def test_an_eager_attention_that_overflows_keeps_the_fused_result():
     """float16 scores past 65504 are no rounding: those runs keep the fused kernel's output."""
     runs = 4
     q, k, v = _sharp_attention(runs, torch.float16, size=100.0, kv_heads=4)
-    from pytest_layerparity.reference.algorithms import eager_attention
+    from pytest_layerparity.noise.algorithms import eager_attention
 
     with PerturbedArithmetic(1000, samples=runs) as run:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)

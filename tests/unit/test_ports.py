@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pytest_layerparity.compare.judge import paired_routers
+from pytest_layerparity.model.build import transformers_4_names
 from pytest_layerparity.ports import standins
-from pytest_layerparity.reference.model import transformers_4_names
 
 
 def test_placeholders_import_subclass_and_decorate_but_refuse_tensors():

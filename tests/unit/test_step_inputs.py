@@ -1,4 +1,4 @@
-"""Decode steps feed a model what transformers' generate feeds it (target.model.step_input_ids):
+"""Decode steps feed a model what transformers' generate feeds it (model.steps.step_input_ids):
 the new token to most models, the whole sequence to one whose forward slices the cached part off
 itself (CPM-Ant)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_layerparity.target.model import hf_step, step_input_ids, teacher_forced
+from pytest_layerparity.model.steps import hf_step, step_input_ids, teacher_forced
 
 
 def _tiny(model_type: str) -> torch.nn.Module:

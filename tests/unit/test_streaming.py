@@ -1,4 +1,4 @@
-"""Layer streaming (reference.streaming): the embedding reads only the rows of the tokens it
+"""Layer streaming (model.streaming): the embedding reads only the rows of the tokens it
 is called with, the head reads its weight a block of rows at a time, and the streamed forward
 computes what the whole model computes, bit for bit, on the embedded model as committed (what
 needs a checkpoint written for it: e2e/test_streaming_checkpoints.py)."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_layerparity.reference import streaming
-from pytest_layerparity.reference.checkpoint import Checkpoint
-from pytest_layerparity.reference.source import ModelSource
+from pytest_layerparity.model import streaming
+from pytest_layerparity.model.checkpoint import Checkpoint
+from pytest_layerparity.model.source import ModelSource
 from pytest_layerparity.reference.spill import mapped_empty
 
 MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "minimax_m2_tiny"

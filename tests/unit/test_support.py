@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_layerparity.reference.model import ModelError
+from pytest_layerparity.errors import ModelError
 from pytest_layerparity.reference.support import check_decode_cache
 
 
@@ -254,8 +254,8 @@ def test_a_soft_capped_attention_runs_eager_so_that_the_capping_is_computed(tmp_
     soft-capping out: the reference and the target's own layers would compute another model."""
     import torch
 
-    from pytest_layerparity.reference.model import capped_attention, load_hf_config, model_class_for
-    from pytest_layerparity.reference.source import ModelSource
+    from pytest_layerparity.model.build import capped_attention, load_hf_config, model_class_for
+    from pytest_layerparity.model.source import ModelSource
 
     source = ModelSource(_gemma2(tmp_path / "capped", 5.0))
     assert source.hf_config._attn_implementation == "eager"

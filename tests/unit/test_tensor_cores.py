@@ -1,5 +1,5 @@
 """The float32 attention of tensor-core kernels that half the perturbed runs take
-(reference/tensor_cores.py)."""
+(noise/tensor_cores.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytest_layerparity.reference.algorithms import eager_attention
-from pytest_layerparity.reference.perturb import PerturbedArithmetic
-from pytest_layerparity.reference.tensor_cores import (
+from pytest_layerparity.noise.algorithms import eager_attention
+from pytest_layerparity.noise.perturb import PerturbedArithmetic
+from pytest_layerparity.noise.tensor_cores import (
     FULL_LEAN_KEYS,
     LEAN_FROM_KEYS,
     LEAN_ULPS,

@@ -10,9 +10,9 @@ from transformers import LlamaConfig, MixtralConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
 
-from pytest_layerparity.reference.perturb import PerturbedArithmetic
-from pytest_layerparity.reference.tokens import block_rows, in_token_blocks, per_token_children
-from pytest_layerparity.reference.wider import WiderArithmetic
+from pytest_layerparity.noise.perturb import PerturbedArithmetic
+from pytest_layerparity.noise.tokens import block_rows, in_token_blocks, per_token_children
+from pytest_layerparity.noise.wider import WiderArithmetic
 
 CONFIG = {
     "hidden_size": 32,

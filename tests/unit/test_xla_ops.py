@@ -170,7 +170,7 @@ def test_the_envelopes_float16_layer_norm_is_torch_xlas_where_its_order_is_known
     done = _run(
         """
         import torch, torch_xla
-        from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+        from pytest_layerparity.noise.algorithms import layer_norm_in_own_dtype
 
         device = torch_xla.device()
         g = torch.Generator().manual_seed(0)
@@ -196,7 +196,7 @@ def test_the_envelopes_bfloat16_layer_norm_is_torch_xlas_with_its_three_rounding
     done = _run(
         """
         import torch, torch_xla
-        from pytest_layerparity.reference.algorithms import layer_norm_in_own_dtype
+        from pytest_layerparity.noise.algorithms import layer_norm_in_own_dtype
 
         device = torch_xla.device()
         g = torch.Generator().manual_seed(0)

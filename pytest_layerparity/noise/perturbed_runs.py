@@ -1,5 +1,5 @@
 """The noise envelope, measured: a layer run K times in the golden's dtype under Monte Carlo
-arithmetic (``reference.perturb``), each run's statistics against the golden and the
+arithmetic (``noise.perturb``), each run's statistics against the golden and the
 precision floor taken as one legitimate sample (``compare.envelope``). Extraction stores
 the envelope with each golden; chained runs measure one along the chain.
 
@@ -14,10 +14,14 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from ..capture.routing import capture_routing
+from ..capture.router_hooks import capture_routing
 from ..compare.envelope import FLOAT32_SUMS, Envelope
 from ..compare.floor import FloorStats, branch_directions, floor_stats, statistics_device, token_mask
-from ..compare.routing import agreement, golden_floor_flips, router_names
+from ..compare.routing_agreement import agreement, golden_floor_flips, router_names
+from ..model.build import eager_experts_skeleton
+from ..model.checkpoint import load_layer
+from ..model.memory import give_back_memory
+from ..model.source import ModelSource
 from ..report.progress import SILENT, Progress
 from ..store.callspec import (
     appended_kv,
@@ -28,11 +32,7 @@ from ..store.callspec import (
     replace_hidden_input,
 )
 from .batching import call_tokens, in_batches, runs_apart, samples_per_forward, stacked_call
-from .checkpoint import load_layer
-from .memory import give_back_memory
-from .model import eager_experts_skeleton
 from .perturb import SIXTEEN_BIT_ACCUMULATION, PerturbedArithmetic
-from .source import ModelSource
 from .tokens import in_token_blocks
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
-from ..capture.routing import capture_routing
+from ..capture.router_hooks import capture_routing
 from ..compare.floor import FLOOR_KEY, branch_directions
 from ..compare.judge import LayerOutcome, judge_golden
 from ..report.progress import SILENT, Progress
@@ -35,11 +35,11 @@ if TYPE_CHECKING:
     from ..backends.base import Backend
     from ..compare.envelope import Envelope
     from ..compare.logits import ModelOutcome
+    from ..model.source import ModelSource
+    from ..noise.perturbed_runs import PerturbedRunner
+    from ..noise.wide_pass import FloorEvaluator
     from ..options import Settings
     from ..ports.nxdi import NxdiPort
-    from ..reference.envelope import PerturbedRunner
-    from ..reference.floor import FloorEvaluator
-    from ..reference.source import ModelSource
 
 BuildHook = Callable[..., Any]
 #: The fewest perturbed chains without an upstream routing flip that make an envelope of
@@ -251,7 +251,7 @@ class TargetSide:
 
         from ..compare.judge import tie_tolerance
         from ..compare.logits import ModelEnvelope, judge_logits
-        from .model import default_target_model, teacher_forced
+        from ..model.steps import default_target_model, teacher_forced
 
         device = self.backend.device
         step = None
@@ -337,8 +337,8 @@ class TargetSide:
         perturbed chains' drift of them) leaves the statistics of the later layers too (in
         the target and in each perturbed chain alike): what follows a legitimate flip is
         legitimate."""
-        from ..compare.routing import fold_drift
-        from ..reference.envelope import envelope_from_runs, flipped_tokens
+        from ..compare.routing_agreement import fold_drift
+        from ..noise.perturbed_runs import envelope_from_runs, flipped_tokens
 
         indices = layers.layers() if isinstance(layers, LayerRange) else list(layers)
         outcomes = []

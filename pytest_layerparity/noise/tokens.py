@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..capture.routing import looks_like_router
+from ..capture.router_hooks import looks_like_router
 
 #: Elements of the widest intermediate of one block of tokens (float32: 4 MiB): a block has
 #: ``TOKEN_BLOCK_ELEMENTS // widest output`` tokens.

@@ -15,9 +15,13 @@ from contextlib import ExitStack, contextmanager
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from ..capture.routing import capture_routing, floor_routing
+from ..capture.router_hooks import capture_routing, floor_routing
 from ..compare.floor import BRANCH_PREFIX, CAUSE_PREFIX, HEADS_KEY, MOVE_PREFIX, SIGHT_PREFIX, STEP_PREFIX
 from ..compare.parts import direction_part
+from ..model.build import eager_experts_skeleton
+from ..model.checkpoint import load_layer
+from ..model.memory import give_back_memory
+from ..model.source import ModelSource
 from ..store.callspec import (
     appended_kv,
     cache_argument,
@@ -26,10 +30,6 @@ from ..store.callspec import (
     hidden_input_name,
     replace_hidden_input,
 )
-from .checkpoint import load_layer
-from .memory import give_back_memory
-from .model import eager_experts_skeleton
-from .source import ModelSource
 
 if TYPE_CHECKING:
     import torch

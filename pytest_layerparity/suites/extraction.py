@@ -9,8 +9,8 @@ CASES = "layers"
 
 def test_extract_golden(layerparity_case, layerparity_session, layerparity_record, request):
     """Run the reference and write this layer's golden (its whole call and its output)."""
+    from ..errors import ModelError
     from ..reference.extract import UncalledLayer
-    from ..reference.model import ModelError
     from ..reference.overflow import ReferenceOverflow
     from ..selection import layer_key
     from ..store.golden import GoldenError

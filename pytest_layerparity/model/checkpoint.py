@@ -17,9 +17,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ModelError
 from ..store.tensorfile import SAFETENSORS_ITEMSIZE, SAFETENSORS_TORCH_DTYPE
 from .memory import give_back_memory, release_large_frees
-from .model import ModelError
 
 if TYPE_CHECKING:
     import torch

@@ -15,6 +15,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ModelError
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedModel
@@ -37,10 +39,6 @@ LAYER_LIST_CANDIDATES = (
 )
 _LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "torch_dtype", "dtype")
-
-
-class ModelError(Exception):
-    """The model folder cannot be used as given; the message says what to fix."""
 
 
 def read_config_json(model_dir: str | Path) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..reference.model import hidden_size_from_config, read_config_json
+from ..model.build import hidden_size_from_config, read_config_json
 from ..reference.plan import itemsize, mlp_sizes
 from ..reference.plan_text import gb
 

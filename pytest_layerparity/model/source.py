@@ -8,9 +8,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import Checkpoint, load_layer
-from .fingerprint import layer_fingerprint
-from .model import (
+from .build import (
     ModelError,
     build_skeleton,
     capped_attention,
@@ -23,6 +21,8 @@ from .model import (
     module_lists,
     read_config_json,
 )
+from .checkpoint import Checkpoint, load_layer
+from .fingerprint import layer_fingerprint
 
 if TYPE_CHECKING:
     import torch

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ..reference.source import ModelSource
+    from .source import ModelSource
 
 StepFn = Callable[[Any, Any], tuple[Any, Any]]
 
@@ -114,7 +114,7 @@ def default_target_model(
     minutes to compile on torch-xla's CPU device."""
     from transformers.utils import logging as hf_logging
 
-    from ..reference.model import model_class_for, own_config
+    from .build import model_class_for, own_config
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -153,7 +153,7 @@ def cut_graphs_at_layers(layers: torch.nn.ModuleList, sync: Callable[[], None], 
     then the sync)."""
     from contextlib import ExitStack
 
-    from ..capture.routing import capture_routing
+    from ..capture.router_hooks import capture_routing
 
     layers[0].register_forward_pre_hook(lambda *_: sync())
     open_captures: dict[int, ExitStack] = {}

@@ -52,7 +52,7 @@ def test_model_parity(layerparity_session, layerparity_record):
     ):
         layerparity_record(name, value)
     if not outcome.passed:
-        from ..target.control import model_control_note, recorded
+        from .control import model_control_note, recorded
 
         text = describe_model_outcome(outcome, f"on {session.backend.describe()}")
         control = recorded(layerparity_record, model_control_note(session, session.load_golden(MODEL_LOGITS_KEY)))

@@ -1,3 +1,3 @@
-"""Stage 3, the target side: build the layer under test and run it on the target device
+"""The target side: build the layer under test and run it on the target device
 (:mod:`.runner`), chains and bisection (:mod:`.chains`), the op-by-op drill-down into a
 failing layer (:mod:`.op_compare`)."""

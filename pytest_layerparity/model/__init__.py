@@ -1,0 +1,1 @@
+"""Loading the model: its config, weightless skeleton, checkpoint, streaming and step functions."""
