@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "pytest_layerparity"
 MAX_METHODS = 25
 MAX_README_LINES = 400
+MAX_BENCH_README_LINES = 400
 MAX_LINES = 400
 #: How a module's docstring says why it is longer than MAX_LINES: a line that starts with it.
 LONG_BECAUSE = "Long because"
@@ -226,6 +227,14 @@ def test_heading_anchors_are_githubs(tmp_path):
 def test_readme_stays_short():
     lines = (ROOT / "README.md").read_text().count("\n")
     assert lines <= MAX_README_LINES, f"README.md has {lines} lines (at most {MAX_README_LINES}): move detail to docs/"
+
+
+def test_bench_readme_stays_short():
+    lines = (ROOT / "bench" / "README.md").read_text().count("\n")
+    assert lines <= MAX_BENCH_README_LINES, (
+        f"bench/README.md has {lines} lines (at most {MAX_BENCH_README_LINES}): each bench's latest figures only; "
+        "earlier runs live in git, result rows in bench/results/"
+    )
 
 
 def test_every_relative_link_of_the_docs_resolves():
