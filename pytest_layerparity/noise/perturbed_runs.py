@@ -23,14 +23,8 @@ from ..model.checkpoint import load_layer
 from ..model.memory import give_back_memory
 from ..model.source import ModelSource
 from ..report.progress import SILENT, Progress
-from ..store.callspec import (
-    appended_kv,
-    cache_argument,
-    decode_call,
-    first_tensor,
-    hidden_input_name,
-    replace_hidden_input,
-)
+from ..store.callspec import cache_argument, decode_call, first_tensor, hidden_input_name, replace_hidden_input
+from ..store.kv_updates import appended_kv
 from .batching import call_tokens, in_batches, runs_apart, samples_per_forward, stacked_call
 from .perturb import SIXTEEN_BIT_ACCUMULATION, PerturbedArithmetic
 from .tokens import in_token_blocks

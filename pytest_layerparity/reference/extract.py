@@ -33,7 +33,6 @@ from ..selection import decode_key, layer_key
 from ..store import promptkv
 from ..store.callspec import (
     CallRecord,
-    UnstorableCache,
     cache_argument,
     decode_call,
     hidden_input_name,
@@ -51,6 +50,7 @@ from ..store.golden import (
     all_finite_by_sum,
 )
 from ..store.identity import EXTRACTION_KEYS, recorded_weights
+from ..store.kv_cache import UnstorableCache
 from .audit import dtype_audit, mixed_dtype_failure
 from .inputs import input_description, make_input_ids, stored_input_shape
 from .overflow import Measured, Overflow, OverflowWatch, ReferenceOverflow, StopForward, output_overflow, overflow_text
