@@ -31,12 +31,12 @@ from ..store.callspec import (
     hidden_input_name,
     primary_output_name,
 )
+from ..store.finite import all_finite_by_sum
 from ..store.golden import (
     MODEL_IO_KEY,
     MODEL_LOGITS_KEY,
     GoldenEntry,
     GoldenError,
-    all_finite_by_sum,
 )
 from ..store.identity import EXTRACTION_KEYS
 from .decode_steps import prompt_kv_unknown, record_decode_steps

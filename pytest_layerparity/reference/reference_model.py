@@ -22,12 +22,12 @@ from ..noise.wide_pass import FloorEvaluator
 from ..report.progress import SILENT, Progress
 from ..selection import layer_key
 from ..store.differences import describe_differences
+from ..store.finite import all_finite_by_sum
 from ..store.golden import (
     MODEL_IO_KEY,
     UNCALLED_KEY,
     GoldenError,
     GoldenStore,
-    all_finite_by_sum,
 )
 from ..store.identity import EXTRACTION_KEYS, recorded_weights
 from .audit import dtype_audit, mixed_dtype_failure
