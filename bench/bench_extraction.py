@@ -190,9 +190,10 @@ def main() -> None:
     if args.ieee_matmul:
         import contextlib
 
-        from pytest_layerparity.noise import perturb
+        from pytest_layerparity.noise import lowerings, perturb
 
         perturb.exact_fast_matmul = lambda *_: contextlib.nullcontext()
+        lowerings.exact_fast_matmul = perturb.exact_fast_matmul
     from tiny_models import make
 
     work = work_folder("bench-extract-")

@@ -41,7 +41,7 @@ BASE_SEED = 1000
 #: verifies). 2: half the runs' fused float32 attention leaning toward zero (.tensor_cores);
 #: 3: that lean growing with the keys a query sees; 4: a 16-bit result rounded stochastically
 #: from halfway to the reference's result (``perturb.SIXTEEN_BIT_PULL``); 5: half the runs' float32
-#: matmuls lowered as XLA's CPU backend does (``perturb.SEQUENTIAL_SUMS``); 6: the ratios on errors
+#: matmuls lowered as XLA's CPU backend does (``lowerings.SEQUENTIAL_SUMS``); 6: the ratios on errors
 #: weighed element by element (``compare.floor.element_sizes``); 7: half the runs' 16-bit fused
 #: attention computed as eager attention (``algorithms.eager_attention``); 8: that eager
 #: attention rounded to nearest, not perturbed.
