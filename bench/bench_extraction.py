@@ -55,7 +55,7 @@ settings = make_settings
 PHASES = (
     ("the precision floor's passes", "pytest_layerparity.noise.wide_pass", "FloorEvaluator", "evaluate"),
     ("the layers' envelopes (K runs a call)", "pytest_layerparity.noise.perturbed_runs", "PerturbedRunner", "envelope"),
-    ("the whole model's envelope", "pytest_layerparity.reference.extract", None, "whole_model_envelope"),
+    ("the whole model's envelope", "pytest_layerparity.reference.model_golden", None, "whole_model_envelope"),
 )
 
 
@@ -175,9 +175,9 @@ def main() -> None:
             *args, **(kwargs or {})
         )
     if args.model_runs is not None:
-        from pytest_layerparity.reference import extract
+        from pytest_layerparity.reference import model_golden
 
-        extract.model_envelope_samples = lambda _samples: args.model_runs
+        model_golden.model_envelope_samples = lambda _samples: args.model_runs
     if args.one_at_a_time:
         from pytest_layerparity.noise import batching
         from pytest_layerparity.noise import perturbed_runs as envelope
@@ -190,9 +190,10 @@ def main() -> None:
     if args.ieee_matmul:
         import contextlib
 
-        from pytest_layerparity.noise import perturb
+        from pytest_layerparity.noise import lowerings, perturb
 
         perturb.exact_fast_matmul = lambda *_: contextlib.nullcontext()
+        lowerings.exact_fast_matmul = perturb.exact_fast_matmul
     from tiny_models import make
 
     work = work_folder("bench-extract-")

@@ -35,7 +35,7 @@ from scratch import work_folder
 
 from pytest_layerparity.compare import logits as logits_module
 from pytest_layerparity.compare.logits import ModelEnvelope
-from pytest_layerparity.reference import extract as reference_extract
+from pytest_layerparity.reference import model_golden as reference_model_golden
 from pytest_layerparity.store.golden import MODEL_LOGITS_KEY, GoldenStore
 
 #: Each layer's perturbed runs in the bench's extractions: the plugin's default. The whole
@@ -130,7 +130,7 @@ def embedded_seeds(ks: list[int], seeds: int) -> None:
     from pytest_layerparity.compare.logits import judge_logits
     from pytest_layerparity.model.steps import hf_step, teacher_forced
     from pytest_layerparity.noise import perturbed_runs as reference_envelope
-    from pytest_layerparity.reference.extract import whole_model_envelope
+    from pytest_layerparity.reference.model_golden import whole_model_envelope
 
     model_dir = ROOT / "fixtures" / "minimax_m2_tiny"
     golden = GoldenStore(ROOT / "fixtures" / "goldens" / "minimax_m2_tiny").load(MODEL_LOGITS_KEY).tensors
@@ -185,7 +185,7 @@ def main() -> None:
     if args.embedded_seeds:
         embedded_seeds(ks, args.embedded_seeds)
         return
-    reference_extract.model_envelope_samples = lambda _samples: max(ks)
+    reference_model_golden.model_envelope_samples = lambda _samples: max(ks)
     work = work_folder("model-k-")
     started = time.time()
     both = [(k, variant) for variant in VARIANTS for k in ks]

@@ -8,14 +8,9 @@ from typing import Any
 
 import torch
 
-from ..store.callspec import (
-    CacheSnapshot,
-    CallRecord,
-    encode_call,
-    encode_output,
-    record_cache_entries,
-    record_cache_update,
-)
+from ..store.callspec import CallRecord, encode_call, encode_output
+from ..store.kv_nodes import CacheSnapshot, record_cache_entries
+from ..store.kv_updates import record_cache_update
 
 
 @contextmanager

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .metrics import STATISTICS_DEVICES
+from .chunks import STATISTICS_DEVICES
 
 #: A golden stores the precision floor of its tensor ``X`` (the layer evaluated in higher
 #: precision) as ``floor.X``: the output, the routers' scores, a decode step's appended keys
@@ -235,7 +235,7 @@ def element_sizes(ref: torch.Tensor) -> torch.Tensor:
 
 def statistics_device(*devices: torch.device | str) -> torch.device:
     """Where the float64 statistics of tensors on ``devices`` are computed: the first of them
-    that is an accelerator of ``metrics.STATISTICS_DEVICES`` (a GPU's float64 sums are fast,
+    that is an accelerator of ``chunks.STATISTICS_DEVICES`` (a GPU's float64 sums are fast,
     and its tensors need not cross to the host: on an H200 the host's sums were half of an
     envelope's time), else the CPU."""
     for device in map(torch.device, devices):

@@ -29,18 +29,23 @@ sums of both of its tensors are finite (any NaN or Inf makes a float64 sum non-f
 the NaN/Inf bookkeeping costs nothing on clean data: only the chunks whose sums are not
 finite are revisited with masks.
 
-Long because every metric here comes from the same chunked float64 passes (:class:`_Chunks`).
+The chunks and their buffers are :mod:`.chunks`'; the Pearson correlation :mod:`.pearson`'s,
+the noise ratio :mod:`.noise_ratio`'s and :func:`min_passing_tolerance` :mod:`.tolerance`'s.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
 
 import torch
+
+from .chunk_sums import ChunkStats, Totals, chunk_stats
+from .chunks import Chunks, as_tensor, check_shapes, to_host
+from .noise_ratio import noise_ratio, noise_ratio_of, noise_sums
+from .pearson import clamp_unit, pearson
+from .tolerance import min_passing_tolerance
 
 __all__ = [
     "METRIC_NAMES",
@@ -50,6 +55,7 @@ __all__ = [
     "noise_ratio",
 ]
 
+
 METRIC_NAMES: tuple[str, ...] = (
     "max_abs_diff",
     "mean_abs_diff",
@@ -57,26 +63,6 @@ METRIC_NAMES: tuple[str, ...] = (
     "cosine_similarity",
     "pearson_correlation",
 )
-
-#: The ``tiny`` of ``max_rel_diff = max |t-g| / (|g| + tiny)``: the smallest normal float64.
-#: For bf16/fp16/fp32/integer goldens ``|g| + tiny == |g|`` exactly whenever ``g != 0``.
-REL_TINY: float = float(torch.finfo(torch.float64).tiny)
-
-# Default chunk lengths (elements). CPU: five float64 buffers of 256 Ki elements (10 MiB)
-# stay in the L3 cache while keeping the per-op overhead (~20 ops a chunk) small; measured
-# best on 2 cores (128 Ki: ~5% slower, 512 Ki: ~10% slower, 64 Ki: ~30% slower).
-_CPU_CHUNK = 1 << 18
-# GPU: five float64 buffers of 1 Mi elements is 40 MiB, few kernel launches.
-_GPU_CHUNK = 1 << 20
-
-#: Devices whose tensors' float64 statistics are computed where they are (here chunk by
-#: chunk, and ``floor.statistics_device``'s); any other device's go to the CPU (an XLA device
-#: would compile a graph per chunk; MPS has no float64).
-STATISTICS_DEVICES = ("cpu", "cuda")
-
-# The one-pass Pearson formula is used only when its worst-case relative error is far
-# below 1e-9; see _pearson_needs_two_pass.
-_PEARSON_COND_LIMIT = 1e2
 
 
 @dataclass(frozen=True)
@@ -113,222 +99,12 @@ class Metrics:
         return bool(self.golden_nan or self.golden_inf or self.target_nan or self.target_inf)
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def _as_tensor(x: Any, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        x = torch.as_tensor(x)
-    if x.is_complex():
-        raise TypeError(f"{name}: complex tensors are not supported (dtype {x.dtype})")
-    return x.detach()
-
-
-def _check_shapes(golden: torch.Tensor, other: torch.Tensor, name: str) -> None:
-    if tuple(golden.shape) != tuple(other.shape):
-        raise ValueError(
-            f"shape mismatch: golden has shape {tuple(golden.shape)}, {name} has shape {tuple(other.shape)}"
-        )
-
-
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     idx = []
     for size in reversed(shape):
         idx.append(flat % size)
         flat //= size
     return tuple(reversed(idx))
-
-
-# CPU chunk buffers are kept (one block per thread, up to _CACHED_BLOCK_MAX float64) and
-# reused across calls: writing into freshly mapped memory page-faults, and on a 1M-element
-# comparison that first touch of ~12 MiB cost more (~3 ms) than the arithmetic (~2 ms).
-# CUDA needs no such cache: torch's caching allocator already reuses device memory.
-_CACHED_BLOCK_MAX = 8 * _CPU_CHUNK
-_local = threading.local()
-
-
-def _take_block(device: torch.device, numel: int) -> torch.Tensor:
-    if device.type == "cpu" and numel <= _CACHED_BLOCK_MAX:
-        block = getattr(_local, "block", None)
-        _local.block = None  # in use: a nested call would allocate its own
-        if block is not None and block.numel() >= numel:
-            return block
-        return torch.empty(numel, dtype=torch.float64)
-    return torch.empty(numel, dtype=torch.float64, device=device)
-
-
-def _give_back_block(device: torch.device, block: torch.Tensor | None) -> None:
-    if block is None or device.type != "cpu" or block.numel() > _CACHED_BLOCK_MAX:
-        return
-    current = getattr(_local, "block", None)
-    if current is None or current.numel() < block.numel():
-        _local.block = block
-
-
-class _Chunks:
-    """Flat views of the inputs and float64 chunk buffers on golden's device.
-
-    golden and target of a chunk are widened into the two rows of one (2, chunk) buffer,
-    so that both sums are one reduction; a floor goes to a buffer of its own.
-    """
-
-    def __init__(self, tensors: list[torch.Tensor], chunk_elements: int | None, nscratch: int):
-        # Compute where golden lives when that is the CPU or a CUDA device. Other devices
-        # (XLA and other lazy or float64-less backends) are brought to the CPU whole, once:
-        # slicing them chunk by chunk would run (and on XLA compile) one graph per chunk.
-        tensors = [t if t.device.type in STATISTICS_DEVICES else t.cpu() for t in tensors]
-        self.device = tensors[0].device
-        self.flat = [t.reshape(-1) for t in tensors]
-        self.numel = self.flat[0].numel()
-        if chunk_elements is None:
-            chunk_elements = _CPU_CHUNK if self.device.type == "cpu" else _GPU_CHUNK
-        chunk_elements = int(chunk_elements)
-        if chunk_elements <= 0:
-            raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
-        self.chunk = max(1, min(chunk_elements, self.numel))
-        self.nchunks = -(-self.numel // self.chunk) if self.numel else 0
-        nrows = len(self.flat) + nscratch
-        self._block = _take_block(self.device, nrows * self.chunk)
-        rows = self._block[: nrows * self.chunk].view(nrows, self.chunk)
-        self.pair = rows[:2]
-        self.extra = list(rows[2 : len(self.flat)])
-        self.scratch = list(rows[len(self.flat) :])
-
-    def __enter__(self) -> _Chunks:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _give_back_block(self.device, self._block)
-        self._block = None
-
-    def bounds(self, i: int) -> tuple[int, int]:
-        s = i * self.chunk
-        return s, min(self.numel, s + self.chunk)
-
-    def load(self, i: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Chunk ``i`` in float64: the (2, m) golden/target pair and the other inputs."""
-        s, e = self.bounds(i)
-        pair = self.pair[:, : e - s]
-        pair[0].copy_(self.flat[0][s:e])
-        pair[1].copy_(self.flat[1][s:e])
-        rest = []
-        for f, buf in zip(self.flat[2:], self.extra, strict=False):
-            v = buf[: e - s]
-            v.copy_(f[s:e])
-            rest.append(v)
-        return pair, rest
-
-    def scratch_for(self, m: int) -> list[torch.Tensor]:
-        return [b[:m] for b in self.scratch]
-
-
-class _ChunkStats(NamedTuple):
-    """One chunk's float64 sums and maxima over its all-finite pairs, on the host: what
-    :func:`_chunk_stats` computes, in this order."""
-
-    sum_g: float
-    sum_t: float
-    sum_gg: float
-    sum_tt: float
-    sum_gt: float
-    sum_abs_diff: float
-    max_abs_diff: float
-    max_rel_diff: float
-    outside: float  # pairs outside the similarity tolerance
-
-
-def _chunk_stats(pair, d, a, b, atol: float, rtol: float) -> list[torch.Tensor]:
-    """float64 sums and maxima over one chunk of all-finite pairs (0-d tensors, no sync), in
-    the order of :class:`_ChunkStats`.
-
-    ``pair``: (2, m) float64, golden in row 0, target in row 1; d, a, b: scratch of m.
-    """
-    g, t = pair[0], pair[1]
-    out = list(pair.sum(1).unbind())
-    out += [torch.dot(g, g), torch.dot(t, t), torch.dot(g, t)]
-    torch.sub(t, g, out=d)
-    d.abs_()  # |t - g|, bitwise what (t.double() - g.double()).abs() gives
-    out.append(d.sum())
-    out.append(d.amax())
-    torch.abs(g, out=a)
-    torch.add(a, REL_TINY, out=b)
-    torch.div(d, b, out=b)
-    out.append(b.amax())  # max relative difference
-    a.mul_(rtol).add_(atol)  # tolerance: atol + rtol * |g|, same rounding as isclose
-    torch.gt(d, a, out=b)  # 1.0 where outside the tolerance
-    out.append(b.sum())
-    return out
-
-
-class _CentredStats(NamedTuple):
-    """One chunk's sums of the second Pearson pass, with golden ``a = g - mean(g)`` and
-    target ``b = t - mean(t)``, and the extremes of g and t, on the host: what
-    :func:`_centred_stats` computes, in this order."""
-
-    sum_a: float
-    sum_b: float
-    sum_ab: float
-    sum_aa: float
-    sum_bb: float
-    min_g: float
-    max_g: float
-    min_t: float
-    max_t: float
-
-
-def _centred_stats(g, t, a, b, mg: float, mt: float) -> list[torch.Tensor]:
-    """Second Pearson pass over one chunk of all-finite pairs, in the order of
-    :class:`_CentredStats`."""
-    torch.sub(g, mg, out=a)
-    torch.sub(t, mt, out=b)
-    return [
-        a.sum(),
-        b.sum(),
-        torch.dot(a, b),
-        torch.dot(a, a),
-        torch.dot(b, b),
-        g.amin(),
-        g.amax(),
-        t.amin(),
-        t.amax(),
-    ]
-
-
-def _to_host(rows: list[list[torch.Tensor]]) -> list[list[float]]:
-    if not rows:
-        return []
-    return torch.stack([torch.stack(r) for r in rows]).cpu().tolist()
-
-
-def _clamp_unit(x: float) -> float:
-    if math.isnan(x):
-        return x
-    return min(1.0, max(-1.0, x))
-
-
-def _pearson_needs_two_pass(sg, st, sgg, stt, sgt, n) -> bool:
-    """True when the one-pass formula could be off by more than ~1e-11 relative.
-
-    Its rounding error on r is about eps * sqrt(cond_g * cond_t) (times a small factor for
-    the summation) with cond = E[x^2] / Var[x]; it is used only when that is below
-    100 * |r| and both condition numbers are below 100 (worst seen in 300 random
-    cases of mixed dtypes, means and noise levels: 2.4e-13 relative).
-    """
-    mg, mt = sg / n, st / n
-    vg = sgg / n - mg * mg
-    vt = stt / n - mt * mt
-    if not (vg > 0.0 and vt > 0.0):
-        return True
-    cg, ct = (sgg / n) / vg, (stt / n) / vt
-    if not (math.isfinite(cg) and math.isfinite(ct)):
-        return True
-    if cg > _PEARSON_COND_LIMIT or ct > _PEARSON_COND_LIMIT:
-        return True
-    r = (sgt / n - mg * mt) / (math.sqrt(vg) * math.sqrt(vt))
-    return math.sqrt(cg * ct) > _PEARSON_COND_LIMIT * abs(r)
-
-
-# --------------------------------------------------------------------------- public API
 
 
 def compare_tensors(
@@ -348,12 +124,12 @@ def compare_tensors(
     ``|t - g| <= sim_atol + sim_rtol * |g|``.
     ``chunk_elements``: elements per chunk (bounds the extra memory); default by device.
     """
-    golden = _as_tensor(golden, "golden")
-    target = _as_tensor(target, "target")
-    _check_shapes(golden, target, "target")
+    golden = as_tensor(golden, "golden")
+    target = as_tensor(target, "target")
+    check_shapes(golden, target, "target")
     if floor is not None:
-        floor = _as_tensor(floor, "floor")
-        _check_shapes(golden, floor, "floor")
+        floor = as_tensor(floor, "floor")
+        check_shapes(golden, floor, "floor")
     atol, rtol = float(sim_atol), float(sim_rtol)
     if not (atol >= 0.0 and rtol >= 0.0):
         raise ValueError(f"sim_atol and sim_rtol must be >= 0, got {sim_atol!r}, {sim_rtol!r}")
@@ -384,11 +160,11 @@ def compare_tensors(
 
 def _compare(golden, target, floor, atol, rtol, chunk_elements) -> Metrics:
     inputs = [golden, target] + ([floor] if floor is not None else [])
-    with _Chunks(inputs, chunk_elements, nscratch=3) as ch:
+    with Chunks(inputs, chunk_elements, nscratch=3) as ch:
         return _compare_chunks(ch, inputs, chunk_elements, atol, rtol)
 
 
-def _first_pass(ch: _Chunks, chunks: range, atol: float, rtol: float) -> tuple[list, list]:
+def _first_pass(ch: Chunks, chunks: range, atol: float, rtol: float) -> tuple[list, list]:
     """Pass 1 over ``chunks``: each chunk's statistics, assuming it is finite (checked
     afterwards), and its noise sums where there is a floor."""
     rows: list[list[torch.Tensor]] = []
@@ -396,9 +172,9 @@ def _first_pass(ch: _Chunks, chunks: range, atol: float, rtol: float) -> tuple[l
     for i in chunks:
         pair, rest = ch.load(i)
         d, a, b = ch.scratch_for(pair.shape[1])
-        rows.append(_chunk_stats(pair, d, a, b, atol, rtol))
+        rows.append(chunk_stats(pair, d, a, b, atol, rtol))
         if rest:
-            noise_rows.append(_noise_sums(pair[0], pair[1], rest[0], a, b))
+            noise_rows.append(noise_sums(pair[0], pair[1], rest[0], a, b))
     return rows, noise_rows
 
 
@@ -407,7 +183,7 @@ _CHUNKS_PER_THREAD = 4
 _pool: ThreadPoolExecutor | None = None
 
 
-def _first_pass_shared(ch: _Chunks, inputs: list[torch.Tensor], chunk_elements, atol, rtol) -> tuple[list, list]:
+def _first_pass_shared(ch: Chunks, inputs: list[torch.Tensor], chunk_elements, atol, rtol) -> tuple[list, list]:
     """:func:`_first_pass` over all chunks; on the CPU, with enough of them, shared out over
     torch's threads as contiguous runs of chunks, each run one Python thread whose
     operations run on one thread. Splitting each small operation over the threads instead
@@ -421,7 +197,7 @@ def _first_pass_shared(ch: _Chunks, inputs: list[torch.Tensor], chunk_elements, 
     bounds = [ch.nchunks * k // threads for k in range(threads + 1)]
 
     def run(k: int) -> tuple[list, list]:
-        with _Chunks(inputs, chunk_elements, nscratch=3) as own:  # each thread's own buffers
+        with Chunks(inputs, chunk_elements, nscratch=3) as own:  # each thread's own buffers
             return _first_pass(own, range(bounds[k], bounds[k + 1]), atol, rtol)
 
     before = torch.get_num_threads()
@@ -435,40 +211,6 @@ def _first_pass_shared(ch: _Chunks, inputs: list[torch.Tensor], chunk_elements, 
     return [r for part in parts for r in part[0]], [r for part in parts for r in part[1]]
 
 
-class _Totals(NamedTuple):
-    """The statistics of the chunks that hold finite pairs, added up: sums exactly
-    (:func:`math.fsum` of the per-chunk float64 sums), maxima over the chunks."""
-
-    n: int  # the pairs where both values are finite
-    sum_g: float
-    sum_t: float
-    sum_gg: float
-    sum_tt: float
-    sum_gt: float
-    sum_abs_diff: float
-    max_abs_diff: float
-    max_rel_diff: float
-    outside: float
-
-    @classmethod
-    def of(cls, chunks: list[_ChunkStats], n: int) -> _Totals:
-        def total(name: str) -> float:
-            return math.fsum(getattr(c, name) for c in chunks)
-
-        return cls(
-            n=n,
-            sum_g=total("sum_g"),
-            sum_t=total("sum_t"),
-            sum_gg=total("sum_gg"),
-            sum_tt=total("sum_tt"),
-            sum_gt=total("sum_gt"),
-            sum_abs_diff=total("sum_abs_diff"),
-            max_abs_diff=max(c.max_abs_diff for c in chunks),
-            max_rel_diff=max(c.max_rel_diff for c in chunks),
-            outside=total("outside"),
-        )
-
-
 @dataclass
 class _NonFinite:
     """What the revisit of the chunks holding NaN or Inf found."""
@@ -478,13 +220,13 @@ class _NonFinite:
     first_mismatch: int | None = None  # the first position finite in one tensor only
 
 
-def _compare_chunks(ch: _Chunks, inputs: list[torch.Tensor], chunk_elements, atol: float, rtol: float) -> Metrics:
+def _compare_chunks(ch: Chunks, inputs: list[torch.Tensor], chunk_elements, atol: float, rtol: float) -> Metrics:
     """The metrics of ``inputs`` (golden, target and maybe a floor) from their chunks
     ``ch``: pass 1 assumes every chunk finite, the chunks that are not are revisited with
     masks, then the sums are added up and the Pearson correlation and the worst element are
     found (each reading the chunks again only when it must)."""
     rows, noise_rows = _first_pass_shared(ch, inputs, chunk_elements, atol, rtol)
-    stats: list[_ChunkStats | None] = [_ChunkStats._make(r) for r in _to_host(rows)]  # the fast path's only sync
+    stats: list[ChunkStats | None] = [ChunkStats._make(r) for r in to_host(rows)]  # the fast path's only sync
     npairs = [ch.bounds(i)[1] - ch.bounds(i)[0] for i in range(ch.nchunks)]
     found = _revisit_non_finite(ch, stats, npairs, atol, rtol)
 
@@ -495,12 +237,12 @@ def _compare_chunks(ch: _Chunks, inputs: list[torch.Tensor], chunk_elements, ato
         max_abs = mean_abs = sim = cos = pear = max_rel = nan
         worst = found.first_mismatch if found.first_mismatch is not None else 0
     else:
-        totals = _Totals.of([stats[i] for i in live], n)
+        totals = Totals.of([stats[i] for i in live], n)
         max_abs, max_rel = totals.max_abs_diff, totals.max_rel_diff
         mean_abs = totals.sum_abs_diff / n
         sim = 100.0 * (n - totals.outside) / n
         cos = _cosine(totals)
-        pear = _pearson(ch, live, found.chunks, totals)
+        pear = pearson(ch, live, found.chunks, totals)
         if found.first_mismatch is not None:
             worst = found.first_mismatch
         else:
@@ -521,12 +263,12 @@ def _compare_chunks(ch: _Chunks, inputs: list[torch.Tensor], chunk_elements, ato
         worst_golden=float(ch.flat[0][worst].item()),
         worst_target=float(ch.flat[1][worst].item()),
         max_rel_diff=float(max_rel),
-        noise_ratio=_noise_ratio_of(noise_rows, 1e-12) if len(inputs) > 2 else None,
+        noise_ratio=noise_ratio_of(noise_rows, 1e-12) if len(inputs) > 2 else None,
     )
 
 
 def _revisit_non_finite(
-    ch: _Chunks, stats: list[_ChunkStats | None], npairs: list[int], atol: float, rtol: float
+    ch: Chunks, stats: list[ChunkStats | None], npairs: list[int], atol: float, rtol: float
 ) -> _NonFinite:
     """Revisit the chunks holding NaN or Inf (their float64 sums are not finite): count them,
     find the first position finite in one tensor only, and put the chunk's statistics over
@@ -551,36 +293,23 @@ def _revisit_non_finite(
         npairs[i] = m
         if m:
             scratch = [torch.empty(m, dtype=torch.float64, device=ch.device) for _ in range(3)]
-            stats[i] = _ChunkStats._make(torch.stack(_chunk_stats(sub, *scratch, atol, rtol)).tolist())
+            stats[i] = ChunkStats._make(torch.stack(chunk_stats(sub, *scratch, atol, rtol)).tolist())
         else:
             stats[i] = None
     return found
 
 
-def _cosine(totals: _Totals) -> float:
+def _cosine(totals: Totals) -> float:
     """1.0 for two zero tensors, 0.0 when one is zero."""
     sgg, stt = totals.sum_gg, totals.sum_tt
     if sgg == 0.0 and stt == 0.0:
         return 1.0
     if sgg == 0.0 or stt == 0.0:
         return 0.0
-    return _clamp_unit(totals.sum_gt / (math.sqrt(sgg) * math.sqrt(stt)))
+    return clamp_unit(totals.sum_gt / (math.sqrt(sgg) * math.sqrt(stt)))
 
 
-def _pearson(ch: _Chunks, live: list[int], slow: set[int], totals: _Totals) -> float:
-    """From the one-pass sums when they are well conditioned, else by a second, centred pass
-    over the ``live`` chunks (see :func:`_pearson_needs_two_pass`)."""
-    sg, st, sgg, stt, sgt, n = totals.sum_g, totals.sum_t, totals.sum_gg, totals.sum_tt, totals.sum_gt, totals.n
-    if _pearson_needs_two_pass(sg, st, sgg, stt, sgt, n):
-        return _pearson_two_pass(ch, live, slow, sg / n, st / n, n, totals.max_abs_diff)
-    mg, mt = sg / n, st / n
-    cov = sgt / n - mg * mt
-    return _clamp_unit(cov / (math.sqrt(sgg / n - mg * mg) * math.sqrt(stt / n - mt * mt)))
-
-
-def _first_maximum(
-    ch: _Chunks, stats: list[_ChunkStats | None], live: list[int], slow: set[int], max_abs: float
-) -> int:
+def _first_maximum(ch: Chunks, stats: list[ChunkStats | None], live: list[int], slow: set[int], max_abs: float) -> int:
     """The flat position of the first largest |t - g|: the first chunk holding the maximum,
     then the first maximum within it (non-finite differences left out)."""
     wi = next(i for i in live if stats[i].max_abs_diff == max_abs)
@@ -590,108 +319,3 @@ def _first_maximum(
     if wi in slow:
         d = torch.where(torch.isfinite(d), d, torch.full_like(d, -1.0))
     return ch.bounds(wi)[0] + int(torch.argmax(d))
-
-
-def _pearson_two_pass(ch: _Chunks, live, slow_set, mg: float, mt: float, n: int, max_abs: float) -> float:
-    rows = []
-    for i in live:
-        pair, _ = ch.load(i)
-        g, t = pair[0], pair[1]
-        if i in slow_set:
-            both = torch.isfinite(g) & torch.isfinite(t)
-            g, t = g[both], t[both]
-            a, b = torch.empty_like(g), torch.empty_like(g)
-        else:
-            a, b = ch.scratch_for(g.numel())[:2]
-        rows.append(_centred_stats(g, t, a, b, mg, mt))
-    host = [_CentredStats._make(r) for r in _to_host(rows)]
-    sa, sb, sab, saa, sbb = (
-        math.fsum(getattr(r, k) for r in host) for k in ("sum_a", "sum_b", "sum_ab", "sum_aa", "sum_bb")
-    )
-    # zero variance is decided exactly (min == max), not from a rounded variance
-    g_const = min(r.min_g for r in host) == max(r.max_g for r in host)
-    t_const = min(r.min_t for r in host) == max(r.max_t for r in host)
-    if g_const and t_const:
-        return 1.0 if max_abs == 0.0 else 0.0
-    if g_const or t_const:
-        return 0.0
-    # corrected two-pass: remove what is left of the mean in the centred values
-    cov = sab - sa * sb / n
-    vg = max(saa - sa * sa / n, 0.0)
-    vt = max(sbb - sb * sb / n, 0.0)
-    if vg == 0.0 or vt == 0.0:
-        return 0.0
-    return _clamp_unit(cov / (math.sqrt(vg) * math.sqrt(vt)))
-
-
-def _noise_sums(g, t, r, a, b) -> list[torch.Tensor]:
-    torch.sub(t, r, out=a)
-    torch.sub(g, r, out=b)
-    return [torch.dot(a, a), torch.dot(b, b)]
-
-
-def _noise_ratio_of(rows: list[list[torch.Tensor]], eps: float) -> float:
-    """The noise ratio from the chunks' :func:`_noise_sums`."""
-    host = _to_host(rows)
-    return _ratio(math.fsum(r[0] for r in host), math.fsum(r[1] for r in host), eps)
-
-
-def _ratio(num_sq: float, den_sq: float, eps: float) -> float:
-    if num_sq == 0.0 and den_sq == 0.0:
-        return 0.0
-    return math.sqrt(num_sq) / (math.sqrt(den_sq) + eps)
-
-
-def noise_ratio(golden, target, floor, eps: float = 1e-12) -> float:
-    """``||target - floor||_2 / (||golden - floor||_2 + eps)``, all in float64.
-
-    ``floor`` is typically the float32 evaluation of the same layer: a ratio near 1 says
-    the target is no further from it than the golden is (the target is as accurate as the
-    golden's own low-precision run). 0.0 when both norms are 0. Taken over all elements, so
-    a NaN or Inf anywhere makes the result NaN or Inf.
-    """
-    golden = _as_tensor(golden, "golden")
-    target = _as_tensor(target, "target")
-    floor = _as_tensor(floor, "floor")
-    _check_shapes(golden, target, "target")
-    _check_shapes(golden, floor, "floor")
-    if golden.numel() == 0:
-        return 0.0
-    with torch.no_grad(), _Chunks([golden, target, floor], None, nscratch=2) as ch:
-        rows = []
-        for i in range(ch.nchunks):
-            pair, (r,) = ch.load(i)
-            a, b = ch.scratch_for(r.numel())
-            rows.append(_noise_sums(pair[0], pair[1], r, a, b))
-        return _noise_ratio_of(rows, float(eps))
-
-
-def min_passing_tolerance(golden, target) -> dict:
-    """The smallest tolerances with which ``torch.allclose(target, golden)`` would pass.
-
-    ``{"atol": max |t-g|`` (passes with rtol=0), ``"rtol": max |t-g|/|g|`` over ``g != 0``
-    (passes with atol=0; ``inf`` when some ``g == 0`` has ``t != g``)``}``, in float64.
-    Equal values (equal infinities included) always pass; a NaN, or an infinity that the
-    other tensor does not match exactly, makes both ``inf`` (no tolerance passes).
-    Empty tensors: both 0.0.
-    """
-    golden = _as_tensor(golden, "golden")
-    target = _as_tensor(target, "target")
-    _check_shapes(golden, target, "target")
-    inf = float("inf")
-    if golden.numel() == 0:
-        return {"atol": 0.0, "rtol": 0.0}
-    maxima = []
-    with torch.no_grad(), _Chunks([golden, target], None, nscratch=0) as ch:
-        zero = torch.zeros((), dtype=torch.float64, device=ch.device)
-        for i in range(ch.nchunks):
-            pair, _ = ch.load(i)
-            g, t = pair[0], pair[1]
-            eq = g == t
-            d = torch.where(eq, zero, (t - g).abs())  # NaN/Inf where no tolerance can pass
-            ratio = torch.where(eq, zero, d / g.abs())  # g == 0 != t -> inf
-            maxima.append(torch.stack([d.amax(), ratio.amax()]))
-        host = torch.stack(maxima).cpu().tolist()
-    if not all(math.isfinite(x[0]) for x in host):
-        return {"atol": inf, "rtol": inf}
-    return {"atol": max(x[0] for x in host), "rtol": max(x[1] for x in host)}

@@ -39,16 +39,9 @@ NOISE_DEFAULTS = {
 # scale) reach 10 and beyond.
 MAX_CONTRIBUTION_Z = 6.0
 #: How far a correct port may lie along a direction whose move is a bug's whole effect (GELU's
-#: other form: the golden stores the swap's size, ``floor.move.gelu_form``), beyond the
-#: range its rounding gives, as a share of that move, by the golden's dtype. A GELU kernel's
-#: error is a fixed function of its 16-bit input, and it leans along the other form by a share
-#: of the swap that the inputs set: torch-xla's CPU kernel beyond a correctly rounded one, on
-#: inputs N(0, s^2) for s from 0.5 to 4 (``bench/bench_xla_kernels.py --gelu-forms``), up to
-#: 3.25 in bfloat16, 0.19 in float16, 0.000 in float32. Each share is 1.5 times the largest
-#: measured; float32's is float16's (no kernel measured leans there, and a swap reads
-#: thousands of noise units: no bug is lost to it). Where the move, from the golden's own
-#: bias, stays within the range so widened (bfloat16 always, a layer whose GELU inputs are
-#: small), a port with the bug would pass: there is no check along it.
+#: other form, ``floor.move.gelu_form``) beyond its rounding's range, as a share of that move, by
+#: the golden's dtype: a GELU kernel leans that way by a share its inputs set, so each share is
+#: 1.5 times the largest lean measured (``bench/bench_xla_kernels.py --gelu-forms``, bench/README.md).
 KERNEL_LEAN = {"bfloat16": 4.9, "float16": 0.3}
 DEFAULT_KERNEL_LEAN = 0.3
 

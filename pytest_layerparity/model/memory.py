@@ -14,8 +14,7 @@ def release_large_frees() -> None:
     ``M_MMAP_THRESHOLD``). By default the threshold follows the largest block freed, up to
     32 MiB, after which freed tensors stay in the heap of the thread that allocated them,
     where other threads do not reuse them: a layer loaded by transformers' loader threads
-    would leave its sources' memory resident (measured: 118 MB after loading a 54 MB layer,
-    58 MB with this). Once per process; Linux only."""
+    would leave its sources' memory resident (bench/README.md). Once per process; Linux only."""
     global _LARGE_FREES_RELEASED
     import sys
 

@@ -8,15 +8,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..store.callspec import (
-    cache_argument,
-    call_cache_node,
-    decode_call,
-    entry_nodes,
-    first_tensor,
-    hidden_input_name,
-    tensor_names,
-)
+from ..store.callspec import cache_argument, decode_call, first_tensor, hidden_input_name, tensor_names
+from ..store.kv_nodes import entry_nodes
+from ..store.kv_updates import call_cache_node
 
 T = TypeVar("T")
 

@@ -23,14 +23,8 @@ from ..model.checkpoint import load_layer
 from ..model.memory import give_back_memory
 from ..model.source import ModelSource
 from ..report.progress import SILENT, Progress
-from ..store.callspec import (
-    appended_kv,
-    cache_argument,
-    decode_call,
-    first_tensor,
-    hidden_input_name,
-    replace_hidden_input,
-)
+from ..store.callspec import cache_argument, decode_call, first_tensor, hidden_input_name, replace_hidden_input
+from ..store.kv_updates import appended_kv
 from .batching import call_tokens, in_batches, runs_apart, samples_per_forward, stacked_call
 from .perturb import SIXTEEN_BIT_ACCUMULATION, PerturbedArithmetic
 from .tokens import in_token_blocks
@@ -47,7 +41,7 @@ BASE_SEED = 1000
 #: verifies). 2: half the runs' fused float32 attention leaning toward zero (.tensor_cores);
 #: 3: that lean growing with the keys a query sees; 4: a 16-bit result rounded stochastically
 #: from halfway to the reference's result (``perturb.SIXTEEN_BIT_PULL``); 5: half the runs' float32
-#: matmuls lowered as XLA's CPU backend does (``perturb.SEQUENTIAL_SUMS``); 6: the ratios on errors
+#: matmuls lowered as XLA's CPU backend does (``lowerings.SEQUENTIAL_SUMS``); 6: the ratios on errors
 #: weighed element by element (``compare.floor.element_sizes``); 7: half the runs' 16-bit fused
 #: attention computed as eager attention (``algorithms.eager_attention``); 8: that eager
 #: attention rounded to nearest, not perturbed.

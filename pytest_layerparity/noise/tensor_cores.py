@@ -36,9 +36,8 @@ from .wider import _named_arguments, causal_seen, with_rows
 LEAN_ULPS = 4.0
 
 #: Up to this many keys a row takes no lean; from there to ``FULL_LEAN_KEYS`` its lean grows
-#: with the keys' logarithm (:func:`lean_ulps`): 2 ulps at 16 keys. Above the measured leans
-#: of 0.0 (9 keys) and 2.9 (33 keys) by about a third at 32 keys, as the full lean is above
-#: the longest ones.
+#: with the keys' logarithm (:func:`lean_ulps`), a third above the leans measured
+#: (``bench/bench_tensor_core_attention.py``, bench/README.md).
 LEAN_FROM_KEYS = 8
 FULL_LEAN_KEYS = 32
 

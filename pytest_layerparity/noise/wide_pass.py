@@ -22,14 +22,8 @@ from ..model.build import eager_experts_skeleton
 from ..model.checkpoint import load_layer
 from ..model.memory import give_back_memory
 from ..model.source import ModelSource
-from ..store.callspec import (
-    appended_kv,
-    cache_argument,
-    decode_call,
-    first_tensor,
-    hidden_input_name,
-    replace_hidden_input,
-)
+from ..store.callspec import cache_argument, decode_call, first_tensor, hidden_input_name, replace_hidden_input
+from ..store.kv_updates import appended_kv
 
 if TYPE_CHECKING:
     import torch

@@ -513,7 +513,7 @@ class HFCall(torch.nn.Module):
             return self._forward(hidden_states, *args, **kwargs)
 
     def _forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        from ..store.callspec import cached_kv, find_kv_cache
+        from ..store.kv_cache import cached_kv, find_kv_cache
 
         batch, seq, _ = hidden_states.shape
         device = hidden_states.device

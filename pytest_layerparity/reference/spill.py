@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..store.callspec import CallRecord, UnstorableCache, cached_kv, find_kv_cache, seen_tokens
+from ..store.callspec import CallRecord
+from ..store.kv_cache import UnstorableCache, cached_kv, find_kv_cache, seen_tokens
 
 PREFIX = ".layerparity-calls-"
 

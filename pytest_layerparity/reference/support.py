@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import ModelError
 from ..selection import layer_spec
-from ..store.callspec import EMPTY_CACHE_LAYER, UnstorableCache, cache_argument, check_storable
+from ..store.callspec import cache_argument
+from ..store.kv_cache import EMPTY_CACHE_LAYER, UnstorableCache, check_storable
 
 if TYPE_CHECKING:
     from ..model.source import ModelSource
@@ -20,7 +21,7 @@ WITHOUT_ATTENTION = frozenset({"moe", "mlp"})
 def check_decode_cache(model: ModelSource, layers: list[int], decode_steps: int) -> None:
     """Refuse decode steps where a selected layer's KV-cache entry, as transformers makes it for
     this config, holds state a decode-step golden cannot store (it stores keys and values, and
-    linear attention's states: ``callspec.check_storable``), or is empty because the layer
+    linear attention's states: ``kv_cache.check_storable``), or is empty because the layer
     reads another layer's (KV sharing: an empty entry is taken only for a layer without
     attention, ``WITHOUT_ATTENTION``).
     A config transformers' cache cannot read is left to the recording, which checks each entry."""

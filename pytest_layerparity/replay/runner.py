@@ -17,7 +17,6 @@ from ..report.progress import SILENT, Progress
 from ..selection import LayerRange, decode_key, layer_key
 from ..store import promptkv
 from ..store.callspec import (
-    appended_kv,
     cache_argument,
     decode_call,
     first_tensor,
@@ -26,6 +25,7 @@ from ..store.callspec import (
     replace_hidden_input,
 )
 from ..store.golden import MODEL_IO_KEY, GoldenEntry
+from ..store.kv_updates import appended_kv
 from .contract import HOOK, HookedLayer, checked_model_layer
 from .saved import SavedOutputs
 

@@ -11,17 +11,15 @@ Guarantees (see docs/how-it-works.md, "What the store guarantees"):
   escape the store's folder (no ``..``, no absolute paths, no symlinks out, no devices);
 * several processes may write different entries of one store at once.
 
-Long because :class:`GoldenStore` keeps the writes and the verified reads the guarantees rest on together.
+An entry's file is read as :mod:`.entry_files` says, and checked as :mod:`.entry_checks` and
+:mod:`.finite` say.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import re
-import stat
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,13 +30,14 @@ if TYPE_CHECKING:
     import torch
 
 from ..compare.envelope import Envelope
-from ..compare.floor import FLOOR_KEY, FLOOR_PREFIX
 from ..selection import golden_layer, parse_decode_key, parse_layer_key
 from . import tensorfile
 from .atomic import _fsync_dir, _write_temp, atomic_write_bytes
-from .callspec import tensor_names
 from .commands import extract_command
 from .differences import describe_differences
+from .entry_checks import check_layer_entry, check_model_logits, current_names, read_metadata
+from .entry_files import GoldenError, entry_path, json_kind, read_verified, reason
+from .finite import check_finite, split_nonfinite
 
 #: The key of the whole model's golden (its compact next-token logits).
 MODEL_LOGITS_KEY = "model_logits"
@@ -50,13 +49,7 @@ UNCALLED_KEY = "uncalled_layers"
 #: 2: the precision floor of tensor ``X`` is ``floor.X``; 1 named it ``ref_X`` (read too).
 SCHEMA_VERSION = 2
 READABLE_SCHEMAS = (1, 2)
-_LEGACY_FLOOR_PREFIX = "ref_"
 MANIFEST_NAME = "manifest.json"
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors$")
-
-
-class GoldenError(Exception):
-    """A golden that must not be used: missing, corrupt, stale or unsafe. The message says why and what to run."""
 
 
 @dataclass(frozen=True)
@@ -96,19 +89,6 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _reason(exc: OSError) -> str:
-    if exc.errno and exc.strerror:
-        return f"{exc.strerror} [{errno.errorcode.get(exc.errno, exc.errno)}]"
-    return str(exc) or type(exc).__name__
-
-
-def _json_kind(value: Any) -> str:
-    for kind, name in ((bool, "boolean"), (dict, "object"), (list, "list"), (str, "string"), ((int, float), "number")):
-        if isinstance(value, kind):
-            return name
-    return "null" if value is None else type(value).__name__
 
 
 def _manifest_bytes(manifest: Mapping[str, Any]) -> bytes:
@@ -169,14 +149,14 @@ class GoldenStore:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise GoldenError(f"{path}: cannot read the manifest ({_reason(exc)}); {self.rebuild_hint()}") from exc
+            raise GoldenError(f"{path}: cannot read the manifest ({reason(exc)}); {self.rebuild_hint()}") from exc
         try:
             manifest = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise GoldenError(f"{path}: the manifest is not valid JSON ({exc}); {self.rebuild_hint()}") from exc
         if not isinstance(manifest, dict):
             raise GoldenError(
-                f"{path}: the manifest is not a JSON object (it is a {_json_kind(manifest)}); {self.rebuild_hint()}"
+                f"{path}: the manifest is not a JSON object (it is a {json_kind(manifest)}); {self.rebuild_hint()}"
             )
         version = manifest.get("schema_version")
         if type(version) is not int or version not in READABLE_SCHEMAS:
@@ -189,7 +169,7 @@ class GoldenStore:
             raise GoldenError(f"{path}: the manifest has no 'files' table; {self.rebuild_hint()}")
         if not isinstance(files, dict):
             raise GoldenError(
-                f"{path}: the manifest's 'files' is a {_json_kind(files)}, not an object of entries; "
+                f"{path}: the manifest's 'files' is a {json_kind(files)}, not an object of entries; "
                 f"{self.rebuild_hint()}"
             )
         return manifest
@@ -238,7 +218,7 @@ class GoldenStore:
                 self._write_manifest(manifest)
         except OSError as exc:
             raise GoldenError(
-                f"{self.manifest_path}: cannot write the manifest ({_reason(exc)}); the store is unchanged; "
+                f"{self.manifest_path}: cannot write the manifest ({reason(exc)}); the store is unchanged; "
                 f"free space or fix the folder's permissions, then run: {self.extract_command()}"
             ) from exc
         self._extraction = (dict(header), tuple(compare_keys))
@@ -275,7 +255,7 @@ class GoldenStore:
         """
         metadata = dict(metadata)
         if omit_nonfinite:
-            tensors, omitted = _split_nonfinite(key, tensors)
+            tensors, omitted = split_nonfinite(key, tensors)
             if omitted:
                 metadata["omitted"] = omitted
         else:
@@ -314,7 +294,7 @@ class GoldenStore:
             if renamed:
                 raise GoldenError(
                     f"{self.manifest_path}: wrote {path} but could not record it in the manifest "
-                    f"({_reason(exc)}); the store refuses {key} until it is extracted again: "
+                    f"({reason(exc)}); the store refuses {key} until it is extracted again: "
                     f"{self.extract_command(key)}"
                 ) from exc
             raise GoldenError(self._write_failure(key, path, exc)) from exc
@@ -325,7 +305,7 @@ class GoldenStore:
 
     def _write_failure(self, key: str, path: Path, exc: OSError) -> str:
         return (
-            f"{path}: cannot write the golden for {key} ({_reason(exc)}); the store is unchanged "
+            f"{path}: cannot write the golden for {key} ({reason(exc)}); the store is unchanged "
             f"(the manifest does not list the new file; an earlier {path.name}, if any, is intact); "
             f"free space or fix the folder's permissions, then run: {self.extract_command(key)}"
         )
@@ -364,76 +344,6 @@ class GoldenStore:
             return False
         return True
 
-    def _entry_path(self, key: str, record: Any) -> tuple[Path, Path]:
-        """(the entry's path as named in messages, its resolved path inside the store)."""
-        if not isinstance(record, dict):
-            raise GoldenError(
-                f"{self.manifest_path}: entry {key!r} is a {_json_kind(record)}, not an object with "
-                f"file, sha256 and bytes; {self.rebuild_hint()}"
-            )
-        name = record.get("file")
-        if not isinstance(name, str) or not _SAFE_NAME.match(name) or "/" in name or "\\" in name:
-            raise GoldenError(
-                f"{self.manifest_path}: entry {key!r} names file {name!r}, which is not a plain "
-                "safetensors file name inside the store; refusing to read it"
-            )
-        path = self.root / name
-        try:
-            resolved = path.resolve()
-            root = self.root.resolve()
-        except (OSError, RuntimeError) as exc:
-            raise GoldenError(f"{path}: cannot resolve the golden's path ({exc}); refusing to read it") from exc
-        if resolved.parent != root:
-            raise GoldenError(
-                f"{self.manifest_path}: entry {key!r} points outside the store ({name!r} leads to {resolved}); "
-                "refusing to read it"
-            )
-        return path, resolved
-
-    def _read_verified(self, key: str, path: Path, resolved: Path, record: Mapping[str, Any]) -> bytes:
-        """The file's bytes, after checking it is a regular file whose size and sha256 are
-        the manifest's (a file of another size is hashed in blocks, never held whole)."""
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
-        want_sha = record.get("sha256")
-        want_bytes = record.get("bytes")
-        try:
-            fd = os.open(resolved, flags)
-        except OSError as exc:
-            raise GoldenError(
-                f"{path}: cannot read the golden for {key} ({_reason(exc)}); {self.regen_hint(key)}"
-            ) from exc
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            raise GoldenError(
-                f"{path}: not a regular file; refusing to read it as the golden for {key}; {self.regen_hint(key)}"
-            )
-        with os.fdopen(fd, "rb") as handle:
-            size_differs = type(want_bytes) is int and info.st_size != want_bytes
-            digest = hashlib.sha256()
-            payload = b""
-            try:
-                if size_differs:
-                    for block in iter(lambda: handle.read(1 << 20), b""):
-                        digest.update(block)
-                else:
-                    payload = handle.read()
-                    digest.update(payload)
-            except OSError as exc:
-                raise GoldenError(
-                    f"{path}: cannot read the golden for {key} ({_reason(exc)}); {self.regen_hint(key)}"
-                ) from exc
-        have_sha = digest.hexdigest()
-        if have_sha != want_sha:
-            size_note = f": {info.st_size} bytes, the manifest says {want_bytes}" if size_differs else ""
-            raise GoldenError(
-                f"{path}: sha256 {have_sha[:16]}... does not match the manifest's "
-                f"{str(want_sha)[:16]}... (the file is corrupt or was changed{size_note}); {self.regen_hint(key)}"
-            )
-        if size_differs:
-            raise GoldenError(f"{path}: {info.st_size} bytes, the manifest says {want_bytes}; {self.regen_hint(key)}")
-        return payload
-
     def load(self, key: str, missing_hint: str | None = None) -> GoldenEntry:
         """Read and verify one entry. Raises GoldenError naming the file on any problem."""
         from safetensors import SafetensorError
@@ -447,11 +357,11 @@ class GoldenStore:
         record = manifest["files"].get(key)
         if record is None:
             raise GoldenError(f"{self.root}: no golden for {key}; {missing_hint or self.regen_hint(key)}")
-        path, resolved = self._entry_path(key, record)
-        payload = self._read_verified(key, path, resolved, record)
+        path, resolved = entry_path(self.root, self.manifest_path, key, record, self.rebuild_hint)
+        payload = read_verified(key, path, resolved, record, lambda: self.regen_hint(key))
         try:
-            tensors = _current_names(load(payload))
-            metadata = _read_metadata(payload)
+            tensors = current_names(load(payload))
+            metadata = read_metadata(payload)
         except (SafetensorError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
             raise GoldenError(f"{path}: not a readable safetensors file ({exc}); {self.regen_hint(key)}") from exc
         try:
@@ -462,135 +372,10 @@ class GoldenStore:
         return GoldenEntry(key=key, path=path, tensors=tensors, metadata=metadata)
 
 
-def _current_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An entry's tensors under this schema's names: a floor written as ``ref_X`` (schema 1,
-    and entries of schema 1 in a store extracted into again) is ``floor.X``."""
-    if not any(name.startswith(_LEGACY_FLOOR_PREFIX) for name in tensors):
-        return tensors
-    return {
-        FLOOR_PREFIX + name.removeprefix(_LEGACY_FLOOR_PREFIX) if name.startswith(_LEGACY_FLOOR_PREFIX) else name: t
-        for name, t in tensors.items()
-    }
-
-
-def _read_metadata(payload: bytes) -> dict[str, Any]:
-    if len(payload) < 8:
-        raise ValueError("file too short")
-    header_len = int.from_bytes(payload[:8], "little")
-    header = json.loads(payload[8 : 8 + header_len])
-    if not isinstance(header, dict):
-        raise ValueError("the safetensors header is not a JSON object")
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise ValueError("the safetensors metadata is not a JSON object")
-    raw = meta.get("layerparity")
-    if not raw:
-        return {}
-    if not isinstance(raw, str):
-        raise ValueError("the layerparity metadata is not a string")
-    value = json.loads(raw)
-    if not isinstance(value, dict):
-        raise ValueError("the layerparity metadata is not a JSON object")
-    return value
-
-
 def _check_entry(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
-    """A layer entry must hold its call spec, be the golden of that layer, and hold every
-    tensor its call refers to (else replaying it would fail deep inside the test)."""
+    """The whole model's golden must hold its compact logits, a layer's its call and what the
+    call names (:mod:`.entry_checks`)."""
     if key == MODEL_LOGITS_KEY:
-        _check_model_logits(key, tensors, metadata)
+        check_model_logits(key, tensors, metadata)
         return
-    index = golden_layer(key)
-    if index is None:
-        return
-    call = metadata.get("call")
-    if not isinstance(call, dict):
-        raise ValueError(f"{key}: the file holds no call spec (its 'call' metadata is missing)")
-    layer = metadata.get("layer")
-    if layer is not None and layer != index:
-        raise ValueError(f"{key}: the file holds the golden of layer {layer!r}, not of {key}")
-    missing = sorted(set(tensor_names(call)) - set(tensors))
-    if missing:
-        raise ValueError(f"{key}: its call refers to tensors the file does not hold ({', '.join(missing)})")
-    try:
-        Envelope.from_metadata(metadata.get("envelope"))
-    except ValueError as exc:
-        raise ValueError(f"{key}: {exc}") from None
-
-
-def _check_model_logits(key: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
-    """The whole model's golden must hold its compact logits for every position it fed."""
-    from ..compare.logits import LOGSUMEXP, TOPK_IDS, TOPK_LOGITS, ModelEnvelope
-
-    missing = sorted({TOPK_IDS, TOPK_LOGITS, LOGSUMEXP, "input_ids"} - set(tensors))
-    if missing:
-        raise ValueError(f"{key}: the whole model's golden lacks {', '.join(missing)}")
-    fed = tensors["input_ids"].shape[-1] + (tensors["decode_ids"].shape[-1] if "decode_ids" in tensors else 0)
-    if tensors["topk_ids"].shape[:-1] != tensors["logsumexp"].shape or tensors["logsumexp"].shape[-1] != fed:
-        raise ValueError(
-            f"{key}: the whole model's golden holds logits of {tuple(tensors['logsumexp'].shape)} "
-            f"positions for {fed} tokens fed"
-        )
-    try:
-        ModelEnvelope.from_metadata(metadata.get("envelope"))
-    except ValueError as exc:
-        raise ValueError(f"{key}: {exc}") from None
-
-
-#: Elements of a tensor summed at once by :func:`check_finite`: the sum converts them to float64
-#: first, so a chunk holds 8 bytes an element (2 MB), whatever the tensor's size.
-FINITE_CHUNK = 1 << 18
-
-
-def all_finite_by_sum(tensor: torch.Tensor, chunk: int = FINITE_CHUNK) -> bool:
-    """Whether every value of a 16- or 32-bit ``tensor`` is finite: chunked float64 sums, no
-    mask of the tensor's size."""
-    import torch
-
-    flat = tensor.reshape(-1)
-    total = torch.zeros((), dtype=torch.float64)
-    for start in range(0, flat.numel(), chunk):
-        total += torch.sum(flat[start : start + chunk], dtype=torch.float64)
-    return bool(torch.isfinite(total))
-
-
-def check_finite(key: str, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Refuse NaN anywhere and Inf in hidden states (masks may hold -inf legitimately)."""
-    import torch
-
-    for name, tensor in tensors.items():
-        if not torch.is_floating_point(tensor):
-            continue
-        # The common case in one cheap pass: a float64 sum is finite exactly when every value
-        # is (16- and 32-bit values cannot overflow it); in chunks, since the sum converts its
-        # input to float64 first (logits of 2k tokens x 32k vocabulary: 0.5 GB at once; a
-        # chunk of 2^22 elements held 32 MB beside a layer of a few, measured).
-        if tensor.dtype != torch.float64 and all_finite_by_sum(tensor):
-            continue
-        nan = torch.isnan(tensor)
-        if bool(nan.any()):
-            index = tuple(int(i) for i in torch.nonzero(nan)[0])
-            raise ValueError(f"{key}: tensor {name!r} holds NaN (first at index {index})")
-        if _is_hidden_state(name):
-            inf = torch.isinf(tensor)
-            if bool(inf.any()):
-                index = tuple(int(i) for i in torch.nonzero(inf)[0])
-                raise ValueError(f"{key}: tensor {name!r} holds Inf (first at index {index})")
-
-
-def _split_nonfinite(key: str, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(the tensors check_finite accepts, {name: why} for those it refuses)."""
-    kept: dict[str, torch.Tensor] = {}
-    omitted: dict[str, str] = {}
-    for name, tensor in tensors.items():
-        try:
-            check_finite(key, {name: tensor})
-        except ValueError as exc:
-            omitted[name] = str(exc)
-        else:
-            kept[name] = tensor
-    return kept, omitted
-
-
-def _is_hidden_state(name: str) -> bool:
-    return name.startswith(("output", "args.0", FLOOR_KEY)) or name in {"embeddings", "logits"}
+    check_layer_entry(key, tensors, metadata)

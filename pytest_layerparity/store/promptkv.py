@@ -9,7 +9,7 @@ past, the cache the decode steps start from). They are stored in the prompt's go
 the empty cache the call is replayed with (``spec[PROMPT_CACHE]``: an entry of the
 reference's kind, without keys). The precision floor, the perturbed runs and the target all
 replay the call with it (``callspec.decode_call``) and take what the layer wrote
-(``callspec.appended_kv``), judged as a decode step's appended keys and values are. Where they
+(``kv_updates.appended_kv``), judged as a decode step's appended keys and values are. Where they
 are not known, the golden says why, and the prompt test records that they were not judged.
 """
 
@@ -19,7 +19,9 @@ import inspect
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .callspec import PROMPT_CACHE, CallRecord, appended_kv, call_cache_node, entry_nodes, joined_kv
+from .callspec import PROMPT_CACHE, CallRecord
+from .kv_nodes import entry_nodes
+from .kv_updates import appended_kv, call_cache_node, joined_kv
 
 if TYPE_CHECKING:
     import torch

@@ -30,8 +30,8 @@ def linear_project(pytester: pytest.Pytester, linear_model) -> pytest.Pytester:
 
 
 def test_linear_attention_layers_are_extracted_with_their_states_and_their_decode_steps_pass(linear_project):
-    from pytest_layerparity.store.callspec import call_cache_node
     from pytest_layerparity.store.golden import GoldenStore
+    from pytest_layerparity.store.kv_updates import call_cache_node
 
     entry = GoldenStore(linear_project.path / "goldens").load("layer_2.decode_0")
     linear = call_cache_node(entry.metadata["call"])["linear"]

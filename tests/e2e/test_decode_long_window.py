@@ -27,8 +27,8 @@ def long_window_project(pytester: pytest.Pytester, long_window_model) -> pytest.
 
 
 def test_decode_steps_of_a_window_longer_than_the_past_pass_on_xla(long_window_project):
-    from pytest_layerparity.store.callspec import call_cache_node
     from pytest_layerparity.store.golden import GoldenStore
+    from pytest_layerparity.store.kv_updates import call_cache_node
 
     store = GoldenStore(long_window_project.path / "goldens")
     entry = store.load("layer_0.decode_0")

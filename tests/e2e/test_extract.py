@@ -283,7 +283,7 @@ def test_an_overflow_in_a_decode_step_or_the_logits_is_named_there(tmp_path, mon
     from tiny_models import make
 
     from pytest_layerparity.options import make_settings
-    from pytest_layerparity.reference import extract
+    from pytest_layerparity.reference import reference_model
     from pytest_layerparity.reference.overflow import ReferenceOverflow
     from pytest_layerparity.session import LayerParitySession
 
@@ -301,8 +301,8 @@ def test_an_overflow_in_a_decode_step_or_the_logits_is_named_there(tmp_path, mon
             loaded.get_submodule(module).register_forward_hook(inf)
         return loaded, placement
 
-    load_whole_model = extract.load_whole_model
-    monkeypatch.setattr(extract, "load_whole_model", overflowing_load)
+    load_whole_model = reference_model.load_whole_model
+    monkeypatch.setattr(reference_model, "load_whole_model", overflowing_load)
     model, store = make("llama", tmp_path / "llama", num_layers=3), tmp_path / "store"
     settings = make_settings(gpu_golden=True, extract=True, model=str(model), golden_dir=str(store), dtype="float16")
     session = LayerParitySession(settings, ROOT)

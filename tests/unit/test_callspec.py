@@ -9,7 +9,6 @@ import torch
 from pytest_layerparity.capture.calls import capture_calls
 from pytest_layerparity.store.callspec import (
     CallRecord,
-    appended_kv,
     cache_argument,
     decode_call,
     encode_call,
@@ -18,6 +17,7 @@ from pytest_layerparity.store.callspec import (
     hidden_input_name,
     primary_output_name,
 )
+from pytest_layerparity.store.kv_updates import appended_kv
 
 
 class Layer(torch.nn.Module):

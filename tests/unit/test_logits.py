@@ -237,7 +237,7 @@ def test_the_whole_models_envelope_takes_another_choice_among_equal_top_k_candid
     equal keys than the CPU's, and greedy tokens after them flip. The whole model's envelope
     runs break such ties their own way, so those flips are within it; a wrong token where the
     choice was clear still fails."""
-    from pytest_layerparity.reference.extract import whole_model_envelope
+    from pytest_layerparity.reference.model_golden import whole_model_envelope
 
     prompt = torch.arange(1, 9).reshape(1, 8)
     golden = compact_logits(_tie_model()(prompt, None)[0], 8)
@@ -255,7 +255,7 @@ def test_the_whole_models_envelope_takes_another_choice_among_equal_top_k_candid
 
 def test_the_whole_models_runs_go_together_as_many_as_the_devices_memory_holds(monkeypatch):
     from pytest_layerparity.noise import batching
-    from pytest_layerparity.reference.extract import whole_model_envelope
+    from pytest_layerparity.reference.model_golden import whole_model_envelope
 
     prompt = torch.arange(1, 9).reshape(1, 8)
     golden = compact_logits(_tie_model()(prompt, None)[0], 8)
@@ -276,6 +276,6 @@ def test_the_whole_models_runs_go_together_as_many_as_the_devices_memory_holds(m
 
 
 def test_the_whole_models_envelope_takes_just_over_half_a_layers_runs():
-    from pytest_layerparity.reference.extract import model_envelope_samples
+    from pytest_layerparity.reference.model_golden import model_envelope_samples
 
     assert [model_envelope_samples(k) for k in (0, 1, 2, 3, 6, 12, 13, 24)] == [0, 1, 2, 2, 4, 7, 7, 13]

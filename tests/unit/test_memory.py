@@ -31,7 +31,7 @@ from pytest_layerparity.reference.plan import (
 )
 from pytest_layerparity.reference.spill import SpilledCalls
 from pytest_layerparity.store.callspec import CallRecord
-from pytest_layerparity.store.golden import all_finite_by_sum, check_finite
+from pytest_layerparity.store.finite import all_finite_by_sum, check_finite
 
 
 class Block(torch.nn.Module):

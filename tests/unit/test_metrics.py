@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from pytest_layerparity.compare.chunk_sums import REL_TINY
 from pytest_layerparity.compare.metrics import (
     METRIC_NAMES,
-    REL_TINY,
     Metrics,
     compare_tensors,
     min_passing_tolerance,

@@ -16,7 +16,7 @@ from pytest_layerparity.reference.overflow import (
     output_overflow,
     overflow_text,
 )
-from pytest_layerparity.store.golden import all_finite_by_sum
+from pytest_layerparity.store.finite import all_finite_by_sum
 
 INF, NAN = float("inf"), float("nan")
 T = torch.tensor([1.0, -2.0])

@@ -17,7 +17,8 @@ from pytest_layerparity.options import make_settings
 from pytest_layerparity.reference.prompt_cache import filling, prompt_cache
 from pytest_layerparity.report.text import failure_text
 from pytest_layerparity.store import promptkv
-from pytest_layerparity.store.callspec import CallRecord, appended_kv, cache_argument, decode_call, first_tensor
+from pytest_layerparity.store.callspec import CallRecord, cache_argument, decode_call, first_tensor
+from pytest_layerparity.store.kv_updates import appended_kv
 
 
 def _model(**overrides) -> LlamaForCausalLM:
