@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .model.build import checkpoint_dtype
 from .model.source import ModelSource, model_dir_of
-from .options import Settings, is_url
+from .options import RunMode, Settings, is_url
 from .report.progress import SILENT, Progress
 from .selection import (
     LayerRange,
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 def uncalled_layers(session: LayerParitySession) -> dict[int, str]:
     """Layer -> its class, of the layers the extraction's forward did not call on the golden
     input, as the store records them (an extraction finds them as it runs: none here)."""
-    return {} if session.settings.mode == "extract" else session.store.uncalled_layers()
+    return {} if session.settings.mode == RunMode.EXTRACT else session.store.uncalled_layers()
 
 
 def store_extraction_flags(settings: Settings, store: GoldenStore) -> tuple[str, ...]:
@@ -60,7 +60,7 @@ def store_extraction_flags(settings: Settings, store: GoldenStore) -> tuple[str,
         default_dtype = checkpoint_dtype(read_config_json(store.model_dir or ""))
     except ModelError:
         default_dtype = None
-    if s.mode == "extract":
+    if s.mode == RunMode.EXTRACT:
         runs = 0 if s.no_precision_floor else s.envelope_samples
         header = {"dtype": s.dtype or default_dtype, "inputs": input_description(s), "envelope": {"runs": runs}}
     else:
@@ -133,8 +133,8 @@ class LayerParitySession:
     @cached_property
     def model(self) -> ModelSource:
         s = self.settings
-        experts = s.experts_implementation if s.mode == "parity" else None
-        if s.mode == "parity" and experts is None:
+        experts = s.experts_implementation if s.mode == RunMode.PARITY else None
+        if s.mode == RunMode.PARITY and experts is None:
             from .backends import backend_class
 
             backend = backend_class(s.target_name or "cpu")
@@ -150,7 +150,7 @@ class LayerParitySession:
             model_dir_of(s.model),
             layer_module=s.layer_module,
             trust_remote_code=s.trust_remote_code,
-            attn_implementation=s.attn_implementation if s.mode != "parity" else None,
+            attn_implementation=s.attn_implementation if s.mode != RunMode.PARITY else None,
             experts_implementation=experts,
         )
 
@@ -191,7 +191,7 @@ class LayerParitySession:
         checkpoint's own."""
         if self.settings.dtype:
             return self.settings.dtype
-        if self.settings.mode != "extract":
+        if self.settings.mode != RunMode.EXTRACT:
             manifest = self.store.read_manifest()
             if manifest and isinstance(manifest.get("dtype"), str):
                 return manifest["dtype"]
@@ -323,7 +323,7 @@ class LayerParitySession:
         left_out = [i for i in parse_layers(s.layers, self.model.num_layers) if i in uncalled]
         if left_out:
             lines.append(f"layerparity: not tested: {uncalled_text(left_out, uncalled, self.store.manifest_path)}")
-        if s.mode in ("extract", "verify"):
+        if s.mode in (RunMode.EXTRACT, RunMode.VERIFY):
             ref = self.reference
             why = (
                 ""
@@ -335,7 +335,7 @@ class LayerParitySession:
                 f"layerparity: reference device {ref.golden_device}{why}, dtype {self.dtype_name}, "
                 f"placement {ref.device_map}{streaming}"
             )
-            if s.mode == "extract":
+            if s.mode == RunMode.EXTRACT:
                 whole = (
                     "no whole-model logits (not under --device-map stream)"
                     if ref.device_map == "stream" and s.logits_topk
@@ -356,7 +356,7 @@ class LayerParitySession:
                 lines.append("layerparity: port hf: the model's own HuggingFace layers")
             if self.experts_choice:
                 lines.append(f"layerparity: experts: {self.experts_choice}")
-        if s.mode != "extract":
+        if s.mode != RunMode.EXTRACT:
             lines.append(f"layerparity: weights: {self.weights.describe(self.selected_layers)}")
         lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
         return lines + self.notes
@@ -367,7 +367,7 @@ class LayerParitySession:
         """Layer ``index``'s prompt golden, or the golden stored under a key (``layer_3.decode_0``)."""
         key = layer_key(index) if isinstance(index, int) else index
         layer = golden_layer(key)
-        if self.settings.mode != "extract":  # a test of goldens made from other weights would judge another layer
+        if self.settings.mode != RunMode.EXTRACT:  # a test of goldens made from other weights would judge another layer
             self.weights.check(self.selected_layers if key == MODEL_LOGITS_KEY else [] if layer is None else [layer])
         hint = f"extract it with: {self.commands.extract(None if layer is None else str(layer))}"
         return self.store.load(key, missing_hint=hint)

@@ -28,6 +28,7 @@ from ..model.memory import give_back_memory
 from ..model.source import ModelSource
 from ..noise.perturbed_runs import ENVELOPE_RULE, PerturbedRunner
 from ..noise.wide_pass import FloorEvaluator
+from ..options import RunMode
 from ..report.progress import SILENT, Progress
 from ..selection import decode_key, layer_key
 from ..store import promptkv
@@ -156,7 +157,7 @@ class ReferenceSide:
         """'stream', or an accelerate device map for the whole model (sized for the stored
         input where this run re-runs it)."""
         settings = self.settings
-        if settings.mode == "verify":
+        if settings.mode == RunMode.VERIFY:
             settings = stored_input_shape(settings, self.store.read_manifest())
         return choose_device_map(settings, self.model, self.dtype_name, self.golden_device)
 
