@@ -75,7 +75,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
         session = LayerParitySession(settings, Path(config.rootpath))
         lines = plan_lines(
             session.model,
-            session.dtype_name,
+            session.golden_dtype_name,
             settings.batch_size,
             settings.seq_len,
             resolve_golden_device(settings.golden_device),

@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .model.build import checkpoint_dtype
+from .model.build import checkpoint_dtype, torch_dtype
 from .model.source import ModelSource, model_dir_of
 from .options import RunMode, Settings, is_url
 from .report.progress import SILENT, Progress
@@ -33,6 +33,8 @@ from .store.golden import MODEL_LOGITS_KEY, GoldenEntry, GoldenError, GoldenStor
 from .store.identity import check_store_matches
 
 if TYPE_CHECKING:
+    import torch
+
     from .backends.base import Backend
     from .compare.judge import LayerOutcome
     from .noise.wide_pass import FloorEvaluator
@@ -186,9 +188,8 @@ class LayerParitySession:
         return store
 
     @cached_property
-    def dtype_name(self) -> str:
-        """The dtype of the goldens: --dtype, else (testing) the stored goldens', else the
-        checkpoint's own."""
+    def golden_dtype_name(self) -> str:
+        """The goldens' dtype by name: --dtype, else (testing) the stored goldens', else the checkpoint's."""
         if self.settings.dtype:
             return self.settings.dtype
         if self.settings.mode != RunMode.EXTRACT:
@@ -196,6 +197,11 @@ class LayerParitySession:
             if manifest and isinstance(manifest.get("dtype"), str):
                 return manifest["dtype"]
         return checkpoint_dtype(self.model.config_json)
+
+    @cached_property
+    def golden_dtype(self) -> torch.dtype:
+        """The dtype of the goldens, resolved once for every stage that runs in it."""
+        return torch_dtype(self.golden_dtype_name)
 
     @cached_property
     def commands(self) -> Commands:
@@ -220,12 +226,11 @@ class LayerParitySession:
     @cached_property
     def weights(self) -> WeightsBinding:
         """The store's goldens against this model's weights (each layer checked once)."""
-        import torch
 
         from .reference.binding import WeightsBinding
 
         extract_again = functools.partial(self.commands.extract, force_regen=True)
-        return WeightsBinding(self.model, self.store, getattr(torch, self.dtype_name), extract_again)
+        return WeightsBinding(self.model, self.store, self.golden_dtype, extract_again)
 
     @property
     def backend(self) -> Backend:
@@ -267,7 +272,7 @@ class LayerParitySession:
             self.settings,
             self.model,
             self.store,
-            self.dtype_name,
+            self.golden_dtype_name,
             self._floor,
             self.commands.extract,
             self.progress,
@@ -275,7 +280,6 @@ class LayerParitySession:
 
     @cached_property
     def target(self) -> TargetSide:
-        import torch
 
         from .noise.perturbed_runs import PerturbedRunner
         from .replay.runner import TargetSide
@@ -283,7 +287,7 @@ class LayerParitySession:
         return TargetSide(
             self.settings,
             self.model,
-            self.dtype_name,
+            self.golden_dtype_name,
             self.backend,
             self.load_golden,
             self._floor,
@@ -292,7 +296,7 @@ class LayerParitySession:
             self.store.read_manifest(),
             PerturbedRunner(
                 self.model,
-                getattr(torch, self.dtype_name),
+                self.golden_dtype,
                 self.settings.envelope_samples,
                 sixteen_bit_sums=self.backend.sixteen_bit_sums,
             ),
@@ -304,11 +308,10 @@ class LayerParitySession:
     @cached_property
     def _floor(self) -> FloorEvaluator:
         """The precision floor's evaluator, one for both sides (its skeleton built once)."""
-        import torch
 
         from .noise.wide_pass import FloorEvaluator
 
-        return FloorEvaluator(self.model, getattr(torch, self.dtype_name))
+        return FloorEvaluator(self.model, self.golden_dtype)
 
     def header_lines(self) -> list[str]:
         from .compare.verdict import describe_rule
@@ -332,7 +335,7 @@ class LayerParitySession:
             )
             streaming = " (one layer at a time)" if ref.device_map == "stream" else ""
             lines.append(
-                f"layerparity: reference device {ref.golden_device}{why}, dtype {self.dtype_name}, "
+                f"layerparity: reference device {ref.golden_device}{why}, dtype {self.golden_dtype_name}, "
                 f"placement {ref.device_map}{streaming}"
             )
             if s.mode == RunMode.EXTRACT:
@@ -345,7 +348,7 @@ class LayerParitySession:
                 )
                 lines.append(f"layerparity: goldens: the prompt, {s.decode_steps} decode steps per layer, {whole}")
         else:
-            lines.append(f"layerparity: target {s.target_name}, dtype {self.dtype_name}")
+            lines.append(f"layerparity: target {s.target_name}, dtype {self.golden_dtype_name}")
             if self.port is not None:
                 lines.append(f"layerparity: port {self.port.describe()}")
             elif self._build_target_layer is not None:
@@ -358,7 +361,7 @@ class LayerParitySession:
                 lines.append(f"layerparity: experts: {self.experts_choice}")
         if s.mode != RunMode.EXTRACT:
             lines.append(f"layerparity: weights: {self.weights.describe(self.selected_layers)}")
-        lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
+        lines.append(f"layerparity: verdict: {describe_rule(s, self.golden_dtype_name)}")
         return lines + self.notes
 
     # -- the fixture API ------------------------------------------------------------------

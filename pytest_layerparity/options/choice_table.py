@@ -4,7 +4,7 @@ golden input."""
 from __future__ import annotations
 
 from .declaration import Option
-from .parsers import DTYPES, GOLDEN_DEVICES_HELP, dtype_name, golden_device, non_negative_int, positive_int
+from .parsers import DTYPES, GOLDEN_DEVICES_HELP, dtype_choice, golden_device, non_negative_int, positive_int
 
 CHOICE_OPTIONS = (
     Option(
@@ -180,7 +180,7 @@ CHOICE_OPTIONS = (
         f"Dtype of the reference run and the port: {', '.join(DTYPES)}. Default: the checkpoint's own (dtype or "
         "torch_dtype in config.json, as transformers' 'auto' reads it; float32 when it names none); the stored "
         "golden's dtype when testing.",
-        type=dtype_name,
+        type=dtype_choice,
         default=None,
         ini=True,
     ),

@@ -99,7 +99,7 @@ def boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
 
 
-def dtype_name(text: str) -> str:
+def dtype_choice(text: str) -> str:
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
     value = aliases.get(text.strip().lower(), text.strip().lower())
     if value not in DTYPES:
