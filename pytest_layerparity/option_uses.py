@@ -18,7 +18,16 @@ from typing import Any
 
 import pytest
 
-from .options import OPTIONS, Option, Settings, check_ini_not_lost, overridden_ini_keys, read_settings, resolve_paths
+from .options import (
+    OPTIONS,
+    Option,
+    RunMode,
+    Settings,
+    check_ini_not_lost,
+    overridden_ini_keys,
+    read_settings,
+    resolve_paths,
+)
 
 
 @dataclass(frozen=True)
@@ -45,21 +54,21 @@ def _session(s: Settings) -> bool:
 
 
 def _extraction(s: Settings) -> bool:
-    return not s.plan and s.mode == "extract"
+    return not s.plan and s.mode == RunMode.EXTRACT
 
 
 def _reference(s: Settings) -> bool:
     """The reference model runs: extraction or verification."""
-    return not s.plan and s.mode in ("extract", "verify")
+    return not s.plan and s.mode in (RunMode.EXTRACT, RunMode.VERIFY)
 
 
 def _judged(s: Settings) -> bool:
     """Outputs are judged against stored goldens: verification or parity."""
-    return not s.plan and s.mode in ("verify", "parity")
+    return not s.plan and s.mode in (RunMode.VERIFY, RunMode.PARITY)
 
 
 def _parity(s: Settings) -> bool:
-    return not s.plan and s.mode == "parity"
+    return not s.plan and s.mode == RunMode.PARITY
 
 
 def _sized(s: Settings) -> bool:
@@ -69,7 +78,7 @@ def _sized(s: Settings) -> bool:
 
 def _plan_reads_store(s: Settings) -> bool:
     """--plan takes the stored goldens' dtype where --dtype is not given (unless extracting)."""
-    return s.plan and s.dtype is None and s.mode != "extract"
+    return s.plan and s.dtype is None and s.mode != RunMode.EXTRACT
 
 
 def _chains(s: Settings) -> bool:
@@ -192,9 +201,9 @@ def run_words(s: Settings) -> str:
     """This run, as the command line chose it (``--xla``, ``--port nxdi --target cpu``...)."""
     if s.plan:
         return "--plan"
-    if s.mode == "extract":
+    if s.mode == RunMode.EXTRACT:
         return "--gpu-golden --extract"
-    if s.mode == "verify":
+    if s.mode == RunMode.VERIFY:
         return "--gpu-golden, without --extract"
     if s.mode is None:
         return "no layerparity run (no --gpu-golden, --xla, --neuron, --target or --plan)"

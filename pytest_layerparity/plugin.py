@@ -13,6 +13,7 @@ import pytest
 from . import hookspecs
 from .option_uses import current_settings, unused_ini_lines
 from .options import (
+    RunMode,
     add_options,
     conftest_builds_layer,
     read_settings,
@@ -74,7 +75,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
         session = LayerParitySession(settings, Path(config.rootpath))
         lines = plan_lines(
             session.model,
-            session.dtype_name,
+            session.golden_dtype_name,
             settings.batch_size,
             settings.seq_len,
             resolve_golden_device(settings.golden_device),
@@ -101,19 +102,19 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(DistributedRuns(settings), PLUGIN_NAME)
     if settings.mode is None:
         return
-    if settings.mode in ("extract", "verify"):
+    if settings.mode in (RunMode.EXTRACT, RunMode.VERIFY):
         keep_xla_out()
         from .model.memory import bound_reference_memory
 
         bound_reference_memory()
     nxdi_builder = None  # --port nxdi --target neuron: a conftest's builder in place of NxDI's (no SDK needed)
-    if settings.mode == "parity" and settings.compiled:
+    if settings.mode == RunMode.PARITY and settings.compiled:
         nxdi_builder = config.hook.pytest_layerparity_nxdi_build_module(settings=settings)
     _check_installed(settings, sdk_builds=nxdi_builder is None)
     session = _start_session(config, settings, nxdi_builder)
     session.notes = unused_ini_lines(settings, config)
     config.stash[SESSION_KEY] = session
-    if settings.mode == "parity" and session.port is not None:
+    if settings.mode == RunMode.PARITY and session.port is not None:
         from .ports.nxdi import PortError
 
         try:
@@ -140,10 +141,10 @@ def _check_installed(settings: Settings, sdk_builds: bool = True) -> None:
     target = settings.target_name
     try:
         check_installed("reference")
-        if settings.mode == "parity" and (target == "xla" or (target == "neuron" and sdk_builds)):
+        if settings.mode == RunMode.PARITY and (target == "xla" or (target == "neuron" and sdk_builds)):
             check_installed(settings.target_name)
     except BackendUnavailable as exc:
-        if settings.mode != "parity":
+        if settings.mode != RunMode.PARITY:
             flag = "--gpu-golden"
         else:
             flag = f"--{target}" if target in ("xla", "neuron") else f"--target {target}"
@@ -187,12 +188,14 @@ def _start_session(config: pytest.Config, settings: Settings, nxdi_builder: Any 
     try:
         session.selected_layers  # noqa: B018  parsed now: a bad spec is a usage error
         session.layer_ranges  # noqa: B018
-        if settings.mode in ("extract", "verify") or (settings.mode == "parity" and settings.port != "nxdi"):
+        if settings.mode in (RunMode.EXTRACT, RunMode.VERIFY) or (
+            settings.mode == RunMode.PARITY and settings.port != "nxdi"
+        ):
             check_checkpoint_names(session.model, session.selected_layers)
             check_attention_mode(session.model, settings.seq_len)
-        if settings.mode in ("extract", "verify"):
+        if settings.mode in (RunMode.EXTRACT, RunMode.VERIFY):
             check_recurrent_depth(session.model, session.selected_layers)
-        if settings.mode == "extract":  # (a verification re-runs the prompt alone)
+        if settings.mode == RunMode.EXTRACT:  # (a verification re-runs the prompt alone)
             check_decode_cache(session.model, session.selected_layers, settings.decode_steps)
             check_prompt(settings, session.model.model_dir)
             if not hasattr(config, "workerinput"):  # the controller decides for its workers
@@ -251,7 +254,7 @@ def pytest_make_collect_report(
             from .store.golden import MODEL_LOGITS_KEY
             from .suites import suite_modules
 
-            parity = session.settings.mode == "parity"
+            parity = session.settings.mode == RunMode.PARITY
             has_decode = parity and session.store.has_decode()
             has_model = parity and session.settings.layers == "all" and session.store.has(MODEL_LOGITS_KEY)
             for name in suite_modules(session.settings, bool(session.layer_ranges), has_decode, has_model):

@@ -13,9 +13,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .model.build import checkpoint_dtype
+from .model.build import checkpoint_dtype, torch_dtype
 from .model.source import ModelSource, model_dir_of
-from .options import Settings, is_url
+from .options import RunMode, Settings, is_url
 from .report.progress import SILENT, Progress
 from .selection import (
     LayerRange,
@@ -33,6 +33,8 @@ from .store.golden import MODEL_LOGITS_KEY, GoldenEntry, GoldenError, GoldenStor
 from .store.identity import check_store_matches
 
 if TYPE_CHECKING:
+    import torch
+
     from .backends.base import Backend
     from .compare.judge import LayerOutcome
     from .noise.wide_pass import FloorEvaluator
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
 def uncalled_layers(session: LayerParitySession) -> dict[int, str]:
     """Layer -> its class, of the layers the extraction's forward did not call on the golden
     input, as the store records them (an extraction finds them as it runs: none here)."""
-    return {} if session.settings.mode == "extract" else session.store.uncalled_layers()
+    return {} if session.settings.mode == RunMode.EXTRACT else session.store.uncalled_layers()
 
 
 def store_extraction_flags(settings: Settings, store: GoldenStore) -> tuple[str, ...]:
@@ -60,7 +62,7 @@ def store_extraction_flags(settings: Settings, store: GoldenStore) -> tuple[str,
         default_dtype = checkpoint_dtype(read_config_json(store.model_dir or ""))
     except ModelError:
         default_dtype = None
-    if s.mode == "extract":
+    if s.mode == RunMode.EXTRACT:
         runs = 0 if s.no_precision_floor else s.envelope_samples
         header = {"dtype": s.dtype or default_dtype, "inputs": input_description(s), "envelope": {"runs": runs}}
     else:
@@ -133,8 +135,8 @@ class LayerParitySession:
     @cached_property
     def model(self) -> ModelSource:
         s = self.settings
-        experts = s.experts_implementation if s.mode == "parity" else None
-        if s.mode == "parity" and experts is None:
+        experts = s.experts_implementation if s.mode == RunMode.PARITY else None
+        if s.mode == RunMode.PARITY and experts is None:
             from .backends import backend_class
 
             backend = backend_class(s.target_name or "cpu")
@@ -150,7 +152,7 @@ class LayerParitySession:
             model_dir_of(s.model),
             layer_module=s.layer_module,
             trust_remote_code=s.trust_remote_code,
-            attn_implementation=s.attn_implementation if s.mode != "parity" else None,
+            attn_implementation=s.attn_implementation if s.mode != RunMode.PARITY else None,
             experts_implementation=experts,
         )
 
@@ -186,16 +188,20 @@ class LayerParitySession:
         return store
 
     @cached_property
-    def dtype_name(self) -> str:
-        """The dtype of the goldens: --dtype, else (testing) the stored goldens', else the
-        checkpoint's own."""
+    def golden_dtype_name(self) -> str:
+        """The goldens' dtype by name: --dtype, else (testing) the stored goldens', else the checkpoint's."""
         if self.settings.dtype:
             return self.settings.dtype
-        if self.settings.mode != "extract":
+        if self.settings.mode != RunMode.EXTRACT:
             manifest = self.store.read_manifest()
             if manifest and isinstance(manifest.get("dtype"), str):
                 return manifest["dtype"]
         return checkpoint_dtype(self.model.config_json)
+
+    @cached_property
+    def golden_dtype(self) -> torch.dtype:
+        """The dtype of the goldens, resolved once for every stage that runs in it."""
+        return torch_dtype(self.golden_dtype_name)
 
     @cached_property
     def commands(self) -> Commands:
@@ -220,12 +226,11 @@ class LayerParitySession:
     @cached_property
     def weights(self) -> WeightsBinding:
         """The store's goldens against this model's weights (each layer checked once)."""
-        import torch
 
         from .reference.binding import WeightsBinding
 
         extract_again = functools.partial(self.commands.extract, force_regen=True)
-        return WeightsBinding(self.model, self.store, getattr(torch, self.dtype_name), extract_again)
+        return WeightsBinding(self.model, self.store, self.golden_dtype, extract_again)
 
     @property
     def backend(self) -> Backend:
@@ -267,7 +272,7 @@ class LayerParitySession:
             self.settings,
             self.model,
             self.store,
-            self.dtype_name,
+            self.golden_dtype_name,
             self._floor,
             self.commands.extract,
             self.progress,
@@ -275,7 +280,6 @@ class LayerParitySession:
 
     @cached_property
     def target(self) -> TargetSide:
-        import torch
 
         from .noise.perturbed_runs import PerturbedRunner
         from .replay.runner import TargetSide
@@ -283,7 +287,7 @@ class LayerParitySession:
         return TargetSide(
             self.settings,
             self.model,
-            self.dtype_name,
+            self.golden_dtype_name,
             self.backend,
             self.load_golden,
             self._floor,
@@ -292,7 +296,7 @@ class LayerParitySession:
             self.store.read_manifest(),
             PerturbedRunner(
                 self.model,
-                getattr(torch, self.dtype_name),
+                self.golden_dtype,
                 self.settings.envelope_samples,
                 sixteen_bit_sums=self.backend.sixteen_bit_sums,
             ),
@@ -304,11 +308,10 @@ class LayerParitySession:
     @cached_property
     def _floor(self) -> FloorEvaluator:
         """The precision floor's evaluator, one for both sides (its skeleton built once)."""
-        import torch
 
         from .noise.wide_pass import FloorEvaluator
 
-        return FloorEvaluator(self.model, getattr(torch, self.dtype_name))
+        return FloorEvaluator(self.model, self.golden_dtype)
 
     def header_lines(self) -> list[str]:
         from .compare.verdict import describe_rule
@@ -323,7 +326,7 @@ class LayerParitySession:
         left_out = [i for i in parse_layers(s.layers, self.model.num_layers) if i in uncalled]
         if left_out:
             lines.append(f"layerparity: not tested: {uncalled_text(left_out, uncalled, self.store.manifest_path)}")
-        if s.mode in ("extract", "verify"):
+        if s.mode in (RunMode.EXTRACT, RunMode.VERIFY):
             ref = self.reference
             why = (
                 ""
@@ -332,10 +335,10 @@ class LayerParitySession:
             )
             streaming = " (one layer at a time)" if ref.device_map == "stream" else ""
             lines.append(
-                f"layerparity: reference device {ref.golden_device}{why}, dtype {self.dtype_name}, "
+                f"layerparity: reference device {ref.golden_device}{why}, dtype {self.golden_dtype_name}, "
                 f"placement {ref.device_map}{streaming}"
             )
-            if s.mode == "extract":
+            if s.mode == RunMode.EXTRACT:
                 whole = (
                     "no whole-model logits (not under --device-map stream)"
                     if ref.device_map == "stream" and s.logits_topk
@@ -345,7 +348,7 @@ class LayerParitySession:
                 )
                 lines.append(f"layerparity: goldens: the prompt, {s.decode_steps} decode steps per layer, {whole}")
         else:
-            lines.append(f"layerparity: target {s.target_name}, dtype {self.dtype_name}")
+            lines.append(f"layerparity: target {s.target_name}, dtype {self.golden_dtype_name}")
             if self.port is not None:
                 lines.append(f"layerparity: port {self.port.describe()}")
             elif self._build_target_layer is not None:
@@ -356,9 +359,9 @@ class LayerParitySession:
                 lines.append("layerparity: port hf: the model's own HuggingFace layers")
             if self.experts_choice:
                 lines.append(f"layerparity: experts: {self.experts_choice}")
-        if s.mode != "extract":
+        if s.mode != RunMode.EXTRACT:
             lines.append(f"layerparity: weights: {self.weights.describe(self.selected_layers)}")
-        lines.append(f"layerparity: verdict: {describe_rule(s, self.dtype_name)}")
+        lines.append(f"layerparity: verdict: {describe_rule(s, self.golden_dtype_name)}")
         return lines + self.notes
 
     # -- the fixture API ------------------------------------------------------------------
@@ -367,7 +370,7 @@ class LayerParitySession:
         """Layer ``index``'s prompt golden, or the golden stored under a key (``layer_3.decode_0``)."""
         key = layer_key(index) if isinstance(index, int) else index
         layer = golden_layer(key)
-        if self.settings.mode != "extract":  # a test of goldens made from other weights would judge another layer
+        if self.settings.mode != RunMode.EXTRACT:  # a test of goldens made from other weights would judge another layer
             self.weights.check(self.selected_layers if key == MODEL_LOGITS_KEY else [] if layer is None else [layer])
         hint = f"extract it with: {self.commands.extract(None if layer is None else str(layer))}"
         return self.store.load(key, missing_hint=hint)

@@ -3,12 +3,7 @@ and its helpers share (a module of its own, so that nothing imports the plugin f
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pytest
-
-if TYPE_CHECKING:
-    pass
 
 SESSION_KEY = pytest.StashKey["LayerParitySession"]()
 #: A --force-regen in progress (the controller's).

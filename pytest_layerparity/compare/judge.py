@@ -95,7 +95,7 @@ class LayerOutcome:
         )
 
 
-def dtype_name(tensor: torch.Tensor) -> str:
+def tensor_dtype_text(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
@@ -208,8 +208,8 @@ def judge(
         metrics=metrics,
         checks=checks,
         shape=tuple(golden.shape),
-        golden_dtype=dtype_name(golden),
-        target_dtype=dtype_name(target_cpu),
+        golden_dtype=tensor_dtype_text(golden),
+        target_dtype=tensor_dtype_text(target_cpu),
         floor=stats,
         routing=routing,
         excluded_tokens=excluded,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from ..options import Settings, read_settings
+from ..options import RunMode, Settings, read_settings
 from .env import (
     CUDA_DEVICES,
     NEURON_CORES,
@@ -188,7 +188,9 @@ class DistributedRuns:
                 "the other ranks run the same tests quietly"
             )
         cache = self.settings.compile_cache
-        if cache and self.settings.mode == "parity" and (self.neuron or self.xla):  # (the session says where unused)
+        if (
+            cache and self.settings.mode == RunMode.PARITY and (self.neuron or self.xla)
+        ):  # (the session says where unused)
             kind = "NEURON_COMPILE_CACHE_URL" if self.neuron else "torch-xla persistent cache"
             lines.append(f"layerparity: compile cache {cache} ({kind})")
         return lines or None

@@ -19,6 +19,7 @@ from ..model.memory import give_back_memory
 from ..model.source import ModelSource
 from ..noise.perturbed_runs import ENVELOPE_RULE
 from ..noise.wide_pass import FloorEvaluator
+from ..options import RunMode
 from ..report.progress import SILENT, Progress
 from ..selection import layer_key
 from ..store.differences import describe_differences
@@ -90,7 +91,7 @@ class ReferenceModel:
         """'stream', or an accelerate device map for the whole model (sized for the stored
         input where this run re-runs it)."""
         settings = self.settings
-        if settings.mode == "verify":
+        if settings.mode == RunMode.VERIFY:
             settings = stored_input_shape(settings, self.store.read_manifest())
         return choose_device_map(settings, self.model, self.dtype_name, self.golden_device)
 

@@ -97,8 +97,8 @@ def scale_note(port: torch.Tensor, reference: torch.Tensor) -> str:
 def block_compare(target: TargetSide, index: int) -> BlockFinding:
     """Run layer ``index`` of the port with its sub-blocks recorded, and each sub-block of the
     model's own layer of the same name on the port's recorded input."""
-    dtype = getattr(torch, target.dtype_name)
-    tolerance = BLOCK_TOLERANCE.get(target.dtype_name, BLOCK_TOLERANCE["float32"])
+    dtype = target.golden_dtype
+    tolerance = BLOCK_TOLERANCE.get(target.golden_dtype_name, BLOCK_TOLERANCE["float32"])
     module = target.build(index)
     port_layer = getattr(module, "layer", module)
     reference = target.model.load_layer(index, dtype)

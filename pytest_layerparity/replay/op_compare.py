@@ -54,7 +54,7 @@ def op_compare(target: TargetSide, index: int, out_dir: Path) -> OpFinding:
     stopping at the first op that fails (its inputs and outputs dumped to ``out_dir``)."""
     from ..ops import CompareError, CompareWithCPU, open_module_tracker
 
-    atol, rtol = op_tolerances(target.dtype_name, target.settings.op_atol, target.settings.op_rtol)
+    atol, rtol = op_tolerances(target.golden_dtype_name, target.settings.op_atol, target.settings.op_rtol)
     entry = target.load_golden(index)
     module = target.build(index)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,7 @@ class TargetSide:
         self,
         settings: Settings,
         model: ModelSource,
-        dtype_name: str,
+        golden_dtype: torch.dtype,
         backend: Backend,
         load_golden: Callable[[int | str], GoldenEntry],
         floor: FloorEvaluator,
@@ -78,7 +78,8 @@ class TargetSide:
     ) -> None:
         self.settings = settings
         self.model = model
-        self.dtype_name = dtype_name
+        self.golden_dtype = golden_dtype
+        self.golden_dtype_name = str(golden_dtype).removeprefix("torch.")  # as the store and the verdict name it
         self.backend = backend
         self.load_golden = load_golden  # a layer's prompt golden, or a golden by its key
         self.floor = floor
@@ -119,9 +120,8 @@ class TargetSide:
     def own_layer(self, index: int, on_device: bool = True) -> torch.nn.Module:
         """The model's own layer ``index`` from the checkpoint in the goldens' dtype (on the
         target device unless not ``on_device``): what a port is held beside in a control."""
-        import torch
 
-        layer = self.model.load_layer(index, getattr(torch, self.dtype_name))
+        layer = self.model.load_layer(index, self.golden_dtype)
         return layer.to(self.backend.device) if on_device else layer
 
     @cached_property
@@ -133,10 +133,9 @@ class TargetSide:
 
     def _build_port(self, index: int) -> torch.nn.Module:
         """Layer ``index`` of the NxDI port, for the goldens' batch and length."""
-        import torch
 
         assert self.port is not None
-        module = self.port.build(index, getattr(torch, self.dtype_name), *self._port_shape)
+        module = self.port.build(index, self.golden_dtype, *self._port_shape)
         return module.to(self.backend.device)
 
     def run(self, module: torch.nn.Module, entry: GoldenEntry, hidden: torch.Tensor | None = None) -> TargetRun:
@@ -185,7 +184,7 @@ class TargetSide:
             run.output,
             run.routing,
             self.settings,
-            self.dtype_name,
+            self.golden_dtype_name,
             hidden_in=hidden_in,
             envelope=envelope if envelope is not None else self.envelope_of(entry),
             tainted=sorted(tainted or ()),
@@ -223,7 +222,7 @@ class TargetSide:
 
         states = bool((entry.metadata["call"].get("cache_update") or {}).get("states"))
         written = run.appended_kv
-        envelope, dtype = outcome.envelope, self.dtype_name
+        envelope, dtype = outcome.envelope, self.golden_dtype_name
         outcome.checks += judge_appended_kv(entry.tensors, written, self.settings, dtype, envelope, states, prefix)
         if written is not None and not states:  # a state's error along itself tells nothing of a scale
             outcome.kv_self_shares.update(written_shares(entry.tensors, written))
@@ -247,7 +246,6 @@ class TargetSide:
         """The whole model on the target, teacher-forced through the golden's prompt and decode
         tokens, against the golden's next-token distributions (see ``compare.logits``); with
         ``control``, the model's own transformers model (no hook, no port)."""
-        import torch
 
         from ..compare.judge import tie_tolerance
         from ..compare.logits import ModelEnvelope, judge_logits
@@ -266,15 +264,15 @@ class TargetSide:
                 def build(layer_idx: int, **_: Any) -> torch.nn.Module:
                     return self._build_port(layer_idx)
 
-            step = default_target_model(self.model, getattr(torch, self.dtype_name), device, self.backend.sync, build)
+            step = default_target_model(self.model, self.golden_dtype, device, self.backend.sync, build)
         with self.backend.running():
             logits = teacher_forced(step, entry.tensors["input_ids"], entry.tensors.get("decode_ids"), device)
         self.backend.sync()
         return judge_logits(
             entry.tensors,
             logits,
-            self.dtype_name,
-            tie_tolerance(self.settings, self.dtype_name),
+            self.golden_dtype_name,
+            tie_tolerance(self.settings, self.golden_dtype_name),
             self.settings.false_alarm_rate,
             ModelEnvelope.from_metadata(entry.metadata.get("envelope")),
         )
@@ -318,7 +316,7 @@ class TargetSide:
             run.output,
             run.routing,
             self.settings,
-            self.dtype_name,
+            self.golden_dtype_name,
             hidden_in=given.to(self.floor.dtype),
             envelope=self.envelope_of(entry),
             tainted=sorted(tainted),

@@ -7,22 +7,25 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..options import RunMode
+
 if TYPE_CHECKING:
     from ..options import Settings
 
 CASE_KINDS = ("layers", "ranges", "chains", "model")
-_BY_MODE = {"parity": "parity", "extract": "extract", "verify": "verify"}
+#: The suite module of each mode (the extraction's is not named after its mode).
+_SUITE_OF_MODE = {RunMode.PARITY: "parity", RunMode.EXTRACT: "extraction", RunMode.VERIFY: "verify"}
 
 
 def suite_modules(settings: Settings, has_ranges: bool, has_decode: bool = False, has_model: bool = False) -> list[str]:
     """The suite modules a session collects (dotted names); ``has_decode``: the store holds
     decode-step goldens; ``has_model``: it holds the whole model's and all layers are selected."""
     assert settings.mode is not None
-    names = [_BY_MODE[settings.mode]]
-    if settings.mode == "parity" and has_decode:
+    names = [_SUITE_OF_MODE[settings.mode]]
+    if settings.mode == RunMode.PARITY and has_decode:
         names.append("decode")
-    if settings.mode == "parity" and has_model:
-        names.append("model")
+    if settings.mode == RunMode.PARITY and has_model:
+        names.append("whole_model")
     if has_ranges:
         names.append("ranges")
     if settings.chain:

@@ -26,7 +26,9 @@ def test_extract_golden(layerparity_case, layerparity_session, layerparity_recor
     except ReferenceOverflow as exc:
         # the reference's own output, the same for every layer: said once, and the run stops
         # (no layer is written; xdist's other workers stop too)
-        request.session.shouldfail = f"layerparity: the reference overflows in {session.dtype_name}; nothing written"
+        request.session.shouldfail = (
+            f"layerparity: the reference overflows in {session.golden_dtype_name}; nothing written"
+        )
         failure = str(exc)
     except (GoldenError, ModelError) as exc:
         failure = str(exc)
