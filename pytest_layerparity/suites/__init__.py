@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from ..options import Settings
 
 CASE_KINDS = ("layers", "ranges", "chains", "model")
-_BY_MODE = {"parity": "parity", "extract": "extract", "verify": "verify"}
+_BY_MODE = {"parity": "parity", "extract": "extraction", "verify": "verify"}
 
 
 def suite_modules(settings: Settings, has_ranges: bool, has_decode: bool = False, has_model: bool = False) -> list[str]:
@@ -22,7 +22,7 @@ def suite_modules(settings: Settings, has_ranges: bool, has_decode: bool = False
     if settings.mode == "parity" and has_decode:
         names.append("decode")
     if settings.mode == "parity" and has_model:
-        names.append("model")
+        names.append("whole_model")
     if has_ranges:
         names.append("ranges")
     if settings.chain:
