@@ -25,14 +25,10 @@ import re
 import warnings
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
-
-    from .xla_ops import XlaIndexing
+from typing import Any
 
 from .base import Backend, BackendUnavailable
+from .torch_xla_device import TorchXlaBackend
 
 DEFAULT_ENV = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost"}
 CACHE_URL = "NEURON_COMPILE_CACHE_URL"
@@ -150,9 +146,8 @@ def logical_nc_config(option: int | None) -> tuple[int, str]:
 NEURON_SIXTEEN_BIT_SUMS = False
 
 
-class NeuronBackend(Backend):
+class NeuronBackend(TorchXlaBackend):
     name = "neuron"
-    lazy = True
     sixteen_bit_sums = NEURON_SIXTEEN_BIT_SUMS
 
     def __init__(
@@ -210,25 +205,6 @@ class NeuronBackend(Backend):
         self._we_initialised_mp = self._we_initialised_pg = False
         self._env_applied = {}
         self._device = None
-
-    @property
-    def device(self) -> torch.device:
-        if self._device is None:
-            self.setup()
-        return self._device
-
-    def sync(self) -> None:
-        import torch_xla
-
-        torch_xla.sync()
-
-    def running(self) -> XlaIndexing:
-        """torch-xla aborts on an index op whose index comes straight from a sort or top-k
-        (backends/xla_ops.py): each such index is taken as a view of itself, and raises on a
-        slice reaching before a dimension's start: such a bound is clamped, as eager does."""
-        from .xla_ops import XlaIndexing
-
-        return XlaIndexing()
 
     def describe(self) -> str:
         pg = "set up here" if self._we_initialised_pg else "already set up"

@@ -2,14 +2,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
-
-    from .xla_ops import XlaIndexing
-
-from .base import Backend, BackendUnavailable
+from .base import BackendUnavailable
+from .torch_xla_device import TorchXlaBackend
 
 CACHE_COUNTERS = ("PersistentCacheHit", "PersistentCacheMiss", "PersistentCacheDeserializeFailure")
 
@@ -41,11 +36,10 @@ def cache_counters() -> dict[str, int]:
     return {name: int(met.counter_value(name) or 0) for name in CACHE_COUNTERS}
 
 
-class XlaBackend(Backend):
+class XlaBackend(TorchXlaBackend):
     """Any torch-xla device (CPU with PJRT_DEVICE=CPU, TPU, Neuron through its PJRT plugin)."""
 
     name = "xla"
-    lazy = True
     #: PJRT devices whose float16 dots sum in float32 (TPUs' and Neuron's matrix units, XLA's
     #: GPU backend through cuBLAS); XLA's CPU backend sums them in float16 (bench/README.md),
     #: and a device not named here is taken to be able to.
@@ -76,25 +70,6 @@ class XlaBackend(Backend):
         if self.compile_cache:
             start_persistent_cache(self.compile_cache)
         self._device = torch_xla.device()
-
-    @property
-    def device(self) -> torch.device:
-        if self._device is None:
-            self.setup()
-        return self._device
-
-    def sync(self) -> None:
-        import torch_xla
-
-        torch_xla.sync()
-
-    def running(self) -> XlaIndexing:
-        """torch-xla aborts on an index op whose index comes straight from a sort or top-k
-        (backends/xla_ops.py): each such index is taken as a view of itself, and raises on a
-        slice reaching before a dimension's start: such a bound is clamped, as eager does."""
-        from .xla_ops import XlaIndexing
-
-        return XlaIndexing()
 
     def cache_summary(self) -> str | None:
         """One line on the persistent cache's use in this process, or None without a cache."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from .failure import rerun_command
+
 CASES = "chains"
 
 
@@ -17,7 +19,7 @@ def test_bisect(layerparity_case, layerparity_session, layerparity_record):
     layerparity_record("first_bad_layer", "none" if bad is None else bad)
     trail = ", ".join(f"{layerparity_case.first}-{end} {'ok' if ok else 'FAIL'}" for end, ok in probes)
     if bad is not None:
-        rerun = session.commands.rerun(str(bad), f"layer_{bad}")
+        rerun = rerun_command(session, bad)
         pytest.fail(
             f"bisect {layerparity_case.first}-{layerparity_case.last}: the chain first leaves tolerance at layer {bad} "
             f"({len(probes)} chained range runs: {trail})\n  drill in: {rerun}",

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from ..report.properties import properties
-from ..report.text import failure_text
 from . import record_outcome
 from .control import control_note, recorded
+from .failure import failing_text, rerun_command
 
 CASES = "layers"
 
@@ -53,16 +53,11 @@ def test_layer_decode_parity(layerparity_case, layerparity_session, layerparity_
     failing = [step for step, o in enumerate(outcomes) if not o.passed]
     layerparity_record("failing_steps", failing)
     if failing:
-        rerun = session.commands.rerun(str(layerparity_case), f"test_layer_decode_parity and layer_{layerparity_case}")
-        texts = [
-            failure_text(outcomes[step], f"decode step {step} on {session.backend.describe()}", rerun)
-            for step in failing
-        ]
-        control = recorded(layerparity_record, control_note(session, layerparity_case, failing))
-        texts += [control] if control else []
-        if session.port is not None and session.port.sharded:
-            from .unsharded import unsharded_note
-
-            keyword = f"test_layer_decode_parity and layer_{layerparity_case}"
-            texts.append(unsharded_note(session, layerparity_case, keyword))
-        pytest.fail("\n".join(texts), pytrace=False)
+        text = failing_text(
+            session,
+            [(outcomes[step], f"decode step {step} on {session.backend.describe()}") for step in failing],
+            rerun_command(session, layerparity_case, "test_layer_decode_parity"),
+            control=recorded(layerparity_record, control_note(session, layerparity_case, failing)),
+            unsharded=(layerparity_case, "test_layer_decode_parity"),
+        )
+        pytest.fail(text, pytrace=False)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ..report.properties import properties
-from ..report.text import failure_text
 from . import record_outcome
 from .control import control_note, recorded
+from .failure import failing_text, rerun_command
 
 CASES = "layers"
 
@@ -21,14 +21,13 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
     if not judged:
         pytest.skip(outcome.unjudged_reason(f"layer {layerparity_case}"))
     if not outcome.passed:
-        rerun = session.commands.rerun(str(layerparity_case), f"layer_{layerparity_case}")
-        text = failure_text(outcome, f"on {session.backend.describe()}", rerun)
-        control = recorded(layerparity_record, control_note(session, layerparity_case))
-        text += "\n" + control if control else ""
-        if session.port is not None and session.port.sharded:
-            from .unsharded import unsharded_note
-
-            text += "\n" + unsharded_note(session, layerparity_case, f"test_layer_parity and layer_{layerparity_case}")
+        text = failing_text(
+            session,
+            [(outcome, f"on {session.backend.describe()}")],
+            rerun_command(session, layerparity_case),
+            control=recorded(layerparity_record, control_note(session, layerparity_case)),
+            unsharded=(layerparity_case, "test_layer_parity"),
+        )
         if session.settings.op_compare and session.port is not None and session.port.compiled is not None:
             text += (
                 "\n  op compare: not available for a compiled program (its ops are inside one NEFF); compare the "

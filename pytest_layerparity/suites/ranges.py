@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ..report.properties import properties
-from ..report.text import failure_text
 from . import record_outcome
+from .failure import failing_text, rerun_command
 
 CASES = "ranges"
 
@@ -28,10 +28,10 @@ def judge_chain(kind: str, layer_range, session, layerparity_record) -> None:
     record_outcome(layerparity_record, f"{layer_range.first}-{layer_range.last}", not failing, props)
     if failing:
         first = failing[0]
-        rerun = session.commands.rerun(str(first.layer), f"layer_{first.layer}")
         head = (
             f"{kind} {layer_range.first}-{layer_range.last}: {len(failing)} of {len(outcomes)} layers "
             f"leave tolerance; the first is layer {first.layer}\n"
         )
         where = "in range" if kind == "range" else "chained"
-        pytest.fail(head + failure_text(first, f"({where}, on {session.backend.describe()})", rerun), pytrace=False)
+        failure = (first, f"({where}, on {session.backend.describe()})")
+        pytest.fail(failing_text(session, [failure], rerun_command(session, first.layer), head=head), pytrace=False)

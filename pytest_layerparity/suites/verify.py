@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ..report.properties import properties
-from ..report.text import failure_text
 from . import record_outcome
+from .failure import failing_text
 
 CASES = "layers"
 
@@ -19,4 +19,4 @@ def test_golden_reproducible(layerparity_case, layerparity_session, layerparity_
     if not outcome.passed:
         regenerate = session.commands.extract(str(layerparity_case)) + "   # to replace it"
         where = f"re-run on {session.reference.golden_device}"
-        pytest.fail(failure_text(outcome, where, regenerate), pytrace=False)
+        pytest.fail(failing_text(session, [(outcome, where)], regenerate), pytrace=False)

@@ -53,7 +53,8 @@ def test_model_parity(layerparity_session, layerparity_record):
         layerparity_record(name, value)
     if not outcome.passed:
         from .control import model_control_note, recorded
+        from .failure import failing_text
 
         text = describe_model_outcome(outcome, f"on {session.backend.describe()}")
         control = recorded(layerparity_record, model_control_note(session, session.load_golden(MODEL_LOGITS_KEY)))
-        pytest.fail(text + ("\n" + control if control else ""), pytrace=False)
+        pytest.fail(failing_text(session, text, control=control), pytrace=False)
