@@ -287,7 +287,7 @@ class LayerParitySession:
         return TargetSide(
             self.settings,
             self.model,
-            self.golden_dtype_name,
+            self.golden_dtype,
             self.backend,
             self.load_golden,
             self._floor,
