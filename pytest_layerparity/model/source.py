@@ -43,7 +43,7 @@ class ModelSource:
 
     ``attn_implementation`` applies to the reference model (None: the library's default, but
     eager for the reference and the target's layers alike where attention logits are
-    soft-capped: :func:`.model.capped_attention`); ``experts_implementation`` to the layers
+    soft-capped: :func:`.build.capped_attention`); ``experts_implementation`` to the layers
     built for the target (``layer_config``). Skeletons are weightless (meta device) and built
     once per dtype.
     """

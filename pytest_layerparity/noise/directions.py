@@ -1,6 +1,6 @@
 """Directions of a layer's output that ``branch_bias`` is measured along beside the
 branches', each the output's move under one small change of the layer's arithmetic, made in
-the precision floor's pass (:mod:`.floor`): the attention's temperature
+the precision floor's pass (:mod:`.wide_pass`): the attention's temperature
 (:func:`temperature_direction`), the norms' epsilon (:func:`norm_epsilon_direction`) and
 GELU's other form (:func:`gelu_form_direction`). A port that gets one of them wrong moves its
 output along that direction, and along no branch's output."""

@@ -250,3 +250,37 @@ def test_no_module_over_400_lines():
         if count > MAX_LINES:
             long.append(f"{name}: {count} lines (at most {MAX_LINES}: split it where its concepts part)")
     assert long == []
+
+
+def resolves(dotted: list[str]) -> bool:
+    """Whether the longest importable prefix of ``dotted`` has the rest as attributes."""
+    import importlib
+
+    for cut in range(len(dotted), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(dotted[:cut]))
+        except ImportError:
+            continue
+        for attribute in dotted[cut:]:
+            if not hasattr(obj, attribute):
+                return False
+            obj = getattr(obj, attribute)
+        return True
+    return False
+
+
+def test_docstrings_cross_references_resolve():
+    """A relative Sphinx role in the package's text (``:mod:`.wide_pass```, ``:func:`..x.y```)
+    names a module or object that exists: a move leaves none pointing at an old name."""
+    role = re.compile(r":(?:mod|func|class|meth|data|attr):`~?(\.+[\w.]+)`")
+    missing = []
+    for name, path in package_modules().items():
+        here = (name if path.name == "__init__.py" else name.rpartition(".")[0]).split(".")
+        for reference in role.findall(path.read_text()):
+            rest = reference.lstrip(".")
+            base = here[: len(here) - (len(reference) - len(rest) - 1)]
+            if not resolves([*base, *rest.split(".")]):
+                missing.append(f"{name}: {reference}")
+    assert missing == []
+    assert resolves(["pytest_layerparity", "noise", "wide_pass", "FloorEvaluator"])
+    assert not resolves(["pytest_layerparity", "noise", "floor"])
