@@ -154,8 +154,9 @@ def test_no_folder_over_a_fifth_of_the_package():
     total = sum(lines.values())
     folders: dict[str, int] = {}
     for name, count in lines.items():
-        if (PACKAGE / name.split(".")[1]).is_dir() if "." in name else False:
-            folders[name.split(".")[1]] = folders.get(name.split(".")[1], 0) + count
+        parts = name.split(".")
+        if len(parts) > 1 and (PACKAGE / parts[1]).is_dir():
+            folders[parts[1]] = folders.get(parts[1], 0) + count
     assert max(folders.values()) > 0
     big = {folder: f"{count / total:.0%}" for folder, count in folders.items() if count > MAX_FOLDER_SHARE * total}
     assert big == {}
