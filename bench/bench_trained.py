@@ -155,14 +155,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ports", default=",".join(PORTS), help=f"Comma-separated correct ports of {', '.join(PORTS)}. Default: all."
     )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        help="Keep the goldens and each port's junit XML in this (new) folder. Default: a temporary one.",
+    )
     args = parser.parse_args(argv)
     ports = args.ports.split(",")
     if unknown := sorted(set(ports) - set(PORTS)):
         parser.error(f"--ports: unknown {', '.join(unknown)}; known: {', '.join(PORTS)}")
-    with tempfile.TemporaryDirectory(prefix="layerparity-trained-") as folder:
+    if args.keep is not None:
+        if args.keep.exists():
+            parser.error(f"--keep: {args.keep} exists; name a new folder")
+        args.keep.mkdir(parents=True)
+    with tempfile.TemporaryDirectory(prefix="layerparity-trained-") as scratch:
+        folder = args.keep if args.keep is not None else Path(scratch)
         for model in args.models.split(","):
             for dtype in args.dtypes.split(","):
-                run(model, dtype, args.seq_len, Path(folder), ports)
+                run(model, dtype, args.seq_len, folder, ports)
     return 0
 
 

@@ -1,7 +1,7 @@
 """How torch-xla's CPU kernels round, op by op, against eager and the exact result: what the
 noise envelope's perturbation model has to cover for a correct port on that backend.
 
-    PJRT_DEVICE=CPU python bench/bench_xla_kernels.py [--gelu-forms | --dot-sizes] [--device cuda]
+    PJRT_DEVICE=CPU python bench/bench_xla_kernels.py [--gelu-forms | --dot-sizes | --one-row] [--device cuda]
 
 For each op and 16-bit dtype, on one random input (64 x 4096, N(0, 2)), against the op
 computed in float64 on the same 16-bit input:
@@ -24,6 +24,12 @@ kernel that leans by rounding alone reads what it reads here.
 ``--dot-sizes``: the float16 matmul alone over shapes m x k @ k x n, its error against the
 exact product over eager's (eager sums in float32 and rounds once): where torch-xla's CPU
 backend sums the products in float16 (a ratio near 12) and where in float32 (1).
+
+``--one-row``: a float32 decode step's one-row linear (1 x k times a weight), with and without
+a bias, eager's and the device's error against the exact product over eager's without a bias,
+beside a sum of the products in order: which lowering sums one row in order (the perturbed runs'
+``lowerings.SEQUENTIAL_SUMS`` alternative); and a decode step's attention scores (one query a
+head times the keys), the device's and an in-order sum's error over eager's.
 
 ``--device cuda``: CUDA's kernels in torch-xla's place (the same tables; on a lent GPU
 machine, where torch-xla is not installed).
@@ -76,6 +82,42 @@ def dot_sizes(device: torch.device) -> None:
         print(f"  {batch} x ({m} x {k} @ {k} x {n}): {dot_ratio(device, g, batch, m, k, n):.1f}")
 
 
+def one_row(device: torch.device) -> None:
+    """A float32 one-row linear's error, with and without a bias, eager and ``device``, and a sum
+    of its products in order from the bias, over eager's without a bias (random operands)."""
+    g = torch.Generator().manual_seed(4)
+    print("float32 1 x k linear: ||result - exact|| / ||eager (no bias) - exact||")
+    columns = ("eager", "eager+bias", "device", "device+bias", "in order+bias")
+    print(f"{'k':>5} {'n':>5} " + " ".join(f"{c:>13}" for c in columns))
+    for k, n in ((64, 896), (640, 2048), (896, 4864), (2048, 640), (4096, 1024)):
+        x, w, b = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        exact = x.double() @ w.double().T
+        in_order = b.clone()
+        for j in range(k):
+            in_order += x[0, j] * w[:, j]
+        results = (
+            (F.linear(x, w), exact),
+            (F.linear(x, w, b), exact + b.double()),
+            (F.linear(x.to(device), w.to(device)).cpu(), exact),
+            (F.linear(x.to(device), w.to(device), b.to(device)).cpu(), exact + b.double()),
+            (in_order, exact + b.double()),
+        )
+        errors = [float((r.double() - e).norm() / e.norm()) for r, e in results]
+        print(f"{k:>5} {n:>5} " + " ".join(f"{e / errors[0]:>13.2f}" for e in errors))
+    print("a decode step's attention scores, one query a head times the keys: ||result - exact|| / eager's")
+    print(f"{'heads':>5} {'head':>5} {'keys':>5} {'device':>13} {'in order':>13}")
+    for heads, head, keys in ((4, 64, 33), (14, 64, 33), (4, 256, 601), (8, 128, 600)):
+        q, key = torch.randn(1, heads, 1, head, generator=g), torch.randn(1, heads, keys, head, generator=g)
+        exact = q.double() @ key.double().transpose(-1, -2)
+        eager = float(((q @ key.transpose(-1, -2)).double() - exact).norm())
+        device_error = float(((q.to(device) @ key.to(device).transpose(-1, -2)).cpu().double() - exact).norm())
+        in_order = torch.zeros(1, heads, 1, keys)
+        for j in range(head):
+            in_order += q[..., j : j + 1] * key[..., j].unsqueeze(-2)
+        ordered = float((in_order.double() - exact).norm())
+        print(f"{heads:>5} {head:>5} {keys:>5} {device_error / eager:>13.2f} {ordered / eager:>13.2f}")
+
+
 def gelu_forms(device: torch.device) -> None:
     """Each GELU kernel's error along the swap of GELU's forms, as a share of the swap, on
     inputs N(0, scale^2) of several scales; and the device's share beyond eager's (eager
@@ -113,6 +155,7 @@ def main() -> None:
     instead = parser.add_mutually_exclusive_group()
     instead.add_argument("--dot-sizes", action="store_true", help="the float16 dot's error by shape instead")
     instead.add_argument("--gelu-forms", action="store_true", help="GELU's error along its other form instead")
+    instead.add_argument("--one-row", action="store_true", help="the float32 one-row linear's error instead")
     parser.add_argument("--device", choices=("xla", "cuda"), default="xla", help="whose kernels (default: torch-xla)")
     args = parser.parse_args()
     if args.device == "cuda":
@@ -121,9 +164,11 @@ def main() -> None:
         import torch_xla
 
         device = torch_xla.device()
-    if args.dot_sizes or args.gelu_forms:
-        (dot_sizes if args.dot_sizes else gelu_forms)(device)
-        return
+    chosen = {"dot_sizes": dot_sizes, "gelu_forms": gelu_forms, "one_row": one_row}
+    for flag, table in chosen.items():
+        if getattr(args, flag):
+            table(device)
+            return
     x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0)) * 2
     w = torch.randn(4096, 512, generator=torch.Generator().manual_seed(1)) / 64
     print(f"{'dtype':<9} {'op':<12} {'eager ratio':>11} {'device ratio':>12} {'eager lean':>11} {'device lean':>11}")
