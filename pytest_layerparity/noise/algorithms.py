@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .wider import _named_arguments, causal_seen
+from .rounding import sequential_sum_error_std
+from .wider import _named_arguments, _widen, causal_seen
 
 
 def _decomposed_ops() -> dict[Any, Any]:
@@ -236,13 +237,12 @@ def addmm_product(mat1: torch.Tensor, mat2: torch.Tensor) -> torch.Tensor:
 EAGER_ATTENTION = frozenset({torch.bfloat16, torch.float16})
 
 
-def eager_attention(func: Any, args: tuple, kwargs: dict, rows: torch.Tensor) -> torch.Tensor | None:
-    """The output of the fused attention op ``func`` on ``args``, ``kwargs`` for the batch rows
-    ``rows`` (indices into the query's first dimension), computed as transformers' eager
-    attention computes it: ``softmax((q @ k^T) * scale + mask, float32)`` rounded to the
-    dtype, times the values; a causal call's queries top-left aligned (query i sees keys 0 to
-    i), as the op's ``is_causal``; grouped key heads repeated. None where it overflows (an overflow
-    is no rounding: those rows keep the fused kernel's result)."""
+def _attention_call(
+    func: Any, args: tuple, kwargs: dict, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any, float, bool]:
+    """The query, keys (grouped heads repeated), values and mask of the fused attention op
+    ``func`` on ``args``, ``kwargs`` for the batch rows ``rows``, with its scale and whether it
+    is causal."""
     named = _named_arguments(func, args, kwargs)
     query, key, value = (named[n] for n in ("query", "key", "value"))
     batch = query.shape[0]
@@ -253,13 +253,50 @@ def eager_attention(func: Any, args: tuple, kwargs: dict, rows: torch.Tensor) ->
     if mask is not None and mask.dim() == query.dim() and mask.shape[0] == batch:
         mask = mask[rows]
     scale = named.get("scale") or 1.0 / math.sqrt(query.shape[-1])
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    return query, key, value, mask, scale, bool(named.get("is_causal", False))
+
+
+def _masked(scores: torch.Tensor, mask: Any, causal: bool) -> torch.Tensor:
+    """``scores`` with the op's mask applied (a boolean one hides, another adds) and, for a
+    causal call, the keys after each query hidden (top-left aligned, as the op's ``is_causal``)."""
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    if named.get("is_causal", False):
+    if causal:
         length, source = scores.shape[-2:]
         scores = scores.masked_fill(~causal_seen(0, length, source, scores.device), float("-inf"))
+    return scores
+
+
+def eager_attention(func: Any, args: tuple, kwargs: dict, rows: torch.Tensor) -> torch.Tensor | None:
+    """The output of the fused attention op ``func`` on ``args``, ``kwargs`` for the batch rows
+    ``rows`` (indices into the query's first dimension), computed as transformers' eager
+    attention computes it: ``softmax((q @ k^T) * scale + mask, float32)`` rounded to the
+    dtype, times the values; a causal call's queries top-left aligned (query i sees keys 0 to
+    i), as the op's ``is_causal``; grouped key heads repeated. None where it overflows (an overflow
+    is no rounding: those rows keep the fused kernel's result)."""
+    query, key, value, mask, scale, causal = _attention_call(func, args, kwargs, rows)
+    scores = _masked(torch.matmul(query, key.transpose(-2, -1)) * scale, mask, causal)
     out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), value)
+    return out if bool(torch.isfinite(out).all()) else None
+
+
+def in_order_scores_attention(
+    func: Any, args: tuple, kwargs: dict, rows: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor | None:
+    """The output of the float32 fused attention op ``func`` on ``args``, ``kwargs`` for the
+    batch rows ``rows`` (indices into the query's first dimension), as XLA's CPU backend lowers
+    a one-query (decode-step) attention: each score, a sum over the head's dimension, summed in
+    order (its error drawn at that sum's size, :func:`.rounding.sequential_sum_error_std`), the
+    rest computed wider and rounded once. Its scores err 1.5-1.9 times eager's (as an in-order
+    sum does; ``bench/bench_xla_kernels.py --one-row``), and a sharp softmax carries that to
+    the output (Gemma 3 270M's layer 11 over 601 keys: 6.5 times eager's error). None where it
+    overflows."""
+    query, key, value, mask, scale, causal = _attention_call(func, args, kwargs, rows)
+    keys = key.transpose(-2, -1)
+    error = sequential_sum_error_std(query, keys, query.dtype)
+    error *= torch.randn(error.shape, generator=generator, dtype=error.dtype, device=error.device)
+    scores = _masked((_widen(query) @ _widen(keys) + error) * scale, _widen(mask), causal)
+    out = (torch.softmax(scores, dim=-1) @ _widen(value)).to(query.dtype)
     return out if bool(torch.isfinite(out).all()) else None
 
 

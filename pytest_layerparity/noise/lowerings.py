@@ -20,6 +20,7 @@ from .algorithms import (
     WIDE_STATISTICS_NORMS,
     addmm_product,
     eager_attention,
+    in_order_scores_attention,
     layer_norm_in_own_dtype,
     one_pass_var_mean,
 )
@@ -27,17 +28,28 @@ from .rounding import _UNIT_ROUNDOFF
 from .tensor_cores import with_tensor_core_rows
 from .wider import _named_arguments, exact_fast_matmul, with_rows
 
-#: Result dtypes whose one-row matmuls (a decode step's token times a weight) a run may sum one
-#: product at a time, from the bias where there is one, in the runs that take it (half, drawn
-#: apart): XLA's CPU backend fuses a one-row dot with its bias into one loop that does so
+#: Result dtypes whose one-row matmuls with a bias (a decode step's token times a weight, plus
+#: its bias) a run may sum one product at a time from the bias, in the runs that take it (half,
+#: drawn apart): XLA's CPU backend fuses a one-row dot with its bias into one loop that does so
 #: (measured at K 64 to 4096: its error is that of such a sum, 3.3 times eager's at K 896), as
-#: torch's own CPU addmm does for one row times a (k, n) row-major weight. Products of more
-#: rows go to blocked kernels (XLA's 4 and 32 rows err 1.1 and 1.25 times eager): taken for
-#: all of them, the in-order sum widened Qwen2.5-Coder-0.5B's float32 prompt limits 6-fold. A
-#: 16-bit matmul's sum in float32 is below its result's rounding (not modelled).
+#: torch's own CPU addmm does for one row times a (k, n) row-major weight. Its one-row dot without
+#: a bias sums so from K ``IN_ORDER_FROM`` on, and in blocks below it, more accurately than eager
+#: (0.35 to 0.45 times eager's error at K 1024 to 4095; ``bench/bench_xla_kernels.py --one-row``):
+#: a shorter one without a bias takes no alternative. Products of more rows go to blocked
+#: kernels (XLA's 4 and 32 rows err 1.1 and 1.25 times eager): taken for all of them, the
+#: in-order sum widened Qwen2.5-Coder-0.5B's float32 prompt limits 6-fold. A 16-bit matmul's sum
+#: in float32 is below its result's rounding (not modelled).
 SEQUENTIAL_SUMS = frozenset({torch.float32})
-#: The one-row matmuls of ``SEQUENTIAL_SUMS``, by packet name: the position of the rows' operand.
-ONE_ROW_MATMULS = {"mm": 0, "addmm": 1}
+#: The matmuls of ``SEQUENTIAL_SUMS`` by packet name, with the position of their rows' operand
+#: and whether one row of them is summed in order whatever its length in the other lowering:
+#: one with a bias (from the bias), and a batched one (a decode step's attention scores and
+#: probabilities times values, per head: XLA sums them in order, its scores erring 1.5-1.9 times
+#: eager's over a head of 64 to 256, as an in-order sum does).
+ONE_ROW_MATMULS = {"mm": (0, False), "addmm": (1, True), "bmm": (0, True)}
+#: The length of sum from which XLA's CPU backend sums a one-row dot without a bias in order
+#: (measured: 0.35 to 0.43 times eager's error at K 3584 to 4095, 1.4 to 2.2 at 4096 to 16384,
+#: as a sum in order does).
+IN_ORDER_FROM = 4096
 
 
 class DrawnLowerings:
@@ -131,9 +143,11 @@ class DrawnLowerings:
     def _matmul(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A matmul (``ACCUMULATING_OPS``), perturbed; a float32 one (``SEQUENTIAL_SUMS``), in
         the runs that take the other lowering (:meth:`_drawn`), as that lowering computes it: a
-        one-row product (a decode step's token times a weight) with its error drawn as that of
-        its products summed in order from its bias (:func:`.rounding.accumulation_error`), any
-        other with its error ``BLOCKED_SUM_SCALE`` times the reference kernel's."""
+        one-row product (a decode step's token times a weight, or one row of each matrix of a
+        batched product) with a bias, batched, or of at least ``IN_ORDER_FROM`` products with its
+        error drawn as that of its products summed in order from its bias
+        (:func:`.rounding.accumulation_error`), a shorter one without a bias as the reference's
+        kernel, any other with its error ``BLOCKED_SUM_SCALE`` times the reference kernel's."""
 
         def standard(exact: list[Any] | None = None) -> Any:
             if exact is None and func is torch.ops.aten.addmm.default:  # (a 16-bit one's alternative)
@@ -143,27 +157,40 @@ class DrawnLowerings:
         floating = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         if self.mode == "random" or not floating or any(a.dtype not in SEQUENTIAL_SUMS for a in floating):
             return standard()
-        rows = ONE_ROW_MATMULS.get(func.overloadpacket.__name__)
-        one_row = rows is not None and args[rows].dim() == 2 and args[rows].shape[0] == self.samples  # a run's
+        rows, in_order = ONE_ROW_MATMULS.get(func.overloadpacket.__name__, (None, False))
+        operand = args[rows] if rows is not None else None
+        one_row = operand is not None and (
+            operand.shape[-2] == 1 if operand.dim() == 3 else operand.dim() == 2 and operand.shape[0] == self.samples
+        )  # a run's row (a batched product: each of its matrices' one row)
+        if one_row and not in_order and operand.shape[-1] < IN_ORDER_FROM:
+            return standard()  # summed in blocks by either lowering
         exact = self._wider_results(func, args, kwargs)  # once, for both ways
         return self._drawn(
             args,
             SEQUENTIAL_SUMS,
             lambda: self._perturbed(func, args, kwargs, exact, in_order=one_row, blocked=not one_row),
             lambda: standard(exact),
+            key=self._matmul,
         )
 
-    def _drawn(self, args: tuple, dtypes: frozenset, other: Callable[[], Any], standard: Callable[[], Any]) -> Any:
+    def _drawn(
+        self,
+        args: tuple,
+        dtypes: frozenset,
+        other: Callable[[], Any],
+        standard: Callable[[], Any],
+        key: Callable | None = None,
+    ) -> Any:
         """``other()`` or ``standard()`` where every floating operand in ``args`` is of
-        ``dtypes`` (else ``standard()``), chosen once per run for each alternative (``other``'s
-        code): an implementation lowers every such op one way, so a run takes it for all of
-        them or for none, half the runs each. The rows of the first operand with rows are the
-        stacked runs'."""
+        ``dtypes`` (else ``standard()``), chosen once per run for each alternative (``key``'s
+        code, else ``other``'s): an implementation lowers every such op one way, so a run takes
+        it for all of them or for none, half the runs each. The rows of the first operand with
+        rows are the stacked runs'."""
         floating = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         x = next((a for a in floating if a.dim() > 1), floating[0] if floating else None)
         if self.mode == "random" or x is None or x.dim() == 0 or any(a.dtype not in dtypes for a in floating):
             return standard()
-        return self._either(x, other, standard, self._pick(other, x.device))
+        return self._either(x, other, standard, self._pick(other if key is None else key, x.device))
 
     def _pick(self, alternative: Callable, device: torch.device) -> torch.Tensor:
         """Which of the stacked runs take ``alternative`` (one boolean per run, half of them
@@ -177,7 +204,10 @@ class DrawnLowerings:
         """A fused attention op, perturbed; in the runs that take it (half), a float32 one as
         tensor cores return it (:func:`.tensor_cores.with_tensor_core_rows`), and in the runs
         that take that (half, drawn apart) a 16-bit one as transformers' eager attention
-        computes it (:func:`.algorithms.eager_attention`)."""
+        computes it (:func:`.algorithms.eager_attention`); a float32 one of one query a run
+        (a decode step's), in the runs that lower float32 matmuls as XLA's CPU backend does
+        (``SEQUENTIAL_SUMS``), with its scores summed in order
+        (:func:`.algorithms.in_order_scores_attention`)."""
         rows, device = (args[0].shape[0] if args[0].dim() > 2 else 0), args[0].device  # the query's
         apart = self.mode != "random" and rows and rows % self.samples == 0  # one run's rows apart from another's
         float32 = apart and all(a.dtype == torch.float32 for a in args[:3])
@@ -188,7 +218,15 @@ class DrawnLowerings:
         if exact is None:
             return result
         keep = self._pick(with_tensor_core_rows, device).repeat_interleave(rows // self.samples)
-        return with_tensor_core_rows(func, args, kwargs, result, exact[0], keep, self._generator(device))
+        result = with_tensor_core_rows(func, args, kwargs, result, exact[0], keep, self._generator(device))
+        if args[0].shape[-2] != 1:  # not one query a run
+            return result
+        in_order = self._pick(self._matmul, device).repeat_interleave(rows // self.samples)
+        if not in_order.any():
+            return result
+        taken = in_order.nonzero().squeeze(1)
+        found = in_order_scores_attention(func, args, kwargs, taken, self._generator(device))
+        return result if found is None else with_rows(result, taken, found)
 
     def _eager_rows(self, func: Any, args: tuple, kwargs: dict, result: Any, rows: int) -> Any:
         """``result`` of the fused attention op with the rows of the runs that take it computed

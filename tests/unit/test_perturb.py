@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pytest_layerparity.noise import draws, rounding
-from pytest_layerparity.noise.algorithms import one_pass_var_mean
+from pytest_layerparity.noise.algorithms import in_order_scores_attention, one_pass_var_mean
+from pytest_layerparity.noise.lowerings import IN_ORDER_FROM
 from pytest_layerparity.noise.perturb import BLOCKED_SUM_SCALE, PerturbedArithmetic
 from pytest_layerparity.noise.rounding import another_rounding, sequential_sum_error_std, stochastic_round
 from pytest_layerparity.noise.wider import attention_reference, exact_fast_matmul, query_block
@@ -184,7 +186,8 @@ def _in_order_from_bias(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) ->
 def test_float32_matmuls_sum_in_order_from_the_bias_in_half_the_runs():
     """Eight stacked runs of a float32 linear with a bias: those that take the in-order sum err
     as such a sum does (within 20%, ~3x eager's error at k 896), the others as eager does; both
-    kinds occur, and a float32 matmul's draw is one per run (its bias-free matmuls alike)."""
+    kinds occur. A bias-free one-row matmul this short errs as eager does in every run (XLA's CPU
+    backend sums it in blocks below ``IN_ORDER_FROM``)."""
     g = torch.Generator().manual_seed(11)
     x, bias = torch.randn(1, 896, generator=g), torch.randn(256, generator=g)
     w = (torch.randn(256, 896, generator=g) / 30).t()  # a linear's weight, as F.linear passes it
@@ -204,9 +207,35 @@ def test_float32_matmuls_sum_in_order_from_the_bias_in_half_the_runs():
     for size, yes in zip(sizes, took, strict=True):
         assert size == pytest.approx(in_order if yes else eager, rel=0.2)
     without = x.double() @ w.double()
+    plain_eager = (x @ w).double() - without
     plain_sizes = [(plain[k].double() - without[0]).pow(2).mean().sqrt().item() for k in range(8)]
-    cut = (max(plain_sizes) + min(plain_sizes)) / 2
-    assert [s > cut for s in plain_sizes] == took  # the same runs sum in order everywhere
+    assert max(plain_sizes) < 1.3 * plain_eager.pow(2).mean().sqrt().item()
+
+
+def test_long_bias_free_one_row_matmuls_sum_in_order_in_the_same_runs():
+    """From ``IN_ORDER_FROM`` products on, a bias-free one-row float32 matmul sums in order in
+    the runs that take the other lowering, the same runs as a linear with a bias: its error there
+    is an in-order sum's, elsewhere eager's."""
+    g = torch.Generator().manual_seed(13)
+    k = IN_ORDER_FROM
+    x, bias = torch.randn(1, k, generator=g), torch.randn(64, generator=g)
+    w = (torch.randn(64, k, generator=g) / 64).t()
+    exact = x.double() @ w.double()
+    in_order = (_in_order_from_bias(x, w, torch.zeros(64)).double() - exact).pow(2).mean().sqrt().item()
+    eager = ((x.repeat(8, 1) @ w)[:1].double() - exact).pow(2).mean().sqrt().item()  # the runs' kernel
+    assert in_order > 1.5 * eager
+    with PerturbedArithmetic(4, samples=8):
+        biased = torch.addmm(bias, x.repeat(8, 1), w)
+        plain = x.repeat(8, 1) @ w
+    sizes = [(plain[j].double() - exact[0]).pow(2).mean().sqrt().item() for j in range(8)]
+    took = [s > (in_order + eager) / 2 for s in sizes]
+    assert 0 < sum(took) < 8
+    for size, yes in zip(sizes, took, strict=True):
+        assert size == pytest.approx(in_order if yes else eager, rel=0.25)
+    with_bias = x.double() @ w.double() + bias.double()
+    biased_sizes = [(biased[j].double() - with_bias[0]).pow(2).mean().sqrt().item() for j in range(8)]
+    cut = (max(biased_sizes) + min(biased_sizes)) / 2
+    assert [s > cut for s in biased_sizes] == took  # the same runs sum in order everywhere
 
 
 def test_float32_matmuls_of_several_rows_are_not_summed_in_order():
@@ -846,7 +875,7 @@ def test_a_bfloat16_layer_norm_in_its_own_dtype_rounds_three_times_on_float32_st
 class _AlwaysOther(PerturbedArithmetic):
     """The perturbation with every drawn alternative taken (to test the alternatives)."""
 
-    def _drawn(self, args, dtypes, other, standard):
+    def _drawn(self, args, dtypes, other, standard, key=None):
         floating = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         return other() if all(a.dtype in dtypes for a in floating) else standard()
 
@@ -854,7 +883,7 @@ class _AlwaysOther(PerturbedArithmetic):
 class _NeverOther(PerturbedArithmetic):
     """The perturbation with no drawn alternative taken."""
 
-    def _drawn(self, args, dtypes, other, standard):
+    def _drawn(self, args, dtypes, other, standard, key=None):
         return standard()
 
 
@@ -1032,3 +1061,44 @@ def test_an_eager_attention_that_overflows_keeps_the_fused_result():
     assert run._picks[(eager_attention.__code__, q.device)].any()
     assert torch.isfinite(out).all()
     assert not torch.isfinite(torch.matmul(q, k.transpose(-2, -1))).all()  # the eager scores do overflow
+
+
+def test_a_float32_decode_attention_sums_its_scores_in_order_in_the_same_runs():
+    """A fused float32 attention of one query a run (a decode step's): in the runs that lower
+    float32 matmuls as XLA's CPU backend does (those whose one-row linear with a bias sums in
+    order), its scores carry an in-order sum's error, as XLA's do; so do a one-row batched
+    matmul's (eager attention's scores). The drawn scores err about as an explicit in-order
+    sum over the head does."""
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(1, 4, 1, 64, generator=g) * 6  # a sharp softmax: the scores' error shows
+    k, v = torch.randn(1, 4, 97, 64, generator=g), torch.randn(1, 4, 97, 64, generator=g)
+    x, bias = torch.randn(1, 256, generator=g), torch.randn(128, generator=g)
+    w = torch.randn(256, 128, generator=g) / 16
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    eager = (F.scaled_dot_product_attention(q, k, v).double() - exact).norm().item()
+    scores = torch.zeros(1, 4, 1, 97)
+    for j in range(64):  # one query's scores summed in order over the head
+        scores = scores + q[..., j : j + 1] * k[..., j].unsqueeze(-2)
+    looped = ((torch.softmax(scores.double() / 8, -1) @ v.double()).float().double() - exact).norm().item()
+    assert looped > 1.5 * eager
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    drawn = in_order_scores_attention(op, (q.repeat(16, 1, 1, 1), k, v), {}, torch.arange(16), torch.Generator())
+    assert drawn is not None
+    size = (drawn.double() - exact).pow(2).sum((1, 2, 3)).mean().sqrt().item()
+    assert 0.6 * looped < size < 1.6 * looped
+    with PerturbedArithmetic(4, samples=8):
+        runs = F.scaled_dot_product_attention(*(t.repeat(8, 1, 1, 1) for t in (q, k, v)))
+        linear = torch.addmm(bias, x.repeat(8, 1), w)
+        batched = q.repeat(8, 1, 1, 1).view(32, 1, 64) @ k.repeat(8, 1, 1, 1).transpose(-2, -1).reshape(32, 64, 97)
+    wide = x.double() @ w.double() + bias.double()
+    linear_sizes = [(linear[j].double() - wide[0]).norm().item() for j in range(8)]
+    cut = (max(linear_sizes) + min(linear_sizes)) / 2
+    took = [s > cut for s in linear_sizes]
+    assert 0 < sum(took) < 8
+    attention_sizes = [(runs[j : j + 1].double() - exact).norm().item() / eager for j in range(8)]
+    assert min(a for a, t in zip(attention_sizes, took, strict=True) if t) > 1.8
+    assert max(a for a, t in zip(attention_sizes, took, strict=True) if not t) < 1.8
+    exact_scores = (q.double() @ k.double().transpose(-2, -1)).view(4, 1, 97)
+    per_run = [(batched[4 * j : 4 * j + 4].double() - exact_scores).norm().item() for j in range(8)]
+    cut = (max(per_run) + min(per_run)) / 2
+    assert [s > cut for s in per_run] == took
