@@ -18,6 +18,7 @@ noise_ratio and token_noise_ratio, median and max over the tests), with the wall
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -168,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep.exists():
             parser.error(f"--keep: {args.keep} exists; name a new folder")
         args.keep.mkdir(parents=True)
-    with tempfile.TemporaryDirectory(prefix="layerparity-trained-") as scratch:
-        folder = args.keep if args.keep is not None else Path(scratch)
+    kept = contextlib.nullcontext(str(args.keep)) if args.keep is not None else None
+    with kept or tempfile.TemporaryDirectory(prefix="layerparity-trained-") as folder:
         for model in args.models.split(","):
             for dtype in args.dtypes.split(","):
-                run(model, dtype, args.seq_len, folder, ports)
+                run(model, dtype, args.seq_len, Path(folder), ports)
     return 0
 
 

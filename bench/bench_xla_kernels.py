@@ -82,6 +82,14 @@ def dot_sizes(device: torch.device) -> None:
         print(f"  {batch} x ({m} x {k} @ {k} x {n}): {dot_ratio(device, g, batch, m, k, n):.1f}")
 
 
+def in_order(a: torch.Tensor, b: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b`` (batched or not) summed one product at a time, from ``start`` where given."""
+    total = torch.zeros(*a.shape[:-1], b.shape[-1]) if start is None else start.expand(*a.shape[:-1], -1).clone()
+    for j in range(a.shape[-1]):
+        total += a[..., j : j + 1] * b[..., j : j + 1, :]
+    return total
+
+
 def one_row(device: torch.device) -> None:
     """A float32 one-row linear's error, with and without a bias, eager and ``device``, and a sum
     of its products in order from the bias, over eager's without a bias (random operands)."""
@@ -92,15 +100,12 @@ def one_row(device: torch.device) -> None:
     for k, n in ((64, 896), (640, 2048), (896, 4864), (2048, 640), (4096, 1024)):
         x, w, b = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         exact = x.double() @ w.double().T
-        in_order = b.clone()
-        for j in range(k):
-            in_order += x[0, j] * w[:, j]
         results = (
             (F.linear(x, w), exact),
             (F.linear(x, w, b), exact + b.double()),
             (F.linear(x.to(device), w.to(device)).cpu(), exact),
             (F.linear(x.to(device), w.to(device), b.to(device)).cpu(), exact + b.double()),
-            (in_order, exact + b.double()),
+            (in_order(x, w.T, b), exact + b.double()),
         )
         errors = [float((r.double() - e).norm() / e.norm()) for r, e in results]
         print(f"{k:>5} {n:>5} " + " ".join(f"{e / errors[0]:>13.2f}" for e in errors))
@@ -111,10 +116,7 @@ def one_row(device: torch.device) -> None:
         exact = q.double() @ key.double().transpose(-1, -2)
         eager = float(((q @ key.transpose(-1, -2)).double() - exact).norm())
         device_error = float(((q.to(device) @ key.to(device).transpose(-1, -2)).cpu().double() - exact).norm())
-        in_order = torch.zeros(1, heads, 1, keys)
-        for j in range(head):
-            in_order += q[..., j : j + 1] * key[..., j].unsqueeze(-2)
-        ordered = float((in_order.double() - exact).norm())
+        ordered = float((in_order(q, key.transpose(-1, -2)).double() - exact).norm())
         print(f"{heads:>5} {head:>5} {keys:>5} {device_error / eager:>13.2f} {ordered / eager:>13.2f}")
 
 

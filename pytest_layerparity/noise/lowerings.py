@@ -40,16 +40,17 @@ from .wider import _named_arguments, exact_fast_matmul, with_rows
 #: in-order sum widened Qwen2.5-Coder-0.5B's float32 prompt limits 6-fold. A 16-bit matmul's sum
 #: in float32 is below its result's rounding (not modelled).
 SEQUENTIAL_SUMS = frozenset({torch.float32})
-#: The matmuls of ``SEQUENTIAL_SUMS`` by packet name, with the position of their rows' operand
-#: and whether one row of them is summed in order whatever its length in the other lowering:
-#: one with a bias (from the bias), and a batched one (a decode step's attention scores and
-#: probabilities times values, per head: XLA sums them in order, its scores erring 1.5-1.9 times
-#: eager's over a head of 64 to 256, as an in-order sum does).
-ONE_ROW_MATMULS = {"mm": (0, False), "addmm": (1, True), "bmm": (0, True)}
 #: The length of sum from which XLA's CPU backend sums a one-row dot without a bias in order
 #: (measured: 0.35 to 0.43 times eager's error at K 3584 to 4095, 1.4 to 2.2 at 4096 to 16384,
 #: as a sum in order does).
 IN_ORDER_FROM = 4096
+#: The matmuls of ``SEQUENTIAL_SUMS`` by packet name: the position of their rows' operand, and
+#: the length of sum from which one row of them is summed in order in the other lowering (a
+#: shorter one is summed as the reference sums it): any length with a bias (from the bias) and
+#: batched (a decode step's attention scores and probabilities times values, per head: XLA sums
+#: them in order, its scores erring 1.5-1.9 times eager's over a head of 64 to 256, as an
+#: in-order sum does), ``IN_ORDER_FROM`` without.
+ONE_ROW_MATMULS = {"mm": (0, IN_ORDER_FROM), "addmm": (1, 0), "bmm": (0, 0)}
 
 
 class DrawnLowerings:
@@ -157,12 +158,12 @@ class DrawnLowerings:
         floating = [a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()]
         if self.mode == "random" or not floating or any(a.dtype not in SEQUENTIAL_SUMS for a in floating):
             return standard()
-        rows, in_order = ONE_ROW_MATMULS.get(func.overloadpacket.__name__, (None, False))
+        rows, in_order_from = ONE_ROW_MATMULS.get(func.overloadpacket.__name__, (None, 0))
         operand = args[rows] if rows is not None else None
         one_row = operand is not None and (
             operand.shape[-2] == 1 if operand.dim() == 3 else operand.dim() == 2 and operand.shape[0] == self.samples
         )  # a run's row (a batched product: each of its matrices' one row)
-        if one_row and not in_order and operand.shape[-1] < IN_ORDER_FROM:
+        if one_row and operand.shape[-1] < in_order_from:
             return standard()  # summed in blocks by either lowering
         exact = self._wider_results(func, args, kwargs)  # once, for both ways
         return self._drawn(

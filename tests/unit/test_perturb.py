@@ -174,12 +174,12 @@ def test_float16_matmuls_are_perturbed_as_float16_accumulation_and_bfloat16_ones
     assert relative[torch.bfloat16] < 2
 
 
-def _in_order_from_bias(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """``x @ w + bias`` in float32, one product at a time, starting from the bias (as XLA's
-    CPU backend computes a one-row dot fused with its bias)."""
-    total = bias.expand(x.shape[0], -1).clone()
-    for i in range(x.shape[1]):
-        total = total + x[:, i : i + 1] * w[i : i + 1]
+def _in_order_from_bias(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w + bias`` (batched or not) in float32, one product at a time, starting from the
+    bias (as XLA's CPU backend computes a one-row dot fused with its bias), else from zero."""
+    total = torch.zeros(*x.shape[:-1], w.shape[-1]) if bias is None else bias.expand(*x.shape[:-1], -1).clone()
+    for i in range(x.shape[-1]):
+        total = total + x[..., i : i + 1] * w[..., i : i + 1, :]
     return total
 
 
@@ -221,7 +221,7 @@ def test_long_bias_free_one_row_matmuls_sum_in_order_in_the_same_runs():
     x, bias = torch.randn(1, k, generator=g), torch.randn(64, generator=g)
     w = (torch.randn(64, k, generator=g) / 64).t()
     exact = x.double() @ w.double()
-    in_order = (_in_order_from_bias(x, w, torch.zeros(64)).double() - exact).pow(2).mean().sqrt().item()
+    in_order = (_in_order_from_bias(x, w).double() - exact).pow(2).mean().sqrt().item()
     eager = ((x.repeat(8, 1) @ w)[:1].double() - exact).pow(2).mean().sqrt().item()  # the runs' kernel
     assert in_order > 1.5 * eager
     with PerturbedArithmetic(4, samples=8):
@@ -1076,9 +1076,7 @@ def test_a_float32_decode_attention_sums_its_scores_in_order_in_the_same_runs():
     w = torch.randn(256, 128, generator=g) / 16
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
     eager = (F.scaled_dot_product_attention(q, k, v).double() - exact).norm().item()
-    scores = torch.zeros(1, 4, 1, 97)
-    for j in range(64):  # one query's scores summed in order over the head
-        scores = scores + q[..., j : j + 1] * k[..., j].unsqueeze(-2)
+    scores = _in_order_from_bias(q, k.transpose(-2, -1))  # one query's scores summed in order over the head
     looped = ((torch.softmax(scores.double() / 8, -1) @ v.double()).float().double() - exact).norm().item()
     assert looped > 1.5 * eager
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
