@@ -7,12 +7,15 @@
 For each model (the decoders: ``fixtures/trained_models.py`` fetches and converts them, cached;
 ``minilm``: all-MiniLM-L6-v2, installed, on bench_verdicts' prompt through its tokenizer) and dtype: the
 goldens extracted as a user extracts them, then each correct port on them as a user runs it
-(``--ports``): ``xla``, the model's own layers on torch-xla (``pytest --xla --chain``); ``cpu``,
-on the CPU (eager, the fused attention kernel); ``eager``, on the CPU with transformers' eager
-attention (``eager_attention_port.py``: scores and probabilities in the golden's dtype). Prints
-each run's outcomes, every failing check line (a correct port: each is a false alarm), and how
-far each limit sits above the largest value the ports read on the same test (limit / value of
-noise_ratio and token_noise_ratio, median and max over the tests), with the wall times.
+(``--ports``): ``xla``, the model's own layers on torch-xla as a port (``own_layer_port.py``,
+``pytest --xla --chain``); ``cpu``, the same on the CPU (eager, the fused attention kernel);
+``eager``, on the CPU with transformers' eager attention (``eager_attention_port.py``: scores
+and probabilities in the golden's dtype); ``xla-own`` (not by default), the model's own layers
+on torch-xla with no port (no same-device control: the limits without one). Prints each run's
+outcomes, every failing check line (a correct port: each is a false alarm), and how far the
+limits sit above the largest value the ports read on the same test (the largest limit a port was
+held to / that value, noise_ratio and token_noise_ratio, median and max over the tests), with
+the wall times.
 """
 
 from __future__ import annotations
@@ -44,10 +47,14 @@ STATISTICS = ("noise_ratio", "token_noise_ratio")
 #: The correct ports by the name --ports takes: the flags of their run (beside the model's and the
 #: store's) and the conftest.py they run with (None: none).
 PORTS = {
-    "xla": (("--xla", "--chain"), None),
-    "cpu": (("--target", "cpu"), None),
+    "xla": (("--xla", "--chain"), ROOT / "bench" / "own_layer_port.py"),
+    "cpu": (("--target", "cpu"), ROOT / "bench" / "own_layer_port.py"),
     "eager": (("--target", "cpu"), ROOT / "bench" / "eager_attention_port.py"),
+    "xla-own": (("--xla", "--chain"), None),
 }
+#: The ports run unless --ports names others ("xla-own": the model's own layers on torch-xla with
+#: no port, which no same-device control can be held beside: the limits without one).
+DEFAULT_PORTS = ("xla", "cpu", "eager")
 
 
 def pytest(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
@@ -69,15 +76,16 @@ def properties(case: ET.Element) -> dict[str, str]:
 
 
 def reaches(runs: list[dict[str, dict[str, str]]], name: str) -> list[float]:
-    """limit / the largest value of statistic ``name`` that the ports' ``runs`` (per port, each
-    test's properties by its name) read, over the tests where each carries the value and the
-    first its limit."""
+    """the largest limit a port was held to / the largest value of statistic ``name`` that the
+    ports' ``runs`` (per port, each test's properties by its name) read, over the tests where
+    each carries the value and its limit (a port's limits may differ: a same-device control
+    draws them)."""
     out = []
-    for test, props in runs[0].items():
+    for test in runs[0]:
         values = [float(run[test][name]) for run in runs if name in run.get(test, {})]
-        limit = props.get(f"{name}_limit")
-        if limit is not None and len(values) == len(runs) and max(values) > 0:
-            out.append(float(limit) / max(values))
+        limits = [float(run[test][f"{name}_limit"]) for run in runs if f"{name}_limit" in run.get(test, {})]
+        if len(limits) == len(values) == len(runs) and max(values) > 0:
+            out.append(max(limits) / max(values))
     return out
 
 
@@ -154,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="bfloat16,float32", help="Comma-separated. Default: bfloat16,float32.")
     parser.add_argument("--seq-len", type=int, default=32, help="Tokens of the golden input. Default: 32.")
     parser.add_argument(
-        "--ports", default=",".join(PORTS), help=f"Comma-separated correct ports of {', '.join(PORTS)}. Default: all."
+        "--ports",
+        default=",".join(DEFAULT_PORTS),
+        help=f"Comma-separated correct ports of {', '.join(PORTS)}. Default: {','.join(DEFAULT_PORTS)}.",
     )
     parser.add_argument(
         "--keep",

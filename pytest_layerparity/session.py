@@ -8,8 +8,7 @@ the fixture API that ``layerparity_session`` documents.
 
 from __future__ import annotations
 
-import functools
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -229,7 +228,7 @@ class LayerParitySession:
 
         from .reference.binding import WeightsBinding
 
-        extract_again = functools.partial(self.commands.extract, force_regen=True)
+        extract_again = partial(self.commands.extract, force_regen=True)
         return WeightsBinding(self.model, self.store, self.golden_dtype, extract_again)
 
     @property
@@ -375,20 +374,21 @@ class LayerParitySession:
         hint = f"extract it with: {self.commands.extract(None if layer is None else str(layer))}"
         return self.store.load(key, missing_hint=hint)
 
-    def parity_layer(self, index: int) -> LayerOutcome:
+    def parity_layer(self, index: int) -> LayerOutcome:  # the layer alone, on its golden call
         return self.target.parity_layer(index)
 
     def parity_range(self, layers: LayerRange | list[int]) -> list[LayerOutcome]:
-        return self.target.chain(layers)
+        from .replay.chains import chain  # the layers chained from the golden input of the first
+
+        return chain(self.target, layers)
 
     def bisect(self, layers: list[int]) -> tuple[int | None, list[tuple[int, bool]]]:
-        """The first layer whose chained output (from the golden input of ``layers[0]``)
-        leaves tolerance, in O(log n) chained range runs; see :func:`replay.chains.bisect`."""
+        """The first layer whose chain from ``layers[0]`` fails (:func:`replay.chains.bisect`)."""
         from .replay.chains import bisect
 
         # every layer of the prefix: a layer's own (local) check fails only at that layer, and
         # "some layer failed" grows with the prefix, as bisection needs
-        return bisect(layers, lambda prefix: all(o.passed for o in self.target.chain(prefix)))
+        return bisect(layers, lambda prefix: all(o.passed for o in self.parity_range(prefix)))
 
     def extract_layer(self, index: int) -> dict[str, Any]:
         """Write the golden of one layer (running the reference once per session)."""

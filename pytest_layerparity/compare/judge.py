@@ -69,6 +69,9 @@ class LayerOutcome:
     kv_self_shares: dict[str, float] = field(default_factory=dict)
     #: the test's detection limits: the smallest error of each stored kind it fails on (compare.sight)
     sight: Sight | None = None
+    #: the same-device control's outcome (the model's own layer on the same call), where it ran
+    #: to draw this outcome's limits (``replay.runner.TargetRunner.judge_port``)
+    control: LayerOutcome | None = None
 
     @property
     def passed(self) -> bool:
@@ -124,6 +127,7 @@ def judge(
     sights: Mapping[str, torch.Tensor] | None = None,
     causes: Mapping[str, torch.Tensor] | None = None,
     heads: torch.Tensor | None = None,
+    control: Mapping[str, float] | None = None,
 ) -> LayerOutcome:
     """Hold ``target`` against ``golden`` (and against the precision floor ``floor``,
     the layer's input ``hidden_in``, the routers' agreement and the layer's noise envelope,
@@ -138,7 +142,9 @@ def judge(
     alone and the moves per unit of their change, which the test's detection limits are
     stated in (:mod:`.sight`). ``causes``: the moves the golden stores for the diagnosis
     alone, which a failure's error is measured along beside the branches', and ``heads`` each
-    attention head's sketched part of the output (``compare.sketch``)."""
+    attention head's sketched part of the output (``compare.sketch``). ``control``: where a
+    same-device control can be held beside the target, the ratios the model's own layer read
+    there (of those measured; see ``Envelope.limits``)."""
     target_cpu = target.detach().to("cpu")
     if tuple(golden.shape) != tuple(target_cpu.shape):
         raise AssertionError(
@@ -171,7 +177,7 @@ def judge(
         stats = floor_stats(golden, target_cpu, floor, hidden_in, keep, branches, moves, relative)
     limits = None
     if envelope is not None and stats is not None:
-        limits = envelope.limits(settings.false_alarm_rate, kernel_lean(stats, dtype))
+        limits = envelope.limits(settings.false_alarm_rate, kernel_lean(stats, dtype), control)
     checks = evaluate(metrics, settings, floor=stats, dtype=dtype, envelope=limits, cosine=verdict_cosine)
     seen = None
     if stats is not None and floor is not None and policy_in_force(settings, True) == "noise":
@@ -261,11 +267,12 @@ def judge_golden(
     hidden_in: torch.Tensor | None = None,
     envelope: Envelope | None = None,
     tainted: Sequence[int] = (),
+    control: Mapping[str, float] | None = None,
 ) -> LayerOutcome:
     """:func:`judge` on a golden's tensors: its output ``output_name``, its precision floor
     and recorded routing when it has them; ``hidden_in`` is the layer's input (the golden's
     own unless a chain gives another); ``envelope`` the golden's noise envelope (or a
-    chain's)."""
+    chain's); ``control`` as :func:`judge` takes it."""
     return judge(
         layer,
         golden_tensors[output_name],
@@ -283,6 +290,7 @@ def judge_golden(
         sights=sight_directions(golden_tensors),
         causes=cause_directions(golden_tensors),
         heads=golden_tensors.get(HEADS_KEY),
+        control=control,
         # as the envelope's runs were judged: an envelope made before the rule has none
         golden_flips=golden_floor_flips(dict(golden_tensors))
         if envelope is None or envelope.golden_flips is not None
@@ -319,8 +327,8 @@ def judge_appended_kv(
     if appended is None:
         return [Check("kv_cache_appended" if prefix == "new_" else f"{prefix}kv_written", 0, "==", 1, False)]
     fixed, _, min_cosine = noise_limits(settings, dtype)
-    if envelope is not None and not states:
-        fixed = max(fixed, envelope.max_noise_ratio)
+    if envelope is not None and not states:  # the output's limit without a control's tightening
+        fixed = max(fixed, envelope.max_noise_ratio if envelope.wide_noise_ratio is None else envelope.wide_noise_ratio)
     checks = []
     labels = ("conv_states", "recurrent_states") if states else ("keys", "values")
     for part, label, target in zip(("keys", "values"), labels, appended, strict=True):

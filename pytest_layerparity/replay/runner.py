@@ -5,16 +5,16 @@ alone, or chained over a range of layers."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 from ..capture.router_hooks import capture_routing
-from ..compare.floor import FLOOR_KEY, branch_directions
+from ..compare.envelope import CONTROLLED
 from ..compare.judge import LayerOutcome, judge_golden
 from ..report.progress import SILENT, Progress
-from ..selection import LayerRange, decode_key, layer_key
+from ..selection import decode_key, layer_key
 from ..store import promptkv
 from ..store.callspec import (
     cache_argument,
@@ -42,9 +42,6 @@ if TYPE_CHECKING:
     from ..ports.nxdi import NxdiPort
 
 BuildHook = Callable[..., Any]
-#: The fewest perturbed chains without an upstream routing flip that make an envelope of
-#: their own for a target without one (below it, all chains do).
-MIN_CLEAN_CHAINS = 4
 
 
 @dataclass
@@ -97,6 +94,13 @@ class TargetSide:
         """Whether the layers under test are a port's: the NxDI port's, or a build hook's (which
         may also change the model's layer in place and return None)."""
         return self.port is not None or self.build_hook is not None
+
+    @property
+    def controllable(self) -> bool:
+        """Whether a same-device control can be held beside the layers under test: a port's
+        (the model's own layer would be its own control) that is not one compiled program (its
+        control would be a program of its own to compile)."""
+        return self.ported and not (self.port is not None and self.port.compiled is not None)
 
     def build(self, index: int) -> torch.nn.Module:
         """Layer ``index`` as the port builds it (the NxDI port under --port nxdi, else the
@@ -171,9 +175,11 @@ class TargetSide:
         hidden_in: torch.Tensor | None = None,
         envelope: Envelope | None = None,
         tainted: set[int] | None = None,
+        control: dict[str, float] | None = None,
     ) -> LayerOutcome:
         """Hold a target run against the golden entry: metrics, precision floor, routing, and
-        the noise envelope (the golden's own unless a chain measured one)."""
+        the noise envelope (the golden's own unless a chain measured one), its ratios' limits
+        drawn with ``control`` (``Envelope.limits``)."""
         spec = entry.metadata["call"]
         if hidden_in is None:
             hidden_in = entry.tensors.get(hidden_input_name(spec))
@@ -188,7 +194,33 @@ class TargetSide:
             hidden_in=hidden_in,
             envelope=envelope if envelope is not None else self.envelope_of(entry),
             tainted=sorted(tainted or ()),
+            control=control,
         )
+
+    def judge_port(
+        self, index: int, entry: GoldenEntry, run: TargetRun, control: Callable[[], LayerOutcome]
+    ) -> LayerOutcome:
+        """:meth:`judge` of the layer under test, held beside a same-device control where one
+        can be (:attr:`controllable`): its ratios' limits are then the tighter ones
+        (``compare.envelope.CONTROLLED_REACH``), and where it leaves one of them the control
+        runs (``control()``, the model's own layer on the same call) and its readings draw them
+        again (``Envelope.limits``), the control's outcome kept on the outcome. A control that
+        cannot run on this device leaves the limits as without one."""
+        if not self.controllable:
+            return self.judge(index, entry, run)
+        outcome = self.judge(index, entry, run, control={})
+        tightened = outcome.envelope is not None and outcome.envelope.control is not None
+        if not tightened or all(c.ok for c in outcome.checks if c.name in CONTROLLED):
+            return outcome
+        try:
+            own = control()
+        except Exception:  # the model's own layer may not run where the port does: the failure says so
+            return self.judge(index, entry, run)
+        if own.floor is None:
+            return self.judge(index, entry, run)
+        outcome = self.judge(index, entry, run, control={name: getattr(own.floor, name) for name in CONTROLLED})
+        outcome.control = own
+        return outcome
 
     def _golden_output(self, index: int) -> dict[str, Any] | None:
         """How layer ``index``'s golden output is made (its spec node; None without a golden)."""
@@ -208,7 +240,10 @@ class TargetSide:
         run = self.run(self.own_layer(index) if control else self.build(index), entry)
         if self.settings.save_outputs and not control:
             self.saved_outputs.save(index, entry, run.output, run.routing, run.appended_kv)
-        outcome = self.judge(index, entry, run)
+        if control:
+            outcome = self.judge(index, entry, run)
+        else:
+            outcome = self.judge_port(index, entry, run, lambda: self.parity_layer(index, control=True))
         outcome.prompt_kv = run.prompt_kv
         if run.prompt_kv == promptkv.JUDGED:  # the keys and values the prompt wrote to an empty cache
             self.judge_written_kv(entry, run, outcome, "prompt_")
@@ -237,7 +272,11 @@ class TargetSide:
         for step in steps:
             entry = self.load_golden(decode_key(index, step))
             run = self.run(module, entry)
-            outcome = self.judge(index, entry, run)
+            if control:
+                outcome = self.judge(index, entry, run)
+            else:
+                own = lambda step=step: self.parity_decode(index, [step], control=True)[0]  # noqa: E731
+                outcome = self.judge_port(index, entry, run, own)
             self.judge_written_kv(entry, run, outcome, "new_")
             outcomes.append(outcome)
         return outcomes
@@ -282,117 +321,3 @@ class TargetSide:
         """Where --save-outputs keeps the target's outputs, in the golden format."""
         assert self.settings.save_outputs is not None
         return SavedOutputs(self.settings.save_outputs, self.manifest, self.settings.target_name)
-
-    def _local(
-        self,
-        index: int,
-        entry: GoldenEntry,
-        run: TargetRun,
-        target_in: torch.Tensor,
-        reference: torch.nn.Module,
-        tainted: set[int],
-    ) -> LayerOutcome:
-        """Layer ``index`` of a chain judged on its own: the target's output against the
-        reference layer fed the same input the target layer was fed (the target's own upstream
-        output), in the golden's dtype and in the floor's, with the layer's isolated noise
-        envelope. Upstream drift cancels out, so a layer whose own error is small beside the
-        drift accumulated before it is still seen."""
-        import torch
-
-        spec = entry.metadata["call"]
-        given = target_in.detach().to("cpu")
-        floor, floor_routing = self.floor.evaluate(index, spec, entry.tensors, given, layer=reference)
-        call = replace_hidden_input(spec, dict(entry.tensors), given.to(self.floor.golden_dtype))
-        args, kwargs = decode_call(spec, call, cache_name=cache_argument(reference))
-        routing: dict[str, torch.Tensor] = {}
-        with torch.no_grad(), capture_routing(reference, self.model.top_k, routing):
-            golden = first_tensor(reference(*args, **kwargs)).detach().to("cpu", copy=True)
-        output = primary_output_name(spec)
-        local = {**entry.tensors, output: golden, FLOOR_KEY: floor, **routing, **floor_routing}
-        return judge_golden(
-            index,
-            local,
-            output,
-            run.output,
-            run.routing,
-            self.settings,
-            self.golden_dtype_name,
-            hidden_in=given.to(self.floor.dtype),
-            envelope=self.envelope_of(entry),
-            tainted=sorted(tainted),
-        )
-
-    def chain(self, layers: LayerRange | list[int]) -> list[LayerOutcome]:
-        """Run the layers on the target from the golden input of the first, feeding each
-        layer's own output forward (a chained run, as in a real forward pass), and judge
-        every layer's output against its golden.
-
-        The precision floor of a chain is the same chain evaluated in higher precision on
-        the CPU, and its noise envelope is K chains of the reference layers in the golden's
-        dtype under Monte Carlo arithmetic: accumulated drift is judged against what
-        legitimate arithmetic accumulates over the same layers. A token whose routing
-        flipped on a near tie (within the golden's rounding of the router's scores, or the
-        perturbed chains' drift of them) leaves the statistics of the later layers too (in
-        the target and in each perturbed chain alike): what follows a legitimate flip is
-        legitimate."""
-        from ..compare.routing_agreement import fold_drift
-        from ..noise.perturbed_runs import envelope_from_runs, flipped_tokens
-
-        indices = layers.layers() if isinstance(layers, LayerRange) else list(layers)
-        outcomes = []
-        hidden = ref_hidden = None
-        samples = self.perturbed.samples if self.perturbed is not None and self.perturbed.enabled else 0
-        sample_hidden: list[torch.Tensor | None] = [None] * samples
-        sample_flipped: list[set[int]] = [set() for _ in range(samples)]
-        tainted: set[int] = set()
-        bar = self.progress.bar(len(indices), f"layerparity: chain {indices[0]}-{indices[-1]}")
-        for index in indices:
-            bar.update(1)
-            entry = self.load_golden(index)
-            spec = entry.metadata["call"]
-            if ref_hidden is None:
-                ref_hidden = entry.tensors[hidden_input_name(spec)].to(self.floor.dtype)
-            ref_in = ref_hidden
-            target_in = hidden
-            run = self.run(self.build(index), entry, hidden)
-            hidden = run.output
-            envelope = local = None
-            if FLOOR_KEY in entry.tensors:
-                reference = self.floor.load(index)  # once for the floor chain, the local check, the envelope's runs
-                ref_hidden, _ = self.floor.evaluate(index, spec, entry.tensors, ref_hidden, reference, extras=False)
-                if target_in is not None:
-                    local = self._local(index, entry, run, target_in, reference, tainted)
-                entry = replace(entry, tensors={**entry.tensors, FLOOR_KEY: ref_hidden})
-                if samples:
-                    assert self.perturbed is not None
-                    # The target's drift so far is clean (no near-tie flip upstream) or not: it is
-                    # held to the perturbed chains in the same state (all of them when too few are).
-                    clean = [k for k in range(samples) if not sample_flipped[k]]
-                    on_cpu = reference if self.perturbed.device == "cpu" else None
-                    drift: dict[str, torch.Tensor] = {}
-                    for k, perturbed in enumerate(
-                        self.perturbed.runs(index, spec, entry.tensors, sample_hidden, layer=on_cpu)
-                    ):
-                        sample_hidden[k] = perturbed.output
-                        sample_flipped[k] |= flipped_tokens(entry.tensors, perturbed.routing)
-                        fold_drift(entry.tensors, perturbed.routing, drift)
-                    chosen = clean if not tainted and len(clean) >= MIN_CLEAN_CHAINS else list(range(samples))
-                    envelope = envelope_from_runs(
-                        entry.tensors[primary_output_name(spec)],
-                        [sample_hidden[k] for k in chosen],
-                        ref_hidden,
-                        ref_in,
-                        [sample_flipped[k] for k in chosen],
-                        branch_directions(entry.tensors),
-                    )
-                    entry = replace(entry, tensors={**entry.tensors, **drift})  # the routers' near ties, in a chain
-                del reference
-            outcome = self.judge(index, entry, run, hidden_in=ref_in, envelope=envelope, tainted=tainted)
-            if local is not None:  # the layer's own computation, on the input the target gave it
-                outcome.checks.extend(replace(c, name=f"local_{c.name}") for c in local.checks)
-            outcomes.append(outcome)
-            tainted |= {
-                t for r in outcome.routing for t in r.near_tie_tokens
-            }  # the judge drops it under --near-ties strict
-        bar.close()
-        return outcomes

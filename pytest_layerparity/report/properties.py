@@ -51,6 +51,9 @@ def properties(outcome: LayerOutcome, prefix: str = "") -> list[tuple[str, Any]]
         ]
         for name, (low, high) in limits.branch_bias.items():
             out += [(f"{prefix}branch_bias_{name}_low", low), (f"{prefix}branch_bias_{name}_high", high)]
+        if limits.control is not None:  # the limits a same-device control drew (or could have)
+            out.append((f"{prefix}controllable", True))
+            out += [(f"{prefix}control_{name}", value) for name, value in limits.control.items()]
     if outcome.prompt_kv is not None:  # a prompt test's: the keys and values its call wrote
         out.append((f"{prefix}prompt_kv", outcome.prompt_kv))
         for check in outcome.checks:

@@ -6,10 +6,11 @@ envelope whatever runs there, and the port's failure says less about the port.""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..compare.judge import LayerOutcome
     from ..compare.verdict import Check
     from ..session import LayerParitySession
     from ..store.golden import GoldenEntry
@@ -57,24 +58,29 @@ def _held_beside(
     )
 
 
-def control_note(session: LayerParitySession, index: int, steps: list[int] | None = None) -> tuple[str, bool | None]:
+def control_note(
+    session: LayerParitySession, index: int, steps: list[int] | None = None, failed: Sequence[LayerOutcome] = ()
+) -> tuple[str, bool | None]:
     """The control of layer ``index``'s prompt test, or with ``steps`` its decode steps (see
     :func:`_held_beside`); (:data:`OWN_LAYER_NOTE`, None) where the layer under test was the
     model's own, no port or hook having made it (nothing to hold it beside). A hook that
     returned the model's layer unchanged gets a control that fails as it did: which is what
-    it says (the device, not the port)."""
+    it says (the device, not the port). ``failed``: the failing outcomes, whose controls are
+    taken where each already ran to draw its limits (``TargetSide.judge_port``)."""
     target = session.target
     if not target.ported:
         return OWN_LAYER_NOTE, None
 
     def run() -> str | None:
-        outcomes = (
-            [target.parity_layer(index, control=True)]
-            if steps is None
-            else target.parity_decode(index, steps, control=True)
-        )
-        failed = [o for o in outcomes if not o.passed]
-        return _failing(failed[0].checks) if failed else None
+        ran = [o.control for o in failed]
+        if ran and all(c is not None for c in ran):
+            outcomes = [c for c in ran if c is not None]
+        elif steps is None:
+            outcomes = [target.parity_layer(index, control=True)]
+        else:
+            outcomes = target.parity_decode(index, steps, control=True)
+        failing = [o for o in outcomes if not o.passed]
+        return _failing(failing[0].checks) if failing else None
 
     same = "the same call" if steps is None else f"the same decode step{'s' if len(steps) > 1 else ''}"
     return _held_beside(session, "the model's own layer", same, run)

@@ -57,7 +57,10 @@ def test_layer_decode_parity(layerparity_case, layerparity_session, layerparity_
             session,
             [(outcomes[step], f"decode step {step} on {session.backend.describe()}") for step in failing],
             rerun_command(session, layerparity_case, "test_layer_decode_parity"),
-            control=recorded(layerparity_record, control_note(session, layerparity_case, failing)),
+            control=recorded(
+                layerparity_record,
+                control_note(session, layerparity_case, failing, [outcomes[step] for step in failing]),
+            ),
             unsharded=(layerparity_case, "test_layer_decode_parity"),
         )
         pytest.fail(text, pytrace=False)

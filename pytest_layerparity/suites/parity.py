@@ -25,7 +25,7 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
             session,
             [(outcome, f"on {session.backend.describe()}")],
             rerun_command(session, layerparity_case),
-            control=recorded(layerparity_record, control_note(session, layerparity_case)),
+            control=recorded(layerparity_record, control_note(session, layerparity_case, failed=[outcome])),
             unsharded=(layerparity_case, "test_layer_parity"),
         )
         if session.settings.op_compare and session.port is not None and session.port.compiled is not None:

@@ -139,6 +139,74 @@ def test_a_failing_port_is_held_beside_the_models_own_layer_on_the_same_device(p
     )
 
 
+COUNT_CONTROLS = """
+from pytest_layerparity.replay.runner import TargetSide
+
+@pytest.fixture(autouse=True)
+def count_controls(monkeypatch, request):  # undone after each test: pytester runs in this process
+    own = TargetSide.own_layer
+
+    def counted(self, index, on_device=True):
+        if on_device:  # the control: the model's own layer on the device
+            with open(request.config.rootpath / "controls.txt", "a") as out:
+                out.write(f"{index}\\n")
+        return own(self, index, on_device)
+
+    monkeypatch.setattr(TargetSide, "own_layer", counted)
+"""
+
+IDENTITY_PORT = """
+import pytest
+
+@pytest.hookimpl
+def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+    return reference_layer.to(device)
+"""
+
+
+def _properties(path, test):
+    root = ET.parse(path).getroot()
+    case = next(c for c in root.iter("testcase") if c.get("name") == test)
+    return {p.get("name"): p.get("value") for p in case.iter("property")}
+
+
+def test_a_port_is_held_to_tighter_limits_which_its_same_device_controls_reading_widens(project):
+    """A port's ratio limits are at most CONTROLLED_REACH times its runs' largest (JUnit
+    ``controllable``), tighter than the model's own layer's; where a port leaves them (here a
+    correct port, CONTROLLED_REACH made tiny), the model's own layer runs once on the same call
+    and the limits take 1.5 times its reading: the port passes, JUnit carries the control's
+    reading. A failing port's control line reuses that run."""
+    test = "test_layer_parity[layer_2]"
+    project.runpytest("--target", "cpu", "--layers", "2", "--junitxml=own.xml").assert_outcomes(passed=1)
+    own = _properties(project.path / "own.xml", test)
+    assert "controllable" not in own
+    project.makeconftest(IDENTITY_PORT + COUNT_CONTROLS)
+    project.runpytest("--target", "cpu", "--layers", "2", "--junitxml=port.xml").assert_outcomes(passed=1)
+    port = _properties(project.path / "port.xml", test)
+    assert port["controllable"] == "True" and "control_noise_ratio" not in port
+    assert float(port["noise_ratio_limit"]) <= float(own["noise_ratio_limit"])
+    assert not (project.path / "controls.txt").exists()  # within the tighter limits: no control ran
+    tiny = """
+from pytest_layerparity.compare import envelope
+
+@pytest.fixture(autouse=True)
+def tiny_reach(monkeypatch):
+    monkeypatch.setattr(envelope, "CONTROLLED_REACH", 1e-3)
+"""
+    project.makeconftest(IDENTITY_PORT + COUNT_CONTROLS + tiny)
+    project.runpytest("--target", "cpu", "--layers", "2", "--junitxml=tiny.xml").assert_outcomes(passed=1)
+    read = _properties(project.path / "tiny.xml", test)
+    assert float(read["control_noise_ratio"]) == pytest.approx(float(read["noise_ratio"]))
+    assert float(read["noise_ratio_limit"]) == pytest.approx(1.5 * float(read["noise_ratio"]))
+    assert (project.path / "controls.txt").read_text().split() == ["2"]
+    (project.path / "controls.txt").unlink()
+    project.makeconftest(PLANT_EPSILON + COUNT_CONTROLS)
+    result = project.runpytest("--target", "cpu", "--layers", "3")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["  control: the model's own layer on cpu*, on the same call, passes: *"])
+    assert (project.path / "controls.txt").read_text().split() == ["3"]  # once: the limits', the line's
+
+
 def test_a_control_that_cannot_run_on_the_device_says_so_and_the_port_still_fails(project):
     """A stand-in for a device the model's own layer does not run on (its build raises)."""
     project.makeconftest(

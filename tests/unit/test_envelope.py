@@ -76,6 +76,36 @@ def test_a_relative_envelopes_ratio_limit_stays_within_twice_what_its_runs_reach
     assert relative.max_token_noise_ratio < REACHED_FACTOR * 2.2
 
 
+def test_a_port_a_control_can_be_held_beside_gets_tighter_ratio_limits_which_the_controls_reading_widens():
+    """Where a same-device control can run (``control`` given), a ratio's limit is at most
+    CONTROLLED_REACH times the runs' largest; where the control has run, CONTROL_FACTOR times
+    its reading where that is more, never past the limit without a control. The keys and values
+    a decode step appends stay widened to the limit without one; an envelope before rule 6
+    (ratios not relative) keeps its fit whatever the control."""
+    from pytest_layerparity.compare.envelope import CONTROL_FACTOR, CONTROLLED_REACH
+
+    mixed = replace(
+        envelope(ratios=(1.0, 3.0, 1.1, 2.9, 0.9, 3.1), tokens=(2.0, 2.2, 1.8, 2.1, 2.0, 2.1), biases=(0,) * 6),
+        relative=True,
+    )
+    wide, tight = mixed.limits(1e-3), mixed.limits(1e-3, control={})
+    assert wide.control is None and tight.control == {}
+    assert tight.max_noise_ratio == pytest.approx(CONTROLLED_REACH * 3.1)
+    assert tight.max_noise_ratio < wide.max_noise_ratio
+    assert tight.max_token_noise_ratio == pytest.approx(min(wide.max_token_noise_ratio, CONTROLLED_REACH * 2.2))
+    assert tight.wide_noise_ratio == pytest.approx(wide.max_noise_ratio)
+    read = mixed.limits(1e-3, control={"noise_ratio": 3.5, "token_noise_ratio": 0.5})
+    assert read.max_noise_ratio == pytest.approx(min(wide.max_noise_ratio, CONTROL_FACTOR * 3.5))
+    assert tight.max_noise_ratio < read.max_noise_ratio <= wide.max_noise_ratio
+    assert read.max_token_noise_ratio == pytest.approx(tight.max_token_noise_ratio)  # a control below: no wider
+    assert mixed.limits(1e-3, control={"noise_ratio": 100.0}).max_noise_ratio == pytest.approx(wide.max_noise_ratio)
+    assert "3.5" in read.describe() and "the model's own layer reads" in read.describe()
+    assert "the model's own layer" not in wide.describe()
+    older = replace(mixed, relative=False)
+    assert older.limits(1e-3, control={}).max_noise_ratio == pytest.approx(older.limits(1e-3).max_noise_ratio)
+    assert older.limits(1e-3, control={}).control is None
+
+
 def test_the_bias_range_spans_zero_the_runs_mean_and_the_golden():
     limits = envelope(biases=(10.0, 10.5, 9.5, 10.0), golden=-3.0).limits(1e-3)
     half = t_quantile(1 - 1e-3 / 6, 3) * MIN_BIAS_SD * math.sqrt(1.25)  # the runs' spread is below one unit
