@@ -23,7 +23,8 @@ Cases, split in two:
   (LayerNorm, GELU); Gemma-2 (sliding window, soft-capping); GPT-OSS (sliding window,
   attention sinks), Qwen3 (q/k norms), Mistral (sliding window).
 
-Correct ports (each must pass): every layer on torch-xla (isolated), every layer computed one
+Correct ports (each must pass): every layer on torch-xla (isolated; the model's own layer
+returned by the build hook, as a port's is, so held beside a same-device control), every layer computed one
 precision wider and cast back (on the CPU: a port that keeps more precision than the
 reference), and one chain over all layers on
 torch-xla, per model and dtype (bfloat16, float32 and float16; goldens in the given dtype,
@@ -652,6 +653,12 @@ def chosen(bugs: dict, words: str) -> dict:
     return {name: v for name, v in bugs.items() if not wanted or any(w in name.lower() for w in wanted)}
 
 
+def own_layer_port(layer_idx, reference_layer, model_config, device):
+    """The correct port on torch-xla: the model's own layer, returned by the build hook as a
+    port's is (held beside a same-device control, as a user's port is)."""
+    return reference_layer.to(device)
+
+
 def planted(plant, at):
     def hook(layer_idx, reference_layer, model_config, device):
         if layer_idx == at:
@@ -883,7 +890,7 @@ def run_cases(args: argparse.Namespace, groups: tuple[str, ...]) -> dict:
             seconds = extract(model, store, extra, dtype, layers, args.samples, args.golden_device, args.seq_len)
             timing.append((name, dtype, seconds))
             runs = {
-                f"isolated ({label})": session(model, store, extra, target=target),
+                f"isolated ({label})": session(model, store, extra, own_layer_port, target=target),
                 "isolated (computed wider, CPU)": session(
                     model, store, extra, wider_port, target="cpu", experts_implementation="eager"
                 ),
