@@ -252,6 +252,8 @@ class Envelope:
         q_bias = t_quantile(1 - per_statistic / 2, k - 1)
         widen = math.sqrt(1 + 1 / k)
 
+        controlled = dict(control) if control is not None and self.relative else None
+
         def ratio_limit(values: Sequence[float], name: str = "") -> float:
             mean, sd = _mean_sd([math.log(max(v, 1e-300)) for v in values])
             limit = math.exp(min(mean + q_ratio * sd * widen, 700.0))  # no OverflowError on a degenerate sample
@@ -262,8 +264,6 @@ class Envelope:
                 return wide
             tight = min(limit, CONTROLLED_REACH * max(values))
             return max(tight, min(wide, CONTROL_FACTOR * controlled[name])) if name in controlled else tight
-
-        controlled = dict(control) if control is not None and self.relative else None
 
         def bias_range(values: Sequence[float], golden: float, more: float = 0.0) -> tuple[float, float]:
             mean, sd = _mean_sd(values)

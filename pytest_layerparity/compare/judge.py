@@ -70,7 +70,7 @@ class LayerOutcome:
     #: the test's detection limits: the smallest error of each stored kind it fails on (compare.sight)
     sight: Sight | None = None
     #: the same-device control's outcome (the model's own layer on the same call), where it ran
-    #: to draw this outcome's limits (``replay.runner.TargetRunner.judge_port``)
+    #: to draw this outcome's limits (``replay.runner.TargetSide.judge_port``)
     control: LayerOutcome | None = None
 
     @property

@@ -1,6 +1,7 @@
 """The target side: build the layer under test (the model's own layer, or the port a
-conftest hook returns), run it on the target device with its golden call, and judge it;
-alone, or chained over a range of layers."""
+conftest hook returns), run it on the target device with its golden call, and judge it,
+beside a same-device control where one can be held (chained over a range of layers:
+:mod:`.chains`)."""
 
 from __future__ import annotations
 
@@ -198,15 +199,16 @@ class TargetSide:
         )
 
     def judge_port(
-        self, index: int, entry: GoldenEntry, run: TargetRun, control: Callable[[], LayerOutcome]
+        self, index: int, entry: GoldenEntry, run: TargetRun, control: Callable[[], LayerOutcome] | None
     ) -> LayerOutcome:
         """:meth:`judge` of the layer under test, held beside a same-device control where one
-        can be (:attr:`controllable`): its ratios' limits are then the tighter ones
-        (``compare.envelope.CONTROLLED_REACH``), and where it leaves one of them the control
-        runs (``control()``, the model's own layer on the same call) and its readings draw them
-        again (``Envelope.limits``), the control's outcome kept on the outcome. A control that
-        cannot run on this device leaves the limits as without one."""
-        if not self.controllable:
+        can be (:attr:`controllable`; ``control`` None: the run is a control itself): its
+        ratios' limits are then the tighter ones (``compare.envelope.CONTROLLED_REACH``), and
+        where it leaves one of them the control runs (``control()``, the model's own layer on
+        the same call) and its readings draw them again (``Envelope.limits``), the control's
+        outcome kept on the outcome. A control that cannot run on this device leaves the
+        limits as without one."""
+        if control is None or not self.controllable:
             return self.judge(index, entry, run)
         outcome = self.judge(index, entry, run, control={})
         tightened = outcome.envelope is not None and outcome.envelope.control is not None
@@ -240,10 +242,7 @@ class TargetSide:
         run = self.run(self.own_layer(index) if control else self.build(index), entry)
         if self.settings.save_outputs and not control:
             self.saved_outputs.save(index, entry, run.output, run.routing, run.appended_kv)
-        if control:
-            outcome = self.judge(index, entry, run)
-        else:
-            outcome = self.judge_port(index, entry, run, lambda: self.parity_layer(index, control=True))
+        outcome = self.judge_port(index, entry, run, None if control else lambda: self.parity_layer(index, True))
         outcome.prompt_kv = run.prompt_kv
         if run.prompt_kv == promptkv.JUDGED:  # the keys and values the prompt wrote to an empty cache
             self.judge_written_kv(entry, run, outcome, "prompt_")
@@ -272,11 +271,8 @@ class TargetSide:
         for step in steps:
             entry = self.load_golden(decode_key(index, step))
             run = self.run(module, entry)
-            if control:
-                outcome = self.judge(index, entry, run)
-            else:
-                own = lambda step=step: self.parity_decode(index, [step], control=True)[0]  # noqa: E731
-                outcome = self.judge_port(index, entry, run, own)
+            own = None if control else lambda step=step: self.parity_decode(index, [step], control=True)[0]
+            outcome = self.judge_port(index, entry, run, own)
             self.judge_written_kv(entry, run, outcome, "new_")
             outcomes.append(outcome)
         return outcomes

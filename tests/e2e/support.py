@@ -78,3 +78,43 @@ def printed_before_summary(result) -> str:
     """What a run printed before pytest's short test summary, which repeats each failure's message
     (in full where the terminal is wide enough)."""
     return result.stdout.str().split("short test summary info")[0] + result.stderr.str()
+
+
+#: A conftest part: each control run (the model's own layer built on the device) appends its
+#: layer to controls.txt in the project.
+COUNT_CONTROLS = """
+import pytest
+
+from pytest_layerparity.replay.runner import TargetSide
+
+@pytest.fixture(autouse=True)
+def count_controls(monkeypatch, request):  # undone after each test: pytester runs in this process
+    own = TargetSide.own_layer
+
+    def counted(self, index, on_device=True):
+        if on_device:  # the control: the model's own layer on the device
+            with open(request.config.rootpath / "controls.txt", "a") as out:
+                out.write(f"{index}\\n")
+        return own(self, index, on_device)
+
+    monkeypatch.setattr(TargetSide, "own_layer", counted)
+"""
+
+#: A conftest part: a correct port, the model's own layer through the build hook.
+IDENTITY_PORT = """
+import pytest
+
+@pytest.hookimpl
+def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
+    return reference_layer.to(device)
+"""
+
+#: A conftest part: a port's limits so tight that every port leaves them (its control runs).
+TINY_REACH = """
+import pytest
+from pytest_layerparity.compare import envelope
+
+@pytest.fixture(autouse=True)
+def tiny_reach(monkeypatch):
+    monkeypatch.setattr(envelope, "CONTROLLED_REACH", 1e-3)
+"""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import xml.etree.ElementTree as ET
 
-from support import cache_dropped
+from support import COUNT_CONTROLS, IDENTITY_PORT, TINY_REACH, cache_dropped
 
 ROTARY_AT_ZERO_IN_DECODE = """
 import torch
@@ -71,6 +71,19 @@ def test_rotary_at_position_zero_when_decoding_fails_only_that_layers_decode_tes
             "FAILED layerparity::test_layer_decode_parity[[]layer_3[]] - *",
         ]
     )
+
+
+def test_a_decode_step_leaving_a_ports_tighter_limits_runs_its_control_once_and_takes_its_reading(decode_project):
+    """As a prompt test does (test_parity): each decode step of a port whose ratio leaves the
+    tighter limits runs the model's own layer on that step once, and is held to 1.5 times its
+    reading (a correct port, CONTROLLED_REACH made tiny: it passes, JUnit carries the reading)."""
+    decode_project.makeconftest(IDENTITY_PORT + COUNT_CONTROLS + TINY_REACH)
+    result = decode_project.runpytest("--target", "cpu", "--layers", "1", "-k", "decode", "--junitxml=out.xml")
+    result.assert_outcomes(passed=1)
+    props = _properties(decode_project.path / "out.xml", "test_layer_decode_parity[layer_1]")
+    assert float(props["control_noise_ratio"]) == float(props["noise_ratio"])
+    assert float(props["noise_ratio_limit"]) == 1.5 * float(props["noise_ratio"])
+    assert (decode_project.path / "controls.txt").read_text().split() == ["1", "1"]  # one a step, two steps
 
 
 def test_a_port_that_ignores_the_kv_cache_fails_its_decode_test(decode_project):

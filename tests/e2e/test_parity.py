@@ -6,6 +6,7 @@ import json
 import xml.etree.ElementTree as ET
 
 import pytest
+from support import COUNT_CONTROLS, IDENTITY_PORT, TINY_REACH
 
 PLANT_EPSILON = """
 import pytest
@@ -139,31 +140,6 @@ def test_a_failing_port_is_held_beside_the_models_own_layer_on_the_same_device(p
     )
 
 
-COUNT_CONTROLS = """
-from pytest_layerparity.replay.runner import TargetSide
-
-@pytest.fixture(autouse=True)
-def count_controls(monkeypatch, request):  # undone after each test: pytester runs in this process
-    own = TargetSide.own_layer
-
-    def counted(self, index, on_device=True):
-        if on_device:  # the control: the model's own layer on the device
-            with open(request.config.rootpath / "controls.txt", "a") as out:
-                out.write(f"{index}\\n")
-        return own(self, index, on_device)
-
-    monkeypatch.setattr(TargetSide, "own_layer", counted)
-"""
-
-IDENTITY_PORT = """
-import pytest
-
-@pytest.hookimpl
-def pytest_layerparity_build_target_layer(layer_idx, reference_layer, model_config, device):
-    return reference_layer.to(device)
-"""
-
-
 def _properties(path, test):
     root = ET.parse(path).getroot()
     case = next(c for c in root.iter("testcase") if c.get("name") == test)
@@ -186,14 +162,7 @@ def test_a_port_is_held_to_tighter_limits_which_its_same_device_controls_reading
     assert port["controllable"] == "True" and "control_noise_ratio" not in port
     assert float(port["noise_ratio_limit"]) <= float(own["noise_ratio_limit"])
     assert not (project.path / "controls.txt").exists()  # within the tighter limits: no control ran
-    tiny = """
-from pytest_layerparity.compare import envelope
-
-@pytest.fixture(autouse=True)
-def tiny_reach(monkeypatch):
-    monkeypatch.setattr(envelope, "CONTROLLED_REACH", 1e-3)
-"""
-    project.makeconftest(IDENTITY_PORT + COUNT_CONTROLS + tiny)
+    project.makeconftest(IDENTITY_PORT + COUNT_CONTROLS + TINY_REACH)
     project.runpytest("--target", "cpu", "--layers", "2", "--junitxml=tiny.xml").assert_outcomes(passed=1)
     read = _properties(project.path / "tiny.xml", test)
     assert float(read["control_noise_ratio"]) == pytest.approx(float(read["noise_ratio"]))
