@@ -254,15 +254,16 @@ class Envelope:
 
         controlled = dict(control) if control is not None and self.relative else None
 
-        def ratio_limit(values: Sequence[float], name: str = "") -> float:
+        def ratio_limit(values: Sequence[float]) -> float:
             mean, sd = _mean_sd([math.log(max(v, 1e-300)) for v in values])
             limit = math.exp(min(mean + q_ratio * sd * widen, 700.0))  # no OverflowError on a degenerate sample
-            if not self.relative:
-                return limit
-            wide = min(limit, REACHED_FACTOR * max(values))
-            if controlled is None or name not in CONTROLLED:
+            return min(limit, REACHED_FACTOR * max(values)) if self.relative else limit
+
+        def held(wide: float, values: Sequence[float], name: str) -> float:
+            """A ratio's limit ``wide`` (without a control) as a port beside a control is held to it."""
+            if controlled is None:
                 return wide
-            tight = min(limit, CONTROLLED_REACH * max(values))
+            tight = min(wide, CONTROLLED_REACH * max(values))  # CONTROLLED_REACH < REACHED_FACTOR
             return max(tight, min(wide, CONTROL_FACTOR * controlled[name])) if name in controlled else tight
 
         def bias_range(values: Sequence[float], golden: float, more: float = 0.0) -> tuple[float, float]:
@@ -272,10 +273,11 @@ class Envelope:
             return min(centres) - half, max(centres) + half
 
         bias_low, bias_high = bias_range(self.contribution_bias, self.golden_bias)
+        wide_noise, wide_token = ratio_limit(self.noise_ratio), ratio_limit(self.token_noise_ratio)
         return EnvelopeLimits(
-            max_noise_ratio=ratio_limit(self.noise_ratio, "noise_ratio"),
-            max_token_noise_ratio=ratio_limit(self.token_noise_ratio, "token_noise_ratio"),
-            wide_noise_ratio=ratio_limit(self.noise_ratio),
+            max_noise_ratio=held(wide_noise, self.noise_ratio, "noise_ratio"),
+            max_token_noise_ratio=held(wide_token, self.token_noise_ratio, "token_noise_ratio"),
+            wide_noise_ratio=wide_noise,
             control=controlled,
             bias_low=bias_low,
             bias_high=bias_high,

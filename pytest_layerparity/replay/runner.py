@@ -97,11 +97,16 @@ class TargetSide:
         return self.port is not None or self.build_hook is not None
 
     @property
+    def compiled(self) -> bool:
+        """Whether the layers under test are the NxDI port's compiled programs."""
+        return self.port is not None and self.port.compiled is not None
+
+    @property
     def controllable(self) -> bool:
         """Whether a same-device control can be held beside the layers under test: a port's
         (the model's own layer would be its own control) that is not one compiled program (its
         control would be a program of its own to compile)."""
-        return self.ported and not (self.port is not None and self.port.compiled is not None)
+        return self.ported and not self.compiled
 
     def build(self, index: int) -> torch.nn.Module:
         """Layer ``index`` as the port builds it (the NxDI port under --port nxdi, else the

@@ -43,7 +43,7 @@ def _held_beside(
     ``same``: ``run()`` runs and judges it, returning None where it passes, else its failing
     checks; None for a control that did not run."""
     where = session.backend.describe()
-    if session.port is not None and session.port.compiled is not None:
+    if session.target.compiled:
         return f"  control: not run for a compiled port ({what} would be a program of its own to compile)", None
     try:
         failing = run()
@@ -72,9 +72,9 @@ def control_note(
         return OWN_LAYER_NOTE, None
 
     def run() -> str | None:
-        ran = [o.control for o in failed]
-        if ran and all(c is not None for c in ran):
-            outcomes = [c for c in ran if c is not None]
+        ran = [o.control for o in failed if o.control is not None]
+        if ran and len(ran) == len(failed):
+            outcomes = ran
         elif steps is None:
             outcomes = [target.parity_layer(index, control=True)]
         else:

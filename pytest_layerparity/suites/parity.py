@@ -28,7 +28,7 @@ def test_layer_parity(layerparity_case, layerparity_session, layerparity_golden,
             control=recorded(layerparity_record, control_note(session, layerparity_case, failed=[outcome])),
             unsharded=(layerparity_case, "test_layer_parity"),
         )
-        if session.settings.op_compare and session.port is not None and session.port.compiled is not None:
+        if session.settings.op_compare and session.target.compiled:
             text += (
                 "\n  op compare: not available for a compiled program (its ops are inside one NEFF); compare the "
                 "port's sub-blocks eagerly with: pytest --port nxdi --target cpu --op-compare"
