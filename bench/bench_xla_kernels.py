@@ -27,9 +27,11 @@ backend sums the products in float16 (a ratio near 12) and where in float32 (1).
 
 ``--one-row``: a float32 decode step's one-row linear (1 x k times a weight), with and without
 a bias, eager's and the device's error against the exact product over eager's without a bias,
-beside a sum of the products in order: which lowering sums one row in order (the perturbed runs'
-``lowerings.SEQUENTIAL_SUMS`` alternative); and a decode step's attention scores (one query a
-head times the keys), the device's and an in-order sum's error over eager's.
+beside a sum of the products in order from the bias, one fused multiply-add at a time (what the
+perturbed runs' ``lowerings.SEQUENTIAL_SUMS`` alternative computes, ``sums.fused_sequential_sum``),
+and the share of the device's results with a bias equal to that sum's bit for bit; and a decode
+step's attention scores (one query a head times the keys), the device's and an in-order sum's
+error over eager's.
 
 ``--device cuda``: CUDA's kernels in torch-xla's place (the same tables; on a lent GPU
 machine, where torch-xla is not installed).
@@ -44,6 +46,8 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch
 import torch.nn.functional as F
+
+from pytest_layerparity.noise.sums import fused_sequential_sum
 
 OPS = {
     "gelu (erf)": lambda t, w: F.gelu(t),
@@ -82,22 +86,14 @@ def dot_sizes(device: torch.device) -> None:
         print(f"  {batch} x ({m} x {k} @ {k} x {n}): {dot_ratio(device, g, batch, m, k, n):.1f}")
 
 
-def in_order(a: torch.Tensor, b: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` (batched or not) summed one product at a time, from ``start`` where given."""
-    total = torch.zeros(*a.shape[:-1], b.shape[-1]) if start is None else start.expand(*a.shape[:-1], -1).clone()
-    for j in range(a.shape[-1]):
-        total += a[..., j : j + 1] * b[..., j : j + 1, :]
-    return total
-
-
 def one_row(device: torch.device) -> None:
     """A float32 one-row linear's error, with and without a bias, eager and ``device``, and a sum
     of its products in order from the bias, over eager's without a bias (random operands)."""
     g = torch.Generator().manual_seed(4)
     print("float32 1 x k linear: ||result - exact|| / ||eager (no bias) - exact||")
-    columns = ("eager", "eager+bias", "device", "device+bias", "in order+bias")
+    columns = ("eager", "eager+bias", "device", "device+bias", "in order+bias", "same as FMAs")
     print(f"{'k':>5} {'n':>5} " + " ".join(f"{c:>13}" for c in columns))
-    for k, n in ((64, 896), (640, 2048), (896, 4864), (2048, 640), (4096, 1024)):
+    for k, n in ((64, 896), (640, 2048), (896, 128), (896, 4864), (2048, 640), (4096, 1024), (4864, 896)):
         x, w, b = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
         exact = x.double() @ w.double().T
         results = (
@@ -105,10 +101,11 @@ def one_row(device: torch.device) -> None:
             (F.linear(x, w, b), exact + b.double()),
             (F.linear(x.to(device), w.to(device)).cpu(), exact),
             (F.linear(x.to(device), w.to(device), b.to(device)).cpu(), exact + b.double()),
-            (in_order(x, w.T, b), exact + b.double()),
+            (fused_sequential_sum(x, w.T, b), exact + b.double()),
         )
         errors = [float((r.double() - e).norm() / e.norm()) for r, e in results]
-        print(f"{k:>5} {n:>5} " + " ".join(f"{e / errors[0]:>13.2f}" for e in errors))
+        same = float((results[3][0] == results[4][0]).double().mean())  # bit for bit
+        print(f"{k:>5} {n:>5} " + " ".join(f"{e / errors[0]:>13.2f}" for e in errors) + f" {same:>13.1%}")
     print("a decode step's attention scores, one query a head times the keys: ||result - exact|| / eager's")
     print(f"{'heads':>5} {'head':>5} {'keys':>5} {'device':>13} {'in order':>13}")
     for heads, head, keys in ((4, 64, 33), (14, 64, 33), (4, 256, 601), (8, 128, 600)):
@@ -116,7 +113,7 @@ def one_row(device: torch.device) -> None:
         exact = q.double() @ key.double().transpose(-1, -2)
         eager = float(((q @ key.transpose(-1, -2)).double() - exact).norm())
         device_error = float(((q.to(device) @ key.to(device).transpose(-1, -2)).cpu().double() - exact).norm())
-        ordered = float((in_order(q, key.transpose(-1, -2)).double() - exact).norm())
+        ordered = float((fused_sequential_sum(q, key.transpose(-1, -2)).double() - exact).norm())
         print(f"{heads:>5} {head:>5} {keys:>5} {device_error / eager:>13.2f} {ordered / eager:>13.2f}")
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .rounding import sequential_sum_error_std
+from .sums import sequential_sum_error_std
 from .wider import _named_arguments, _widen, causal_seen
 
 
@@ -286,7 +286,7 @@ def in_order_scores_attention(
     """The output of the float32 fused attention op ``func`` on ``args``, ``kwargs`` for the
     batch rows ``rows`` (indices into the query's first dimension), as XLA's CPU backend lowers
     a one-query (decode-step) attention: each score, a sum over the head's dimension, summed in
-    order (its error drawn at that sum's size, :func:`.rounding.sequential_sum_error_std`), the
+    order (its error drawn at that sum's size, :func:`.sums.sequential_sum_error_std`), the
     rest computed wider and rounded once. Its scores err 1.5-1.9 times eager's (as an in-order
     sum does; ``bench/bench_xla_kernels.py --one-row``), and a sharp softmax carries that to
     the output (Gemma 3 270M's layer 11 over 601 keys: 6.5 times eager's error). None where it

@@ -31,8 +31,10 @@ from .wider import _named_arguments, exact_fast_matmul, with_rows
 #: Result dtypes whose one-row matmuls with a bias (a decode step's token times a weight, plus
 #: its bias) a run may sum one product at a time from the bias, in the runs that take it (half,
 #: drawn apart): XLA's CPU backend fuses a one-row dot with its bias into one loop that does so
-#: (measured at K 64 to 4096: its error is that of such a sum, 3.3 times eager's at K 896), as
-#: torch's own CPU addmm does for one row times a (k, n) row-major weight. Its one-row dot without
+#: (measured at K 64 to 4096: its error is that of such a sum, 3.3 times eager's at K 896; its
+#: results are a fused multiply-add's at a time, bit for bit, which a run computes:
+#: ``sums.fused_sequential_sum``), as torch's own CPU addmm does for one row times a (k, n)
+#: row-major weight. Its one-row dot without
 #: a bias sums so from K ``IN_ORDER_FROM`` on, and in blocks below it, more accurately than eager
 #: (0.35 to 0.45 times eager's error at K 1024 to 4095; ``bench/bench_xla_kernels.py --one-row``):
 #: a shorter one without a bias takes no alternative. Products of more rows go to blocked
@@ -147,7 +149,7 @@ class DrawnLowerings:
         one-row product (a decode step's token times a weight, or one row of each matrix of a
         batched product) with a bias, batched, or of at least ``IN_ORDER_FROM`` products with its
         error drawn as that of its products summed in order from its bias
-        (:func:`.rounding.accumulation_error`), a shorter one without a bias as the reference's
+        (:func:`.sums.accumulation_error`), a shorter one without a bias as the reference's
         kernel, any other with its error ``BLOCKED_SUM_SCALE`` times the reference kernel's."""
 
         def standard(exact: list[Any] | None = None) -> Any:

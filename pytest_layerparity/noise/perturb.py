@@ -45,12 +45,12 @@ which results a correct port's kernels legitimately give):
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
   (``SIXTEEN_BIT_ACCUMULATION``), as tensor cores' float16-accumulate mode and XLA's CPU
   backend do: its error drawn at the size of one sequential float16 sum of the same products
-  (:func:`sequential_sum_error_std`); not without ``sixteen_bit_sums`` (Neuron's PSUM, cuBLAS,
+  (:func:`.sums.sequential_sum_error_std`); not without ``sixteen_bit_sums`` (Neuron's PSUM, cuBLAS,
   eager CPU sum in float32), nor in bfloat16 (no kernel sums in 8 significant bits);
 * in half the runs (drawn apart), float32 matmuls are lowered as XLA's CPU backend lowers
   them (``lowerings.SEQUENTIAL_SUMS``): a one-row one (a decode step's token) sums its products in
-  order, from its bias where it has one, its error drawn at the size of that sum
-  (:func:`sequential_sum_error_std`); any other errs ``BLOCKED_SUM_SCALE`` times the
+  order, from its bias where it has one, computed as that backend computes it, one fused
+  multiply-add at a time (:func:`.sums.fused_sequential_sum`); any other errs ``BLOCKED_SUM_SCALE`` times the
   reference kernel's (its sums in other blocks).
 
 With ``break_ties``, a run also breaks exact ties among ``topk``'s candidates in an order of
@@ -80,7 +80,8 @@ from .algorithms import (
 )
 from .functions import approximated, keyed_draws
 from .lowerings import DrawnLowerings
-from .rounding import _UNIT_ROUNDOFF, ACCUMULATING_OPS, _may_round, _rounds, accumulation_error, another_rounding
+from .rounding import _UNIT_ROUNDOFF, _may_round, _rounds, another_rounding
+from .sums import ACCUMULATING_OPS, accumulation_error, fused_sequential_sum
 from .wider import (
     FUSED_ATTENTION_OPS,
     WIDENED_ATTENTION_OPS,
@@ -227,6 +228,18 @@ class PerturbedArithmetic(DrawnLowerings, TorchDispatchMode):
             return self._attention(func, args, kwargs)
         return self._perturbed(func, args, kwargs)
 
+    @staticmethod
+    def _in_order(
+        name: str, args: tuple, kwargs: dict, value: torch.Tensor, wide: torch.Tensor, generator: torch.Generator
+    ) -> torch.Tensor:
+        """A float32 matmul's result summed in order from its bias, as the other lowering
+        computes it (:func:`.sums.fused_sequential_sum`); one scaled by ``alpha`` or
+        ``beta``, whose order is not known, gets a draw of that sum's error around ``wide``."""
+        first, second = ACCUMULATING_OPS[name]
+        if kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1:
+            return fused_sequential_sum(args[first], args[second], args[0] if first == 1 else None).to(value.dtype)
+        return (wide + accumulation_error(name, args, value.dtype, generator)).to(value.dtype)
+
     def _perturbed(
         self,
         func: Any,
@@ -272,10 +285,7 @@ class PerturbedArithmetic(DrawnLowerings, TorchDispatchMode):
                 self.ops += 1
                 generator = self._generator(value.device)
                 if in_order:  # (a float32 matmul: _matmul's)
-                    # the sum's own error (each partial sum rounded, the last one included) around the exact result
-                    from_bias = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
-                    error = accumulation_error(name, args, value.dtype, generator, from_bias)
-                    results.append((wide + error).to(value.dtype))
+                    results.append(self._in_order(name, args, kwargs, value, wide, generator))
                     continue
                 summed = self.sixteen_bit_sums and name in ACCUMULATING_OPS and value.dtype in SIXTEEN_BIT_ACCUMULATION
                 if summed:

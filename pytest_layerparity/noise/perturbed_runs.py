@@ -46,8 +46,10 @@ BASE_SEED = 1000
 #: attention computed as eager attention (``algorithms.eager_attention``); 8: that eager
 #: attention rounded to nearest, not perturbed; 9: in XLA's lowering (rule 5), a one-row float32
 #: matmul without a bias of fewer than 4096 products summed as the reference sums it (XLA sums
-#: it in blocks), a one-query attention's scores and a one-row batched matmul summed in order.
-ENVELOPE_RULE = 9
+#: it in blocks), a one-query attention's scores and a one-row batched matmul summed in order;
+#: 10: those one-row matmuls computed as that sum computes them, a fused multiply-add at a time
+#: (``sums.fused_sequential_sum``), not a draw of their error's size.
+ENVELOPE_RULE = 10
 
 
 @dataclass

@@ -1,12 +1,10 @@
 """The rounding model of the perturbed runs (:mod:`.perturb`): which ops round at all
 (``EXACT_OPS`` do not), each dtype's unit roundoff, another legitimate rounding of an op's
 result given the op computed one precision wider (:func:`stochastic_round`,
-:func:`another_rounding`), and the size of the error of a matmul summed sequentially in a
-16-bit dtype (:func:`sequential_sum_error_std`)."""
+:func:`another_rounding`). A matmul's sums in order: :mod:`.sums`."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -137,8 +135,6 @@ EXACT_OPS = frozenset(
 )
 _UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24, torch.float64: 2.0**-53}
 _WIDER = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
-#: Checkpoints along the summed dimension at which the partial sums are computed exactly.
-_CHECKPOINTS = 8
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -352,46 +348,3 @@ def _round_away_at_random(point: torch.Tensor, dtype: torch.dtype, bits: torch.T
         odd, values, their_steps = aside
         out[odd] = stochastic_round(values, dtype, None, _uniform(their_steps, values.dtype))
     return out
-
-
-def sequential_sum_error_std(
-    a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, initial: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The standard deviation of the error of ``a @ b`` (batched or not) summed sequentially
-    in ``dtype``: each of the k additions rounds its partial sum S_j to nearest, an error
-    uniform within half an ulp of S_j, of variance u^2 S_j^2 / (8 ln 2) over S_j's position
-    within its binade, so the total's is u^2 / (8 ln 2) * sum_j S_j^2. The partial sums are
-    computed exactly at ``_CHECKPOINTS`` points along k (block products, same work as one
-    matmul); between two checkpoints S_j runs from one to the next (the straight part) with
-    a random-walk bridge around it (sixth of the block's sum of squared products). ``initial``:
-    the value the sum starts from (broadcast to the result), as a dot fused with its bias
-    starts from the bias; zero where not given."""
-    wide = _WIDER.get(dtype, torch.float32)
-    a, b = a.detach().to(wide), b.detach().to(wide)
-    k = a.shape[-1]
-    step = max(1, -(-k // _CHECKPOINTS))
-    total = torch.zeros(a.shape[:-1] + b.shape[-1:], dtype=wide, device=a.device)
-    before = torch.zeros_like(total) if initial is None else initial.detach().to(wide).expand_as(total).clone()
-    for start in range(0, k, step):
-        width = min(step, k - start)
-        after = before + a[..., start : start + width] @ b[..., start : start + width, :]
-        total += width * (before * before + before * after + after * after) / 3
-        before = after
-    total += step * ((a * a) @ (b * b)) / 6
-    return (_UNIT_ROUNDOFF[dtype] ** 2 * total / (8 * math.log(2))).sqrt()
-
-
-#: Matmul ops, by packet name, with the positions of their two factors (m x k and k x n).
-ACCUMULATING_OPS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
-
-
-def accumulation_error(
-    name: str, args: tuple, dtype: torch.dtype, generator: torch.Generator, from_bias: bool = False
-) -> torch.Tensor:
-    """A draw of the error of summing matmul ``name``'s products (``ACCUMULATING_OPS``) in
-    ``dtype``: Gaussian, the size :func:`sequential_sum_error_std` gives; ``from_bias``: an
-    ``addmm``'s or ``baddbmm``'s sum starts from its bias (its first operand)."""
-    first, second = ACCUMULATING_OPS[name]
-    start = args[0] if from_bias and first == 1 else None
-    std = sequential_sum_error_std(args[first], args[second], dtype, start)
-    return std * torch.randn(std.shape, generator=generator, dtype=std.dtype, device=std.device)

@@ -11,7 +11,8 @@ from pytest_layerparity.noise import draws, rounding
 from pytest_layerparity.noise.algorithms import in_order_scores_attention, one_pass_var_mean
 from pytest_layerparity.noise.lowerings import IN_ORDER_FROM
 from pytest_layerparity.noise.perturb import BLOCKED_SUM_SCALE, PerturbedArithmetic
-from pytest_layerparity.noise.rounding import another_rounding, sequential_sum_error_std, stochastic_round
+from pytest_layerparity.noise.rounding import another_rounding, stochastic_round
+from pytest_layerparity.noise.sums import fused_sequential_sum, sequential_sum_error_std
 from pytest_layerparity.noise.wider import attention_reference, exact_fast_matmul, query_block
 
 
@@ -212,6 +213,26 @@ def test_float32_matmuls_sum_in_order_from_the_bias_in_half_the_runs():
     assert max(plain_sizes) < 1.3 * plain_eager.pow(2).mean().sqrt().item()
 
 
+def test_the_in_order_runs_compute_the_sum_one_fused_multiply_add_at_a_time():
+    """The runs that sum a float32 one-row linear in order compute that sum (from the bias,
+    each product fused into the partial sum with one rounding) bit for bit, not a draw of its
+    error's size: on a bias with a few large channels, where such a sum loses what the
+    products add below their ulp; the other runs do not. A product fused where a multiply then
+    an add would round twice: (1 + 2^-13)(1 - 2^-13) - 1 is -2^-26 fused, 0 unfused."""
+    g = torch.Generator().manual_seed(14)
+    x, bias = torch.randn(1, 896, generator=g), torch.randn(128, generator=g)
+    bias[:6] = 145.0
+    w = (torch.randn(128, 896, generator=g) / 30).t()
+    computed = fused_sequential_sum(x, w, bias)
+    with PerturbedArithmetic(4, samples=8):
+        runs = torch.addmm(bias, x.repeat(8, 1), w)
+    same = [torch.equal(runs[j : j + 1], computed) for j in range(8)]
+    assert 0 < sum(same) < 8
+    one = torch.tensor([[1 + 2**-13]])
+    assert fused_sequential_sum(one, torch.tensor([[1 - 2**-13]]), torch.tensor([-1.0])).item() == -(2**-26)
+    assert (one * (1 - 2**-13) - 1).item() == 0.0
+
+
 def test_long_bias_free_one_row_matmuls_sum_in_order_in_the_same_runs():
     """From ``IN_ORDER_FROM`` products on, a bias-free one-row float32 matmul sums in order in
     the runs that take the other lowering, the same runs as a linear with a bias: its error there
@@ -246,7 +267,8 @@ def test_float32_matmuls_of_several_rows_are_not_summed_in_order():
     x, bias = torch.randn(4, 896, generator=g), torch.randn(256, generator=g)
     w = (torch.randn(256, 896, generator=g) / 30).t()
     exact = x.double() @ w.double() + bias.double()
-    eager = (torch.addmm(bias, x, w).double() - exact).pow(2).mean().sqrt().item()
+    # the runs' kernel, eight runs' rows at once (on some CPUs it errs 1.9 times the four rows' alone)
+    eager = (torch.addmm(bias, x.repeat(8, 1), w)[:4].double() - exact).pow(2).mean().sqrt().item()
     with PerturbedArithmetic(4, samples=8):
         runs = torch.addmm(bias, x.repeat(8, 1), w)
     sizes = [(runs[4 * k : 4 * k + 4].double() - exact).pow(2).mean().sqrt().item() for k in range(8)]
@@ -1094,8 +1116,9 @@ def test_a_float32_decode_attention_sums_its_scores_in_order_in_the_same_runs():
     took = [s > cut for s in linear_sizes]
     assert 0 < sum(took) < 8
     attention_sizes = [(runs[j : j + 1].double() - exact).norm().item() / eager for j in range(8)]
-    assert min(a for a, t in zip(attention_sizes, took, strict=True) if t) > 1.8
-    assert max(a for a, t in zip(attention_sizes, took, strict=True) if not t) < 1.8
+    in_order = [a for a, t in zip(attention_sizes, took, strict=True) if t]
+    assert min(in_order) > max(a for a, t in zip(attention_sizes, took, strict=True) if not t)
+    assert min(in_order) > 0.8 * looped / eager  # (eager's own error differs by CPU: 1.6-1.9 of it)
     exact_scores = (q.double() @ k.double().transpose(-2, -1)).view(4, 1, 97)
     per_run = [(batched[4 * j : 4 * j + 4].double() - exact_scores).norm().item() for j in range(8)]
     cut = (max(per_run) + min(per_run)) / 2

@@ -162,11 +162,23 @@ def test_slices_reaching_before_a_dimension_give_eagers_rows_under_the_backend()
     assert mode.taken == 5  # the indexes with a slice reaching before its dimension's start
 
 
+def _native_float16() -> bool:
+    """Whether this CPU has float16 arithmetic of its own (AVX512-FP16), which XLA's CPU
+    backend then compiles a float16 reduction to, in an order of its own."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return " avx512_fp16" in info.read()
+    except OSError:
+        return False
+
+
 def test_the_envelopes_float16_layer_norm_is_torch_xlas_where_its_order_is_known():
     """The perturbed runs' float16 layer norm computed in its own dtype (unperturbed) gives
     what torch-xla's CPU float16 LayerNorm gives, bit for bit, on rows of 64, 512 and 1024:
     its sums in XLA's order, 1/width rounded to float16, its rsqrt rounded twice. With
-    pairwise sums, 1/width exact and a correctly rounded rsqrt, 68-73% of the rows differ."""
+    pairwise sums, 1/width exact and a correctly rounded rsqrt, 68-73% of the rows differ.
+    On a CPU with float16 arithmetic of its own XLA sums in another order: its error is then
+    within 15% of ours (measured 0.94-0.96), three times eager's (which rounds once)."""
     done = _run(
         """
         import torch, torch_xla
@@ -179,12 +191,19 @@ def test_the_envelopes_float16_layer_norm_is_torch_xlas_where_its_order_is_known
             w, b = (1 + 0.1 * torch.randn(width, generator=g)).half(), (0.1 * torch.randn(width, generator=g)).half()
             xla = torch.nn.functional.layer_norm(x.to(device), (width,), w.to(device), b.to(device), 1e-5).cpu()
             ours = layer_norm_in_own_dtype(x, (width,), w, b, 1e-5)[0]
-            print(width, (xla == ours).all(-1).float().mean().item())
+            exact = torch.nn.functional.layer_norm(x.double(), (width,), w.double(), b.double(), 1e-5)
+            eager = torch.nn.functional.layer_norm(x, (width,), w, b, 1e-5)
+            errors = [(t.double() - exact).norm().item() for t in (xla, ours, eager)]
+            print(width, (xla == ours).all(-1).float().mean().item(), errors[0] / errors[1], errors[0] / errors[2])
         """
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    equal = dict(line.split() for line in done.stdout.strip().splitlines())
-    assert all(float(share) >= 0.99 for share in equal.values()), equal
+    rows = [line.split() for line in done.stdout.strip().splitlines()]
+    assert len(rows) == 3, done.stdout
+    for _, equal, to_ours, to_eager in rows:
+        if not _native_float16():
+            assert float(equal) >= 0.99, rows
+        assert 0.85 < float(to_ours) < 1.15 and float(to_eager) > 2, rows
 
 
 def test_the_envelopes_bfloat16_layer_norm_is_torch_xlas_with_its_three_roundings():
@@ -219,3 +238,37 @@ def test_the_envelopes_bfloat16_layer_norm_is_torch_xlas_with_its_three_rounding
     rows = [line.split() for line in done.stdout.strip().splitlines()]
     shares = {case: (float(ours), float(eager)) for case, ours, eager in rows}
     assert len(shares) == 3 and all(ours > 0.9999 and eager < 0.9 for ours, eager in shares.values()), shares
+
+
+def test_the_envelopes_float32_one_row_sum_is_torch_xlas_bit_for_bit():
+    """torch-xla's CPU float32 one-row linear with a bias (a decode step's token times a
+    weight) is one fused multiply-add at a time from the bias, in order: the perturbed runs'
+    in-order lowering computes it so (``sums.fused_sequential_sum``) and gives it bit for
+    bit at k 64 to 4864, on a bias of a few large channels (a trained Qwen2.5's keys) too; a
+    multiply then an add at each step gives 13-84% of it, eager's kernel under 20%."""
+    done = _run(
+        """
+        import torch, torch_xla
+        import torch.nn.functional as F
+        from pytest_layerparity.noise.sums import fused_sequential_sum
+
+        device = torch_xla.device()
+        g = torch.Generator().manual_seed(0)
+        for k, n in ((64, 512), (896, 128), (896, 896), (4864, 896)):
+            x, w = torch.randn(1, k, generator=g), torch.randn(n, k, generator=g) * 0.05
+            b = torch.randn(n, generator=g)
+            b[: n // 20] = 100.0
+            xla = F.linear(x.to(device), w.to(device), b.to(device)).cpu()
+            ours = fused_sequential_sum(x, w.t(), b)
+            unfused = b.clone()
+            for i in range(k):
+                unfused = unfused + x[0, i] * w[:, i]
+            print(k, (xla == ours).float().mean().item(), (xla == unfused).float().mean().item(),
+                  (xla == F.linear(x, w, b)).float().mean().item())
+        """
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in done.stdout.strip().splitlines():
+        _, ours, unfused, eager = line.split()
+        assert float(ours) == 1.0, line
+        assert float(unfused) < 0.9 and float(eager) < 0.5, line  # the check tells the orders apart
