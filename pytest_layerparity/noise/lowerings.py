@@ -34,9 +34,9 @@ from .wider import _named_arguments, exact_fast_matmul, with_rows
 #: (measured at K 64 to 4096: its error is that of such a sum, 3.3 times eager's at K 896; its
 #: results are a fused multiply-add's at a time, bit for bit, which a run computes:
 #: ``sums.fused_sequential_sum``), as torch's own CPU addmm does for one row times a (k, n)
-#: row-major weight. Its one-row dot without
-#: a bias sums so from K ``IN_ORDER_FROM`` on, and in blocks below it, more accurately than eager
-#: (0.35 to 0.45 times eager's error at K 1024 to 4095; ``bench/bench_xla_kernels.py --one-row``):
+#: row-major weight. Its one-row dot without a bias sums so from K ``IN_ORDER_FROM`` on, and in
+#: blocks below it, more accurately than eager (0.35 to 0.45 times eager's error at K 1024 to
+#: 4095; 0.73 to 0.97 at K 64 to 2048 on a CPU with AVX512-FP16; ``bench_xla_kernels.py --one-row``):
 #: a shorter one without a bias takes no alternative. Products of more rows go to blocked
 #: kernels (XLA's 4 and 32 rows err 1.1 and 1.25 times eager): taken for all of them, the
 #: in-order sum widened Qwen2.5-Coder-0.5B's float32 prompt limits 6-fold. A 16-bit matmul's sum

@@ -45,13 +45,13 @@ which results a correct port's kernels legitimately give):
 * a float16 matmul (``ACCUMULATING_OPS``) may keep its partial sums in float16
   (``SIXTEEN_BIT_ACCUMULATION``), as tensor cores' float16-accumulate mode and XLA's CPU
   backend do: its error drawn at the size of one sequential float16 sum of the same products
-  (:func:`.sums.sequential_sum_error_std`); not without ``sixteen_bit_sums`` (Neuron's PSUM, cuBLAS,
-  eager CPU sum in float32), nor in bfloat16 (no kernel sums in 8 significant bits);
+  (:func:`.sums.sequential_sum_error_std`); not without ``sixteen_bit_sums`` (Neuron's PSUM,
+  cuBLAS, eager CPU sum in float32), nor in bfloat16 (no kernel sums in 8 significant bits);
 * in half the runs (drawn apart), float32 matmuls are lowered as XLA's CPU backend lowers
   them (``lowerings.SEQUENTIAL_SUMS``): a one-row one (a decode step's token) sums its products in
   order, from its bias where it has one, computed as that backend computes it, one fused
-  multiply-add at a time (:func:`.sums.fused_sequential_sum`); any other errs ``BLOCKED_SUM_SCALE`` times the
-  reference kernel's (its sums in other blocks).
+  multiply-add at a time (:func:`.sums.fused_sequential_sum`); any other errs
+  ``BLOCKED_SUM_SCALE`` times the reference kernel's (its sums in other blocks).
 
 With ``break_ties``, a run also breaks exact ties among ``topk``'s candidates in an order of
 its own, drawn per call: which of equal scores a router or a sparse-attention indexer takes

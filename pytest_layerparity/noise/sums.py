@@ -15,24 +15,20 @@ from .rounding import _UNIT_ROUNDOFF, _WIDER
 _CHECKPOINTS = 8
 
 
-def sequential_sum_error_std(
-    a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, initial: torch.Tensor | None = None
-) -> torch.Tensor:
+def sequential_sum_error_std(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The standard deviation of the error of ``a @ b`` (batched or not) summed sequentially
     in ``dtype``: each of the k additions rounds its partial sum S_j to nearest, an error
     uniform within half an ulp of S_j, of variance u^2 S_j^2 / (8 ln 2) over S_j's position
     within its binade, so the total's is u^2 / (8 ln 2) * sum_j S_j^2. The partial sums are
     computed exactly at ``_CHECKPOINTS`` points along k (block products, same work as one
     matmul); between two checkpoints S_j runs from one to the next (the straight part) with
-    a random-walk bridge around it (sixth of the block's sum of squared products). ``initial``:
-    the value the sum starts from (broadcast to the result), as a dot fused with its bias
-    starts from the bias; zero where not given."""
+    a random-walk bridge around it (sixth of the block's sum of squared products)."""
     wide = _WIDER.get(dtype, torch.float32)
     a, b = a.detach().to(wide), b.detach().to(wide)
     k = a.shape[-1]
     step = max(1, -(-k // _CHECKPOINTS))
     total = torch.zeros(a.shape[:-1] + b.shape[-1:], dtype=wide, device=a.device)
-    before = torch.zeros_like(total) if initial is None else initial.detach().to(wide).expand_as(total).clone()
+    before = torch.zeros_like(total)
     for start in range(0, k, step):
         width = min(step, k - start)
         after = before + a[..., start : start + width] @ b[..., start : start + width, :]
@@ -67,13 +63,9 @@ def fused_sequential_sum(a: torch.Tensor, b: torch.Tensor, initial: torch.Tensor
 ACCUMULATING_OPS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "baddbmm": (1, 2)}
 
 
-def accumulation_error(
-    name: str, args: tuple, dtype: torch.dtype, generator: torch.Generator, from_bias: bool = False
-) -> torch.Tensor:
+def accumulation_error(name: str, args: tuple, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """A draw of the error of summing matmul ``name``'s products (``ACCUMULATING_OPS``) in
-    ``dtype``: Gaussian, the size :func:`sequential_sum_error_std` gives; ``from_bias``: an
-    ``addmm``'s or ``baddbmm``'s sum starts from its bias (its first operand)."""
+    ``dtype``: Gaussian, the size :func:`sequential_sum_error_std` gives."""
     first, second = ACCUMULATING_OPS[name]
-    start = args[0] if from_bias and first == 1 else None
-    std = sequential_sum_error_std(args[first], args[second], dtype, start)
+    std = sequential_sum_error_std(args[first], args[second], dtype)
     return std * torch.randn(std.shape, generator=generator, dtype=std.dtype, device=std.device)
