@@ -10,12 +10,13 @@ goldens extracted as a user extracts them, then each correct port on them as a u
 (``--ports``): ``xla``, the model's own layers on torch-xla as a port (``own_layer_port.py``,
 ``pytest --xla --chain``); ``cpu``, the same on the CPU (eager, the fused attention kernel);
 ``eager``, on the CPU with transformers' eager attention (``eager_attention_port.py``: scores
-and probabilities in the golden's dtype); ``xla-own`` (not by default), the model's own layers
-on torch-xla with no port (no same-device control: the limits without one). Prints each run's
-outcomes, every failing check line (a correct port: each is a false alarm), and how far the
-limits sit above the largest value the ports read on the same test (the largest limit a port was
-held to / that value, noise_ratio and token_noise_ratio, median and max over the tests), with
-the wall times.
+and probabilities in the golden's dtype); ``xla-eager``, that on torch-xla (its other ops
+lowered as torch-xla lowers them: the eager attention on inputs rounded otherwise); ``xla-own``
+(not by default), the model's own layers on torch-xla with no port (no same-device control:
+the limits without one). Prints each run's outcomes, every failing check line (a correct port:
+each is a false alarm), and how far the limits sit above the largest value the ports read on
+the same test (the largest limit a port was held to / that value, noise_ratio and
+token_noise_ratio, median and max over the tests), with the wall times.
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ PORTS = {
     "xla": (("--xla", "--chain"), ROOT / "bench" / "own_layer_port.py"),
     "cpu": (("--target", "cpu"), ROOT / "bench" / "own_layer_port.py"),
     "eager": (("--target", "cpu"), ROOT / "bench" / "eager_attention_port.py"),
+    "xla-eager": (("--xla",), ROOT / "bench" / "eager_attention_port.py"),
     "xla-own": (("--xla", "--chain"), None),
 }
 #: The ports run unless --ports names others ("xla-own": the model's own layers on torch-xla with
 #: no port, which no same-device control can be held beside: the limits without one).
-DEFAULT_PORTS = ("xla", "cpu", "eager")
+DEFAULT_PORTS = ("xla", "cpu", "eager", "xla-eager")
 
 
 def pytest(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
