@@ -216,9 +216,9 @@ def test_float32_matmuls_sum_in_order_from_the_bias_in_half_the_runs():
 def test_the_in_order_runs_compute_the_sum_one_fused_multiply_add_at_a_time():
     """The runs that sum a float32 one-row linear in order compute that sum (from the bias,
     each product fused into the partial sum with one rounding) bit for bit, not a draw of its
-    error's size: on a bias with a few large channels, where such a sum loses what the
-    products add below their ulp; the other runs do not. A product fused where a multiply then
-    an add would round twice: (1 + 2^-13)(1 - 2^-13) - 1 is -2^-26 fused, 0 unfused."""
+    error's size, on a bias with a few large channels (as a trained Qwen2.5's keys); the other
+    runs do not. A product fused where a multiply then an add would round twice:
+    (1 + 2^-13)(1 - 2^-13) - 1 is -2^-26 fused, 0 unfused."""
     g = torch.Generator().manual_seed(14)
     x, bias = torch.randn(1, 896, generator=g), torch.randn(128, generator=g)
     bias[:6] = 145.0
